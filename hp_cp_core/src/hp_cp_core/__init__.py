@@ -1,0 +1,58 @@
+"""hp_cp_core: backend-agnostic context parallelism for DeepSeek V4 compressed sparse attention.
+
+Public entry points: :func:`enable_cp`, :func:`disable_cp`, :class:`DeepSeekV4CPConfig`,
+:data:`hookimpl` (for backend plugins), :class:`LayerSpec`, :class:`DeepSeekV4CPContext`,
+:class:`DeepSeekV4CPForward`, and the errors under :class:`HpCpError`.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from hp_cp_core.api import CPHandle, disable_cp, enable_cp
+from hp_cp_core.backend import Backend, Group
+from hp_cp_core.compression import (
+    build_global_compressed_kv_for_cp,
+    select_and_pad_smallop,
+    stage1_compress_with_halo,
+)
+from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
+from hp_cp_core.errors import (
+    BackendConflictError,
+    BackendLoadError,
+    BackendNotFoundError,
+    HpCpError,
+    PlanError,
+)
+from hp_cp_core.forward import DeepSeekV4CPForward
+from hp_cp_core.indices import build_cmp_cu_seqlens, build_select_pad_gather_index
+from hp_cp_core.plan import RankPlan, build_rank_plan
+
+hookimpl = pluggy.HookimplMarker("hp_cp")
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendConflictError",
+    "BackendLoadError",
+    "BackendNotFoundError",
+    "CPHandle",
+    "DeepSeekV4CPConfig",
+    "DeepSeekV4CPContext",
+    "DeepSeekV4CPForward",
+    "Group",
+    "HpCpError",
+    "LayerSpec",
+    "PlanError",
+    "RankPlan",
+    "build_cmp_cu_seqlens",
+    "build_global_compressed_kv_for_cp",
+    "build_rank_plan",
+    "build_select_pad_gather_index",
+    "disable_cp",
+    "enable_cp",
+    "hookimpl",
+    "select_and_pad_smallop",
+    "stage1_compress_with_halo",
+]

@@ -1,0 +1,176 @@
+"""``enable_cp`` / ``disable_cp`` and the handle they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hp_cp_core.backend import Backend, Group
+from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
+from hp_cp_core.errors import BackendNotFoundError, HpCpError
+from hp_cp_core.forward import DeepSeekV4CPForward
+from hp_cp_core.layout import SequenceLayout
+from hp_cp_core.plan import PlanCache
+from hp_cp_core.plugins import PluginHost, get_plugin_host
+
+_MARK = "_hp_cp_handle"
+
+
+@dataclass
+class CPHandle:
+    """What ``enable_cp`` returns: lays tensors out for this rank and reports traffic.
+
+    Attributes:
+        module: the module passed to ``enable_cp``.
+        mesh: the mesh passed to ``enable_cp``.
+        backend_name: the chosen backend.
+        backend: the backend object.
+        group: the CP group.
+        config: the options.
+        layers: the attention layers running under CP, with their specs.
+    """
+
+    module: Any
+    mesh: Any
+    backend_name: str
+    backend: Backend
+    group: Group
+    config: DeepSeekV4CPConfig
+    layers: list[tuple[Any, LayerSpec]] = field(default_factory=list)
+    cache: PlanCache = field(default_factory=PlanCache)
+    _tokens: list[tuple[Any, Any]] = field(default_factory=list)
+    active: bool = True
+
+    @property
+    def cp_rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.group.size
+
+    def layout(self, total_rows: int) -> SequenceLayout:
+        """The row layout of a sequence of ``total_rows`` rows over this CP group."""
+        return SequenceLayout(self.config.layout, self.cp_size, int(total_rows))
+
+    def shard(self, tensor: Any, seq_dim: int = 1) -> Any:
+        """This rank's rows of a full-sequence tensor (inputs, position_ids, labels)."""
+        total = self.backend.shape(tensor)[seq_dim]
+        index = self.layout(total).shard_index(self.cp_rank)
+        return self.backend.take(tensor, index, seq_dim)
+
+    def unshard(self, tensor: Any, seq_dim: int = 1) -> Any:
+        """The full sequence from every rank's local rows (all-gather, then original order)."""
+        local = self.backend.shape(tensor)[seq_dim]
+        layout = self.layout(local * self.cp_size)
+        gathered = self.group.all_gather_dim(tensor, seq_dim)  # rank-major
+        order = np.concatenate([layout.rank_rows(k) for k in range(self.cp_size)])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        return self.backend.take(gathered, inverse, seq_dim)
+
+    def stats(self) -> dict[str, Any]:
+        """Per-rank traffic and plan-cache counters."""
+        out = {
+            "backend": self.backend_name,
+            "cp_rank": self.cp_rank,
+            "cp_size": self.cp_size,
+            "layout": self.config.layout,
+            "layers": len(self.layers),
+            "plan_cache": self.cache.stats(),
+        }
+        out.update(self.group.stats())
+        return out
+
+
+def enable_cp(
+    module: Any,
+    mesh: Any,
+    config: DeepSeekV4CPConfig | None = None,
+    backend: str | None = None,
+    *,
+    plugins: PluginHost | None = None,
+) -> CPHandle:
+    """Run ``module`` (one attention layer or a whole model) with context parallelism.
+
+    Args:
+        module: an attention layer, or a model whose attention layers the backend finds.
+        mesh: the framework's CP mesh: a torch ``DeviceMesh`` (1-D or ``mesh["cp"]``) or
+            ``ProcessGroup``; a MindSpore / HyperParallel mesh or group name.
+        config: :class:`DeepSeekV4CPConfig` options (layout, kernel, ...).
+        backend: pick a backend by name when several could claim the module.
+        plugins: an explicit :class:`~hp_cp_core.plugins.PluginHost` (tests); default: the
+            process-wide one, discovered from entry points.
+
+    Returns:
+        A :class:`CPHandle`; ``disable_cp(handle)`` undoes exactly this call.
+
+    Raises:
+        BackendNotFoundError, BackendConflictError, BackendLoadError: no / several / a broken
+            backend for the module.
+        HpCpError: the module already runs under CP, or the mesh is unusable.
+    """
+    config = config if config is not None else DeepSeekV4CPConfig()
+    if not isinstance(config, DeepSeekV4CPConfig):
+        raise HpCpError(
+            f"config must be a DeepSeekV4CPConfig, got {type(config).__name__}; build one with "
+            "DeepSeekV4CPConfig(layout=..., attention_kernel=...)."
+        )
+    host = plugins if plugins is not None else get_plugin_host()
+    name, be = host.choose_backend(module, backend)
+    layers = be.find_layers(module)
+    if not layers:
+        raise BackendNotFoundError(
+            f"backend {name!r} accepted a `{type(module).__name__}` but found no attention layer "
+            "in it to run under CP."
+        )
+    for layer in [module, *layers]:
+        prev = getattr(layer, _MARK, None)
+        if prev is not None and prev.active:
+            raise HpCpError(
+                f"`{type(layer).__name__}` already runs under CP (enabled with mesh "
+                f"{prev.mesh!r}); call disable_cp(handle) on the first handle before enabling "
+                "it again."
+            )
+    group = be.group(mesh)
+    handle = CPHandle(module, mesh, name, be, group, config)
+    hooks = host.hooks
+    specs = [(layer, hooks.layer_spec(layer)) for layer in layers]
+    for layer, spec in specs:
+        if not isinstance(spec, LayerSpec):
+            raise HpCpError(
+                f"hp_cp_layer_spec returned a {type(spec).__name__} for `{type(layer).__name__}`;"
+                " expected a hp_cp_core.LayerSpec."
+            )
+    for layer, spec in specs:
+        cp_forward = DeepSeekV4CPForward(layer, hooks, be, group, spec, config, handle.cache)
+        handle._tokens.append((layer, be.install(layer, cp_forward, group)))
+        handle.layers.append((layer, spec))
+    for obj in {id(o): o for o in [module, *layers]}.values():
+        _set_mark(obj, handle)
+    return handle
+
+
+def disable_cp(handle: CPHandle) -> None:
+    """Restore every forward ``enable_cp`` replaced; a second call does nothing."""
+    if not handle.active:
+        return
+    for layer, token in reversed(handle._tokens):
+        handle.backend.uninstall(layer, token)
+    handle._tokens.clear()
+    for obj in {id(o): o for o in [handle.module, *(lay for lay, _ in handle.layers)]}.values():
+        _set_mark(obj, None)
+    handle.active = False
+
+
+def _set_mark(obj: Any, handle: CPHandle | None) -> None:
+    try:
+        if handle is None:
+            if _MARK in getattr(obj, "__dict__", {}):
+                object.__delattr__(obj, _MARK)
+        else:
+            object.__setattr__(obj, _MARK, handle)
+    except (AttributeError, TypeError):  # objects without a __dict__ cannot be marked
+        pass

@@ -1,0 +1,82 @@
+"""The ``Backend`` and ``Group`` protocols a plugin implements (pure typing, no framework).
+
+A backend gives the core a handful of tensor ops (so core code such as
+:func:`~hp_cp_core.compression.stage1_compress_with_halo` runs on any framework), a
+:class:`Group` of collectives over the user's mesh, and the install / uninstall of the CP
+forward on a module. Index arrays handed to the ops are numpy ``int64`` arrays; the backend
+moves them to its device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+Tensor = Any
+
+
+@runtime_checkable
+class Group(Protocol):
+    """Collectives over one CP group. Every exchange is differentiable in the framework."""
+
+    rank: int
+    size: int
+
+    def exchange_rows(self, items: Sequence[tuple[Tensor, Any]]) -> list[Tensor]:
+        """Point-to-point halo exchange of several tensors in one message per peer.
+
+        ``items`` are ``(tensor, HaloPlan)`` pairs. For each, rank ``r`` sends
+        ``tensor[plan.send_rows[d]]`` to rank ``d`` and receives ``plan.recv_counts[s]`` rows
+        from each rank ``s``. Returns, per item, ``[received rows in source-rank order ; tensor]``.
+        Backward sends the gradient of the received rows back to their owners and adds it to
+        the gradient of the rows they sent.
+        """
+
+    def all_gather_rows(self, tensor: Tensor) -> Tensor:
+        """All-gather ``[cap, F]`` from every rank into ``[size * cap, F]`` (rank-major).
+
+        Backward reduce-scatters (or all-reduces and slices) the gradient.
+        """
+
+    def all_gather_dim(self, tensor: Tensor, dim: int) -> Tensor:
+        """All-gather along ``dim`` (rank-major); used by ``handle.unshard``."""
+
+    def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
+        """All-gather a small int64 vector (no autograd): ``[n]`` -> ``[size, n]``."""
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes sent / received and collective counts since the group was made."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What ``hp_cp_backend(module)`` returns."""
+
+    name: str
+
+    def group(self, mesh: Any) -> Group:
+        """Make the CP :class:`Group` for ``mesh``; raise ``HpCpError`` for a mesh it can't use."""
+
+    def find_layers(self, module: Any) -> list[Any]:
+        """The attention layers under ``module`` this backend runs under CP (maybe itself)."""
+
+    def install(self, layer: Any, cp_forward: Callable[..., Any], group: Group) -> Any:
+        """Route ``layer``'s forward through ``cp_forward``; return a token for ``uninstall``."""
+
+    def uninstall(self, layer: Any, token: Any) -> None:
+        """Restore exactly the forward ``install`` replaced."""
+
+    # Tensor ops the core's helpers use (dim 0 is always the row dimension).
+    def cat(self, tensors: Sequence[Tensor]) -> Tensor: ...
+    def narrow(self, tensor: Tensor, start: int, length: int) -> Tensor: ...
+    def index_rows(self, tensor: Tensor, index: np.ndarray) -> Tensor: ...
+    def num_rows(self, tensor: Tensor) -> int: ...
+    def flatten_rows(self, tensor: Tensor) -> Tensor: ...
+    def unflatten_rows(self, tensor: Tensor, like_shape: tuple[int, ...]) -> Tensor: ...
+    def cat_features(self, tensors: Sequence[Tensor]) -> Tensor: ...
+    def split_features(self, tensor: Tensor, sizes: Sequence[int]) -> list[Tensor]: ...
+    def pad_rows(self, tensor: Tensor, rows: int) -> Tensor: ...
+    def shape(self, tensor: Tensor) -> tuple[int, ...]: ...
+    def take(self, tensor: Tensor, index: np.ndarray, dim: int) -> Tensor: ...

@@ -1,0 +1,68 @@
+"""Stage 1 (compress the owned slots, reading the x halo) and stage 2 (gather every rank's
+slots into global order). See Note [Compressed slots and visibility] in
+:mod:`hp_cp_core.indices`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hp_cp_core.backend import Backend, Group
+from hp_cp_core.collectives import gather_compressed_slots
+from hp_cp_core.config import DeepSeekV4CPContext
+from hp_cp_core.plan import RankPlan
+
+CompressFn = Callable[[Any, int], Any]
+
+
+def build_x_ext(ops: Backend, x: Any, halo_x: Any, plan: RankPlan) -> Any:
+    """``[halo_x ; x]`` rearranged into the x ext frame (ascending global rows)."""
+    x_cat = ops.cat([halo_x, x]) if halo_x is not None else x
+    gather = plan.x.ext_from_halo if plan.x is not None else None
+    return ops.index_rows(x_cat, gather) if gather is not None else x_cat
+
+
+def stage1_compress_with_halo(
+    compress_fn: CompressFn, x: Any, halo_x: Any, call: DeepSeekV4CPContext
+) -> Any:
+    """This rank's owned slots, in global slot order, from its rows plus the x halo.
+
+    ``compress_fn(rows, rope_pos_offset)`` must compress every complete block of r rows of
+    its sequence-major input (overlap within the input for r = 4; the first block's missing
+    predecessor filled with kv = 0 / score = -inf) with slot j at RoPE position
+    ``rope_pos_offset + j*r``. Each :class:`~hp_cp_core.plan.CompressSegment` starts one block
+    early when its first slot needs a predecessor; that helper slot is dropped.
+    """
+    ops, plan = call.ops, call.plan
+    x_ext = build_x_ext(ops, x, halo_x, plan)
+    outs = []
+    for seg in plan.segments:
+        rows = ops.narrow(x_ext, seg.ext_start, seg.ext_stop - seg.ext_start)
+        out = compress_fn(rows, seg.rope_pos_offset)
+        if seg.drop_first:
+            out = ops.narrow(out, 1, seg.n_slots)
+        outs.append(out)
+    if not outs:  # no owned slot: an empty result with the compressor's own trailing shape
+        return compress_fn(ops.narrow(x_ext, 0, 0), 0)
+    return outs[0] if len(outs) == 1 else ops.cat(outs)
+
+
+def select_and_pad_smallop(ops: Backend, gathered: Any, plan: RankPlan) -> Any:
+    """Global slots ``0 .. plan.n_needed_slots - 1`` picked out of the padded all-gather."""
+    return ops.index_rows(gathered, plan.gather_index[: plan.n_needed_slots])
+
+
+def build_global_compressed_kv_for_cp(
+    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan
+) -> list[Any]:
+    """Every rank's owned slots (main, then indexer) gathered in one collective, global order."""
+    gathered = gather_compressed_slots(group, ops, owned, plan)
+    return [select_and_pad_smallop(ops, g, plan) for g in gathered]
+
+
+__all__ = [
+    "build_global_compressed_kv_for_cp",
+    "build_x_ext",
+    "select_and_pad_smallop",
+    "stage1_compress_with_halo",
+]

@@ -1,0 +1,146 @@
+"""User options (:class:`DeepSeekV4CPConfig`), layer description (:class:`LayerSpec`) and the
+per-call context handed to every stage hook (:class:`DeepSeekV4CPContext`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hp_cp_core.errors import HpCpError
+
+if TYPE_CHECKING:
+    from hp_cp_core.plan import RankPlan
+
+LAYOUTS = ("contiguous", "load_balanced")
+GRIDS = ("per_document", "global")
+KERNELS = ("smallop", "efficient")
+
+
+@dataclass(frozen=True)
+class DeepSeekV4CPConfig:
+    """Options of one ``enable_cp`` call.
+
+    Attributes:
+        layout: ``"contiguous"`` (rank k holds rows ``[k*L, (k+1)*L)``) or ``"load_balanced"``
+            (rank k holds chunks k and 2cp-1-k of 2cp equal chunks, so causal work is even).
+        attention_kernel: ``"smallop"`` (gather the selected rows; the exact reference) or
+            ``"efficient"`` (chunked, recomputes in backward; memory does not grow with the
+            number of selected keys). Backends that have only one ignore the other.
+        query_chunk: queries scored / attended per chunk by causal-aware kernels.
+        check_inputs_across_ranks: all-gather a few integers (local rows, cu_seqlens digest)
+            before the first exchange so that ranks given inconsistent inputs all raise
+            ``HpCpError`` instead of hanging.
+    """
+
+    layout: str = "contiguous"
+    attention_kernel: str = "smallop"
+    query_chunk: int = 1024
+    check_inputs_across_ranks: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise HpCpError(
+                f"DeepSeekV4CPConfig.layout={self.layout!r} is not a layout; expected one of "
+                f"{LAYOUTS}."
+            )
+        if self.attention_kernel not in KERNELS:
+            raise HpCpError(
+                f"DeepSeekV4CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel; "
+                f"expected one of {KERNELS}."
+            )
+        if int(self.query_chunk) < 1:
+            raise HpCpError(f"DeepSeekV4CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the core needs to know about one attention layer (from ``hp_cp_layer_spec``).
+
+    Attributes:
+        compress_ratio: 0 (sliding window only), 4 (CSA) or 128 (HCA).
+        window_size: W, keys ``t-W+1 .. t`` (the query itself included).
+        has_indexer: r = 4 layer with a lightning indexer (its own compressor).
+        force_unfused: the module asked for the small-op (unfused) attention path.
+        packed_grid: ``"per_document"`` (DeepSeek / Megatron: grid, RoPE and window restart
+            at each document) or ``"global"`` (MindFormers: blocks on the global grid, valid
+            only inside one document).
+    """
+
+    compress_ratio: int
+    window_size: int = 128
+    has_indexer: bool = False
+    force_unfused: bool = True
+    packed_grid: str = "per_document"
+
+    def __post_init__(self) -> None:
+        r = int(self.compress_ratio)
+        if r < 0 or (r > 0 and r < 2):
+            raise HpCpError(
+                f"LayerSpec.compress_ratio={self.compress_ratio!r}: expected 0 (sliding window) "
+                "or a ratio >= 2 such as 4 (CSA) or 128 (HCA)."
+            )
+        if int(self.window_size) < 1:
+            raise HpCpError(f"LayerSpec.window_size must be >= 1, got {self.window_size}.")
+        if self.packed_grid not in GRIDS:
+            raise HpCpError(
+                f"LayerSpec.packed_grid={self.packed_grid!r}: expected one of {GRIDS}."
+            )
+        if self.has_indexer and r == 0:
+            raise HpCpError("LayerSpec.has_indexer=True needs compress_ratio > 0.")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether a slot also reads the previous block (the r = 4 compressor)."""
+        return int(self.compress_ratio) == 4
+
+
+@dataclass(frozen=True)
+class DeepSeekV4CPContext:
+    """Everything a stage hook needs for one CP forward, and nothing it must recompute.
+
+    Attributes:
+        cp_rank: this rank in the CP group.
+        cp_size: the CP group size.
+        spec: the layer's :class:`LayerSpec`.
+        plan: this rank's :class:`~hp_cp_core.plan.RankPlan` (cached index arrays).
+        config: the :class:`DeepSeekV4CPConfig` of the ``enable_cp`` call.
+        cu_seqlens: global packed document boundaries (numpy), ``None`` when padded.
+        cmp_kv_global: main compressed KV ``[n, (batch,) D]`` in global slot order, slots
+            ``0 .. plan.n_needed_slots - 1``; ``None`` before the gather or when r = 0.
+        cmp_idx_global: indexer keys, same rows as ``cmp_kv_global``; ``None`` when absent.
+        ops: the module's :class:`~hp_cp_core.backend.Backend` (tensor ops for core helpers).
+        extra: backend-private values the install wrapper passes to its own hooks.
+    """
+
+    cp_rank: int
+    cp_size: int
+    spec: LayerSpec
+    plan: RankPlan
+    config: DeepSeekV4CPConfig
+    cu_seqlens: np.ndarray | None = None
+    cmp_kv_global: Any = None
+    cmp_idx_global: Any = None
+    ops: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pos_offset(self) -> int:
+        """Global row of local row 0."""
+        return int(self.plan.local_rows[0]) if len(self.plan.local_rows) else 0
+
+    @property
+    def ori_halo_len(self) -> int:
+        """Halo rows at the front of ``ori_ext`` (for a contiguous layout: all of them)."""
+        return int(self.plan.window.n_halo)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Position of each local row (document-relative when packed on a per-document grid)."""
+        return self.plan.positions
+
+    def replace(self, **changes: Any) -> DeepSeekV4CPContext:
+        """A copy with some fields changed (the context is frozen)."""
+        return dataclasses.replace(self, **changes)
