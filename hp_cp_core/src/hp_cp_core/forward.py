@@ -67,6 +67,21 @@ class DeepSeekV4CPForward:
         gathered = build_global_compressed_kv_for_cp(self.group, self.backend, owned, call.plan)
         return gathered[0], (gathered[1] if len(gathered) > 1 else None)
 
+    def local_positions(self, n_local: int, cu_seqlens: Any = None) -> np.ndarray:
+        """Default RoPE positions of this rank's rows (used when the caller passes none)."""
+        cu = None if cu_seqlens is None else np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
+        return self._plan(n_local, cu).positions
+
+    def _plan(self, n_local: int, cu: np.ndarray | None) -> Any:
+        return self.cache.get(
+            rank=self.group.rank,
+            cp_size=self.group.size,
+            spec=self.spec,
+            layout_kind=self.config.layout,
+            total_rows=n_local * self.group.size,
+            cu_seqlens=cu,
+        )
+
     def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:
         """Validate the local inputs (on every rank, before any exchange) and fetch the plan."""
         cu = None if cu_seqlens is None else np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
@@ -88,14 +103,7 @@ class DeepSeekV4CPForward:
                 "rows. Pass the global cu_seqlens (the same on every rank) and each rank's "
                 "local rows from handle.shard(x, 0)."
             )
-        plan = self.cache.get(
-            rank=rank,
-            cp_size=cp,
-            spec=self.spec,
-            layout_kind=self.config.layout,
-            total_rows=total,
-            cu_seqlens=cu,
-        )
+        plan = self._plan(n_local, cu)
         return DeepSeekV4CPContext(
             cp_rank=rank,
             cp_size=cp,

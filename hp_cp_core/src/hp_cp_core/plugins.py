@@ -201,9 +201,9 @@ class PluginHost:
                 f"{valid or 'none installed'}.{fix}"
             )
         if not status.ok:
+            where = f"{status.dist} {status.version or ''}".strip() if status.dist else "in-process"
             raise BackendLoadError(
-                f'Error loading hp_cp backend "{name}" from {status.dist or "in-process"} '
-                f"{status.version or ''}: {status.error}"
+                f'Error loading hp_cp backend "{name}" from {where}: {status.error}'
             ) from status.exc
         plugin = self.pm.get_plugin(name)
         impl = getattr(plugin, "hp_cp_backend", None)

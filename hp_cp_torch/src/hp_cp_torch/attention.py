@@ -12,9 +12,16 @@ selected columns.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["deterministic_topk", "sparse_attention_smallop"]
+__all__ = [
+    "deterministic_topk",
+    "run_sparse_attention",
+    "select_topk_chunked",
+    "sparse_attention_smallop",
+]
 
 
 def sparse_attention_smallop(
@@ -83,3 +90,113 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     """
     values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
+
+
+def select_topk_chunked(
+    score_fn: Any,
+    plan: Any,
+    topk: int,
+    query_chunk: int,
+) -> torch.Tensor:
+    """Indexer top-k of every local query over its visible slots only, chunk by chunk.
+
+    A chunk of queries scores just the slot range its queries can see (the causal prefix of
+    their documents), not the whole global set, so work and memory stay bounded.
+
+    Args:
+        score_fn: ``score_fn(lo, hi, s0, s1)`` -> scores ``[B, hi-lo, s1-s0]`` of local queries
+            ``lo:hi`` against global slots ``s0:s1``.
+        plan: the rank's :class:`hp_cp_core.plan.RankPlan` (``cmp_start`` / ``cmp_count``).
+        topk: the layer's ``index_topk``.
+        query_chunk: queries per chunk.
+
+    Returns:
+        Global slot ids ``[B, L, topk]`` in descending-score order (lower id first on ties),
+        ``-1`` for empty picks.
+    """
+    start = torch.as_tensor(plan.cmp_start)
+    stop = start + torch.as_tensor(plan.cmp_count)
+    outs = []
+    for lo in range(0, plan.n_local, query_chunk):
+        hi = min(lo + query_chunk, plan.n_local)
+        s0, s1 = int(start[lo:hi].min()), int(stop[lo:hi].max())
+        if s1 <= s0:
+            outs.append(None)
+            continue
+        scores = score_fn(lo, hi, s0, s1).float()
+        cols = torch.arange(s0, s1, device=scores.device)
+        visible = (cols >= start[lo:hi, None].to(cols.device)) & (
+            cols < stop[lo:hi, None].to(cols.device)
+        )
+        scores = scores.masked_fill(~visible, float("-inf"))
+        values, ids = deterministic_topk(scores, min(topk, s1 - s0))
+        sel = torch.where(torch.isneginf(values), -1, ids + s0)
+        outs.append(torch.nn.functional.pad(sel, (0, topk - sel.shape[-1]), value=-1))
+    batch = next((o.shape[0] for o in outs if o is not None), 1)
+    return torch.cat(
+        [
+            o if o is not None else torch.full((batch, min(lo + query_chunk, plan.n_local) - lo,
+                                                 topk), -1, dtype=torch.long)
+            for o, lo in zip(outs, range(0, plan.n_local, query_chunk))
+        ],
+        dim=1,
+    )
+
+
+def run_sparse_attention(
+    q: torch.Tensor,
+    ori_ext: torch.Tensor,
+    cmp_kv: torch.Tensor | None,
+    plan: Any,
+    selected: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+    *,
+    kernel: str = "smallop",
+    query_chunk: int = 1024,
+) -> torch.Tensor:
+    """Attention of the local queries over the window and the compressed slots of the plan.
+
+    Columns keep the single-device order: the window (ascending, -1 padded to W), then the
+    compressed slots (the indexer's picks for r = 4, every visible slot ascending for r = 128).
+
+    Args:
+        q: local queries ``[B, L, H, D]``.
+        ori_ext: window KV in the ext frame ``[B, E, D]``.
+        cmp_kv: global compressed KV ``[B, N, D]`` (slots ``0 .. N-1``), or ``None``.
+        plan: the rank's :class:`hp_cp_core.plan.RankPlan`.
+        selected: indexer picks ``[B, L, k]`` (global slot ids, -1 = none), or ``None``.
+        sink: per-head sink logits ``[H]``.
+        scale: softmax scale.
+        kernel: ``"smallop"`` or ``"efficient"``.
+        query_chunk: queries per chunk.
+
+    Returns:
+        ``[B, L, H, D]``.
+    """
+    from hp_cp_core.indices import compressed_index_dense, window_index_dense
+
+    attend = sparse_attention_smallop
+    if kernel == "efficient":
+        from hp_cp_torch.efficient import sparse_attention_efficient as attend
+    n_ext = ori_ext.shape[1]
+    pool = ori_ext if cmp_kv is None else torch.cat([ori_ext, cmp_kv], dim=1)
+    window = torch.as_tensor(
+        window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size),
+        device=q.device,
+    )
+    outs = []
+    for lo in range(0, plan.n_local, query_chunk):
+        hi = min(lo + query_chunk, plan.n_local)
+        cols = [window[lo:hi].expand(q.shape[0], -1, -1)]
+        if selected is not None:
+            sel = selected[:, lo:hi].to(q.device)
+            cols.append(torch.where(sel >= 0, sel + n_ext, -1))
+        elif cmp_kv is not None:
+            count = plan.cmp_count[lo:hi]
+            width = int(count.max()) if count.size else 0
+            hca = compressed_index_dense(plan.cmp_start[lo:hi], count, width)
+            hca = torch.as_tensor(hca, device=q.device)
+            cols.append(torch.where(hca >= 0, hca + n_ext, -1).expand(q.shape[0], -1, -1))
+        outs.append(attend(q[:, lo:hi], pool, torch.cat(cols, dim=-1), sink, scale))
+    return torch.cat(outs, dim=1)

@@ -304,8 +304,8 @@ class Compressor(nn.Module):
         batch, n, _ = x.shape
         r, d = self.ratio, self.head_dim
         n_slots = n // r
-        if n_slots == 0:
-            return x.new_zeros(batch, 0, d)
+        # No early return for n < r: the empty result stays connected to the weights, so a
+        # CP rank that owns no slot still joins the gather's backward (symmetric collectives).
         xs = x[:, : n_slots * r].float()
         # [B, n_slots, r, coff*d]
         kv = nn.functional.linear(xs, self.wkv.weight.float()).unflatten(1, (n_slots, r))

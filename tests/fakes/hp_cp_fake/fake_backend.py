@@ -274,7 +274,7 @@ class FakeBackend:
         return int(t.shape[0])
 
     def flatten_rows(self, t):
-        return t.reshape(t.shape[0], -1)
+        return t.reshape(t.shape[0], int(np.prod(t.shape[1:])))
 
     def unflatten_rows(self, t, like_shape):
         return t.reshape(like_shape)

@@ -1,0 +1,37 @@
+"""hp_cp_torch: the PyTorch backend of hp_cp.
+
+Public entry points: :class:`DeepSeekV4Attention` / :class:`DeepSeekV4AttentionConfig` (the
+single-device reference layer), :class:`TorchDeepSeekV4CSAAdapter` and
+:func:`patch_torch_deepseek_v4_csa_forward` (the design note's adapter API). Use
+``hp_cp_core.enable_cp(module, mesh)`` to run any of them under CP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "DeepSeekV4Attention": "hp_cp_torch.reference",
+    "DeepSeekV4AttentionConfig": "hp_cp_torch.reference",
+    "TorchDeepSeekV4CSAAdapter": "hp_cp_torch.adapter",
+    "patch_torch_deepseek_v4_csa_forward": "hp_cp_torch.adapter",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that discovering the plugin (hp_cp_torch._plugin) never imports torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hp_cp_torch' has no attribute {name!r}")
+
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeepSeekV4Attention",
+    "DeepSeekV4AttentionConfig",
+    "TorchDeepSeekV4CSAAdapter",
+    "patch_torch_deepseek_v4_csa_forward",
+]

@@ -1,0 +1,304 @@
+"""Adapters: how the torch plugin's hooks reach into each kind of module.
+
+* :class:`ReferenceLayerAdapter` for :class:`hp_cp_torch.reference.DeepSeekV4Attention`.
+* :class:`TorchDeepSeekV4CSAAdapter` for any module whose forward is
+  ``module(query, key, x, qr)``, given its compressor(s) and attention function (the design
+  note's torch adapter), installed with :func:`patch_torch_deepseek_v4_csa_forward`.
+* the Hugging Face ``DeepseekV4Attention`` adapter in
+  :mod:`hp_cp_torch.integrations.transformers`.
+
+An adapter never plans: it runs the plan in ``call`` (see :mod:`hp_cp_core.plan`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_cp_core import (
+    DeepSeekV4CPConfig,
+    DeepSeekV4CPContext,
+    HpCpError,
+    LayerSpec,
+    enable_cp,
+    stage1_compress_with_halo,
+)
+from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+
+ADAPTER_ATTR = "_hp_cp_adapter"
+
+
+def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """Wrap a batch-major compressor ``fn(x [B, n, h], offset)`` for sequence-major rows."""
+    return lambda rows, offset: fn(rows.transpose(0, 1), offset).transpose(0, 1)
+
+
+def install_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``layer.forward`` to ``forward``; the returned undo restores exactly what was there."""
+    had_own = "forward" in layer.__dict__
+    previous = layer.__dict__.get("forward")
+    layer.forward = forward
+
+    def undo() -> None:
+        if had_own:
+            layer.forward = previous
+        else:
+            del layer.forward
+
+    return undo
+
+
+class ReferenceLayerAdapter:
+    """Hooks for :class:`hp_cp_torch.reference.DeepSeekV4Attention` (batch-major layer)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def layer_spec(self) -> LayerSpec:
+        m = self.module
+        return LayerSpec(
+            compress_ratio=m.compress_ratio,
+            window_size=m.window_size,
+            has_indexer=m.indexer is not None,
+        )
+
+    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
+        return key
+
+    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        return stage1_compress_with_halo(seq_major(self.module.compressor), x, halo_x, call)
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        # Megatron semantics: the indexer sees detached inputs (its loss trains it).
+        halo = halo_x.detach() if halo_x is not None else None
+        compressor = seq_major(self.module.indexer.compressor)
+        return stage1_compress_with_halo(compressor, x.detach(), halo, call)
+
+    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
+        m = self.module
+        positions = call.extra["positions"]  # [B, L]
+        q = query.transpose(0, 1)  # [B, L, H, D]
+        selected = None
+        if m.indexer is not None and call.cmp_idx_global is not None:
+            xd, qrd = x.transpose(0, 1).detach(), qr.transpose(0, 1).detach()
+            q_idx = m.indexer.queries(qrd, positions)
+            weights = m.indexer.weights(xd)
+            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
+            selected = select_topk_chunked(
+                lambda lo, hi, s0, s1: m.indexer.scores(
+                    q_idx[:, lo:hi], weights[:, lo:hi], keys[:, s0:s1]
+                ),
+                call.plan,
+                m.config.index_topk,
+                call.config.query_chunk,
+            )
+        o = run_sparse_attention(
+            q,
+            ori_ext.transpose(0, 1),
+            None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1),
+            call.plan,
+            selected,
+            m.attn_sink,
+            m.softmax_scale,
+            kernel=call.config.attention_kernel,
+            query_chunk=call.config.query_chunk,
+        )
+        return m.output(o, positions)
+
+    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
+        m = self.module
+
+        def forward(x, position_ids=None, cu_seqlens=None):
+            packed = cu_seqlens is not None
+            xb = x[None] if packed and x.dim() == 2 else x  # [B, L, hidden]
+            if position_ids is None:
+                n_local = xb.shape[1]
+                pos = torch.as_tensor(cp_forward.local_positions(n_local, cu_seqlens))
+                position_ids = pos.to(x.device)
+            positions = position_ids.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
+            q, kv, qr = m.project(xb, positions)
+            out = cp_forward(
+                q.transpose(0, 1),
+                kv.transpose(0, 1),
+                xb.transpose(0, 1),
+                qr.transpose(0, 1),
+                cu_seqlens=None if cu_seqlens is None else _to_numpy(cu_seqlens),
+                positions=positions,
+            )
+            return out[0] if packed and x.dim() == 2 else out
+
+        return forward
+
+
+class TorchDeepSeekV4CSAAdapter:
+    """The design note's torch adapter: functions in place of module attributes.
+
+    The patched ``module(query, key, x, qr)`` receives sequence-major local rows
+    (``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L, B, hidden]``,
+    ``qr [L, B, q_lora]``) and calls ``attention_fn(query=, ori_kv=, x=, qr=, pos_offset=,
+    cmp_kv_global=, ori_halo_len=, cmp_idx_global=)`` once per contiguous run of local rows.
+
+    Args:
+        module: the module whose forward is replaced.
+        compressor: ``compressor(x, rope_pos_offset=int)`` on sequence-major rows (r > 0).
+        indexer_compressor: the indexer's compressor (r = 4 with an indexer), or ``None``.
+        attention_fn: the attention entry point (keyword arguments above).
+        compress_ratio: 0, 4 or 128.
+        window_size: W.
+        force_unfused: recorded in the layer spec.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        compressor: Callable[..., Any] | None,
+        indexer_compressor: Callable[..., Any] | None = None,
+        attention_fn: Callable[..., Any],
+        compress_ratio: int,
+        window_size: int,
+        force_unfused: bool = True,
+    ) -> None:
+        if compress_ratio > 0 and compressor is None:
+            raise HpCpError(
+                f"compress_ratio={compress_ratio} needs a compressor; pass compressor=... "
+                "(a callable compressor(x, rope_pos_offset=int))."
+            )
+        if attention_fn is None or not callable(attention_fn):
+            raise HpCpError("attention_fn must be a callable taking the keyword arguments "
+                            "query, ori_kv, x, qr, pos_offset, cmp_kv_global, ori_halo_len, "
+                            "cmp_idx_global.")
+        self.module = module
+        self.compressor = compressor
+        self.indexer_compressor = indexer_compressor
+        self.attention_fn = attention_fn
+        self.compress_ratio = int(compress_ratio)
+        self.window_size = int(window_size)
+        self.force_unfused = bool(force_unfused)
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.indexer_compressor is not None
+
+    def layer_spec(self) -> LayerSpec:
+        return LayerSpec(
+            compress_ratio=self.compress_ratio,
+            window_size=self.window_size,
+            has_indexer=self.has_indexer and self.compress_ratio == 4,
+            force_unfused=self.force_unfused,
+        )
+
+    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
+        return key if key.dim() == 3 else key.squeeze(2)
+
+    def _compress(self, fn: Callable[..., Any], x: Any, halo_x: Any, call: Any) -> Any:
+        return stage1_compress_with_halo(
+            lambda rows, offset: fn(rows, rope_pos_offset=offset), x, halo_x, call
+        )
+
+    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> Any:
+        return self._compress(self.compressor, x, halo_x, call)
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> Any:
+        return self._compress(self.indexer_compressor, x, halo_x, call)
+
+    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> Any:
+        outs = []
+        for run in call.plan.attention_runs():
+            rows = slice(run.local_start, run.local_stop)
+            outs.append(
+                self.attention_fn(
+                    query=query[rows],
+                    ori_kv=ori_ext[run.ext_start : run.ext_stop],
+                    x=x[rows],
+                    qr=None if qr is None else qr[rows],
+                    pos_offset=run.pos_offset,
+                    cmp_kv_global=call.cmp_kv_global,
+                    ori_halo_len=run.halo_len,
+                    cmp_idx_global=call.cmp_idx_global,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
+        def forward(query, key, x, qr=None, *args, **kwargs):
+            if args or kwargs:
+                raise HpCpError(
+                    "a module patched by patch_torch_deepseek_v4_csa_forward takes "
+                    f"(query, key, x, qr) under CP; got extra arguments {list(kwargs) or args}."
+                )
+            return cp_forward(query, key, x, qr)
+
+        return forward
+
+
+def patch_torch_deepseek_v4_csa_forward(
+    module: nn.Module,
+    *,
+    cp_mesh: Any,
+    config: DeepSeekV4CPConfig | None = None,
+    compressor: Callable[..., Any] | None = None,
+    indexer_compressor: Callable[..., Any] | None = None,
+    attention_fn: Callable[..., Any] | None = None,
+    compress_ratio: int | None = None,
+    window_size: int | None = None,
+) -> Any:
+    """Run ``module(query, key, x, qr)`` under CP through :class:`TorchDeepSeekV4CSAAdapter`.
+
+    Missing arguments are read from the module (``compressor``, ``indexer.compressor`` or
+    ``indexer_compressor``, ``attention_fn``, ``compress_ratio``, ``window_size``).
+
+    Returns:
+        The ``enable_cp`` handle; ``disable_cp(handle)`` restores the module.
+    """
+    ratio = compress_ratio if compress_ratio is not None else getattr(module, "compress_ratio", None)
+    window = window_size if window_size is not None else getattr(module, "window_size", None)
+    if ratio is None or window is None:
+        raise HpCpError(
+            f"patch_torch_deepseek_v4_csa_forward could not find compress_ratio / window_size "
+            f"on a `{type(module).__name__}`; pass compress_ratio=... and window_size=...."
+        )
+    indexer = getattr(module, "indexer", None)
+    adapter = TorchDeepSeekV4CSAAdapter(
+        module,
+        compressor=compressor if compressor is not None else getattr(module, "compressor", None),
+        indexer_compressor=indexer_compressor
+        if indexer_compressor is not None
+        else getattr(module, "indexer_compressor", getattr(indexer, "compressor", None)),
+        attention_fn=attention_fn if attention_fn is not None else getattr(module, "attention_fn",
+                                                                           None),
+        compress_ratio=int(ratio),
+        window_size=int(window),
+    )
+    setattr(module, ADAPTER_ATTR, adapter)
+    try:
+        return enable_cp(module, cp_mesh, config, backend="torch")
+    except BaseException:
+        delattr(module, ADAPTER_ATTR)
+        raise
+
+
+def adapter_for(module: Any) -> Any:
+    """The adapter for ``module``, or ``None`` when the torch plugin does not own it."""
+    if not isinstance(module, nn.Module):
+        return None
+    explicit = module.__dict__.get(ADAPTER_ATTR)
+    if explicit is not None:
+        return explicit
+    from hp_cp_torch.reference import DeepSeekV4Attention
+
+    if isinstance(module, DeepSeekV4Attention):
+        return ReferenceLayerAdapter(module)
+    if "transformers" in sys.modules:
+        from hp_cp_torch.integrations.transformers import hf_adapter_for
+
+        return hf_adapter_for(module)
+    return None
+
+
+def _to_numpy(t: Any) -> Any:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t

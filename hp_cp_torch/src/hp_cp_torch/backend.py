@@ -1,0 +1,301 @@
+"""Tensor ops and differentiable collectives on ``torch.distributed`` (gloo, NCCL).
+
+Every exchange is one ``autograd.Function`` whose output holds the rank's own rows, so every
+rank reaches every backward collective even when it received nothing:
+
+* :class:`_HaloExchange`: one point-to-point message per peer carrying the window KV halo
+  and the x halo as raw bytes; backward returns the halo gradients to their owners.
+* :class:`_AllGatherRows`: all-gather of the padded compressed slots (main and indexer in one
+  buffer); backward reduce-scatters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hp_cp_core import HpCpError
+
+__all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
+
+
+def resolve_process_group(mesh: Any) -> Any:
+    """The ``ProcessGroup`` of a 1-D ``DeviceMesh``, a named mesh dim, or a ``ProcessGroup``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise HpCpError(
+            "torch.distributed is not initialised; call torch.distributed.init_process_group "
+            "(or init_device_mesh) on every rank before enable_cp."
+        )
+    if mesh is None:
+        return dist.group.WORLD
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    get_group = getattr(mesh, "get_group", None)
+    if get_group is not None and hasattr(mesh, "mesh"):  # DeviceMesh
+        if mesh.ndim != 1:
+            names = getattr(mesh, "mesh_dim_names", None)
+            raise HpCpError(
+                f"enable_cp needs a 1-D DeviceMesh for the CP dimension, got a {mesh.ndim}-D "
+                f"mesh with dims {names}. Pass the CP dim, e.g. mesh['cp']."
+            )
+        return get_group()
+    raise HpCpError(
+        f"enable_cp(mesh=...) got a {type(mesh).__name__}; expected a torch DeviceMesh (1-D or "
+        "mesh['cp']) or a torch.distributed ProcessGroup."
+    )
+
+
+class TorchGroup:
+    """A CP group on ``torch.distributed`` implementing the core's ``Group`` protocol."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        self.global_ranks = [dist.get_global_rank(pg, k) for k in range(self.size)]
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(pg) == "nccl"
+            else torch.device("cpu")
+        )
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.calls: dict[str, int] = {}
+
+    def count(self, kind: str, sent: int, recv: int) -> None:
+        self.bytes_sent += int(sent)
+        self.bytes_recv += int(recv)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def exchange_rows(self, items: Sequence[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+        plans = [plan for _, plan in items]
+        return list(_HaloExchange.apply(self, plans, *[_in_graph(t) for t, _ in items]))
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _AllGatherRows.apply(self, _in_graph(tensor))
+
+    def all_gather_dim(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        rows = tensor.movedim(dim, 0)
+        shape = rows.shape
+        out = self.all_gather_rows(rows.reshape(shape[0], -1))
+        return out.reshape(self.size * shape[0], *shape[1:]).movedim(0, dim)
+
+    def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
+        local = torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        out = torch.empty(self.size * local.numel(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(out, local, group=self.pg)
+        return out.view(self.size, -1).cpu().numpy()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_recv": self.bytes_recv,
+            "collectives": dict(self.calls),
+        }
+
+    # -- point-to-point with byte payloads --------------------------------------------------
+    def p2p(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int]) -> dict:
+        """Send ``sends[peer]`` (uint8) and receive ``recv_sizes[peer]`` bytes from each peer."""
+        ops, recvs = [], {}
+        for peer, buf in sends.items():
+            ops.append(dist.P2POp(dist.isend, buf, self.global_ranks[peer], self.pg))
+        for peer, n in recv_sizes.items():
+            recvs[peer] = torch.empty(n, dtype=torch.uint8, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, recvs[peer], self.global_ranks[peer], self.pg))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return recvs
+
+
+def _in_graph(t: torch.Tensor) -> torch.Tensor:
+    """Keep every rank's exchange in the backward graph.
+
+    A rank may feed an exchange a tensor that does not require grad (it owns no slot, so its
+    compressor saw no rows) while its peers' inputs do. Its exchange node would then be left
+    out of backward and the peers would wait forever in the matching collective. A detached
+    leaf that requires grad keeps the node in the graph on every rank (symmetric backward).
+    """
+    if torch.is_grad_enabled() and not t.requires_grad and t.is_floating_point():
+        return t.detach().requires_grad_(True)
+    return t
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _from_bytes(buf: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tensor:
+    return buf.view(like.dtype).view(rows, *like.shape[1:])
+
+
+def _index(plan_rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(plan_rows, dtype=torch.long, device=device)
+
+
+class _HaloExchange(torch.autograd.Function):
+    """``[received rows (source-rank order) ; local]`` per item, one message per peer."""
+
+    @staticmethod
+    def forward(ctx: Any, group: TorchGroup, plans: list[Any], *tensors: torch.Tensor):
+        ctx.group, ctx.plans = group, plans
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        sends, recv_sizes = {}, {}
+        for peer in range(group.size):
+            parts = [
+                _as_bytes(t[_index(p.send_rows[peer], t.device)])
+                for t, p in zip(tensors, plans)
+                if p.send_rows[peer].size
+            ]
+            if parts:
+                sends[peer] = torch.cat(parts)
+            n = sum(p.recv_counts[peer] * _row_bytes(t) for t, p in zip(tensors, plans))
+            if n:
+                recv_sizes[peer] = n
+        recvs = group.p2p(sends, recv_sizes)
+        group.count("halo_exchange", sum(b.numel() for b in sends.values()), sum(recv_sizes.values()))
+        outs = []
+        offsets = dict.fromkeys(recvs, 0)
+        pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
+        for peer in sorted(recvs):
+            for i, (t, p) in enumerate(zip(tensors, plans)):
+                n = p.recv_counts[peer]
+                if n:
+                    nb = n * _row_bytes(t)
+                    buf = recvs[peer][offsets[peer] : offsets[peer] + nb]
+                    pieces[i].append(_from_bytes(buf, t, n))
+                    offsets[peer] += nb
+        for t, got in zip(tensors, pieces):
+            outs.append(torch.cat([*got, t]) if got else t.clone())
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        group, plans = ctx.group, ctx.plans
+        grads = [
+            g if g is not None else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1],
+                                                device=s[2])
+            for g, p, s in zip(grads, plans, ctx.shapes)
+        ]
+        like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
+        # the halo gradient goes back to the ranks that sent those rows
+        sends, recv_sizes = {}, {}
+        starts = [0] * len(plans)
+        per_peer: dict[int, list[torch.Tensor]] = {}
+        for peer in range(group.size):
+            for i, (g, p) in enumerate(zip(grads, plans)):
+                n = p.recv_counts[peer]
+                if n:
+                    per_peer.setdefault(peer, []).append(_as_bytes(g[starts[i] : starts[i] + n]))
+                    starts[i] += n
+        sends = {peer: torch.cat(parts) for peer, parts in per_peer.items()}
+        for peer in range(group.size):
+            n = sum(p.send_rows[peer].size * _row_bytes(t) for t, p in zip(like, plans))
+            if n:
+                recv_sizes[peer] = n
+        recvs = group.p2p(sends, recv_sizes)
+        group.count("halo_exchange_bwd", sum(b.numel() for b in sends.values()),
+                    sum(recv_sizes.values()))
+        out = [g[p.n_halo :].clone() for g, p in zip(grads, plans)]
+        for peer in sorted(recvs):
+            off = 0
+            for i, (t, p) in enumerate(zip(like, plans)):
+                rows = p.send_rows[peer]
+                if rows.size:
+                    nb = rows.size * _row_bytes(t)
+                    got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
+                    out[i].index_add_(0, _index(rows, got.device), got)
+                    off += nb
+        return (None, None, *out)
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """``[cap, F]`` from every rank -> ``[size * cap, F]``; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, group: TorchGroup, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((group.size * tensor.shape[0], *tensor.shape[1:]))
+        dist.all_gather_into_tensor(out, tensor, group=group.pg)
+        nbytes = tensor.numel() * tensor.element_size()
+        group.count("all_gather", nbytes, nbytes * (group.size - 1))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        group = ctx.group
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
+        try:
+            dist.reduce_scatter_tensor(out, grad, group=group.pg)
+        except (RuntimeError, NotImplementedError):  # backends without reduce_scatter_tensor
+            chunks = list(grad.chunk(group.size))
+            dist.reduce_scatter(out, chunks, group=group.pg)
+        nbytes = out.numel() * out.element_size()
+        group.count("reduce_scatter", nbytes * (group.size - 1), nbytes * (group.size - 1))
+        return None, out
+
+
+class TorchBackend:
+    """The torch backend: ops for the core helpers, groups, and forward install."""
+
+    name = "torch"
+
+    def __init__(self, find: Callable[[Any], list[Any]], install: Callable[..., Any]) -> None:
+        self._find = find
+        self._install = install
+
+    def group(self, mesh: Any) -> TorchGroup:
+        return TorchGroup(resolve_process_group(mesh))
+
+    def find_layers(self, module: Any) -> list[Any]:
+        return self._find(module)
+
+    def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
+        return self._install(layer, cp_forward, group)
+
+    def uninstall(self, layer: Any, token: Any) -> None:
+        token()
+
+    # ops (dim 0 = rows); index arrays arrive as numpy
+    def cat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(tensors))
+
+    def narrow(self, t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        return t.narrow(0, start, length)
+
+    def index_rows(self, t: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+        return t.index_select(0, _index(index, t.device))
+
+    def num_rows(self, t: torch.Tensor) -> int:
+        return int(t.shape[0])
+
+    def flatten_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], int(np.prod(t.shape[1:], dtype=np.int64)))
+
+    def unflatten_rows(self, t: torch.Tensor, like_shape: tuple[int, ...]) -> torch.Tensor:
+        return t.reshape(like_shape)
+
+    def cat_features(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(tensors), dim=1)
+
+    def split_features(self, t: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        return list(t.split(list(sizes), dim=1))
+
+    def pad_rows(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+    def shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(t.shape)
+
+    def take(self, t: torch.Tensor, index: np.ndarray, dim: int) -> torch.Tensor:
+        return t.index_select(dim, _index(index, t.device))

@@ -1,0 +1,1 @@
+"""Integrations with model libraries (loaded only when the library is installed)."""

@@ -1,0 +1,88 @@
+"""``python -m hp_cp_core`` (and ``--json``): name, distribution, version, ok / error."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hp_cp_core import __main__ as cli
+
+
+def run_cli(*args: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HP_CP_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "hp_cp_core", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return out.stdout
+
+
+FAKE_ROW = {
+    "name": "fake",
+    "dist": "hp-cp-fake",
+    "version": "0.1.0",
+    "status": "ok",
+    "error": None,
+}
+
+
+def test_json_lists_the_installed_fake() -> None:
+    assert json.loads(run_cli("--json", HP_CP_PLUGINS="fake")) == [FAKE_ROW]
+    assert FAKE_ROW in json.loads(run_cli("--json"))  # with every installed backend
+
+
+def test_table_lists_the_installed_fake() -> None:
+    lines = run_cli(HP_CP_PLUGINS="fake").splitlines()
+    assert lines[0].split() == ["backend", "distribution", "version", "status"]
+    assert lines[1].split() == ["fake", "hp-cp-fake", "0.1.0", "ok"]
+    assert len(lines) == 2
+
+
+def test_broken_backends_are_listed_with_their_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    real = md.entry_points
+    broken = md.EntryPoint(name="broken", value="hp_cp_fake.broken_import", group="hp_cp")
+
+    def entry_points(**kwargs):
+        eps = list(real(**kwargs))
+        return [*eps, broken] if kwargs.get("group") == "hp_cp" else eps
+
+    monkeypatch.setattr(md, "entry_points", entry_points)
+    monkeypatch.setenv("HP_CP_PLUGINS", "fake,broken")
+    assert cli.main(["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [
+        FAKE_ROW,
+        {
+            "name": "broken",
+            "dist": None,
+            "version": None,
+            "status": "error",
+            "error": "ModuleNotFoundError: No module named 'hp_cp_framework_that_does_not_exist'",
+        },
+    ]
+    assert cli.main([]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == ["fake", "hp-cp-fake", "0.1.0", "ok"]
+    assert table[2].split()[:4] == ["broken", "-", "-", "error:"]
+    assert table[2].endswith("No module named 'hp_cp_framework_that_does_not_exist'")
+
+
+def test_nothing_installed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("HP_CP_PLUGINS", "")
+    assert cli.main([]) == 0
+    assert capsys.readouterr().out == (
+        "no hp_cp backends installed; try `pip install hp-cp-torch`\n"
+    )
+    assert cli.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
