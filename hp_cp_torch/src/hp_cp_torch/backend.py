@@ -87,7 +87,7 @@ class TorchGroup:
     def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
         local = torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
         out = torch.empty(self.size * local.numel(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(out, local, group=self.pg)
+        _all_gather_single(out, local, self.pg)
         return out.view(self.size, -1).cpu().numpy()
 
     def stats(self) -> dict[str, Any]:
@@ -110,6 +110,11 @@ class TorchGroup:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return recvs
+
+
+def _all_gather_single(out: torch.Tensor, tensor: torch.Tensor, pg: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=pg)
 
 
 def _in_graph(t: torch.Tensor) -> torch.Tensor:
@@ -225,7 +230,7 @@ class _AllGatherRows(torch.autograd.Function):
         ctx.group = group
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0], *tensor.shape[1:]))
-        dist.all_gather_into_tensor(out, tensor, group=group.pg)
+        _all_gather_single(out, tensor, group.pg)
         nbytes = tensor.numel() * tensor.element_size()
         group.count("all_gather", nbytes, nbytes * (group.size - 1))
         return out
@@ -235,11 +240,8 @@ class _AllGatherRows(torch.autograd.Function):
         group = ctx.group
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
-        try:
-            dist.reduce_scatter_tensor(out, grad, group=group.pg)
-        except (RuntimeError, NotImplementedError):  # backends without reduce_scatter_tensor
-            chunks = list(grad.chunk(group.size))
-            dist.reduce_scatter(out, chunks, group=group.pg)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(out, grad, group=group.pg)
         nbytes = out.numel() * out.element_size()
         group.count("reduce_scatter", nbytes * (group.size - 1), nbytes * (group.size - 1))
         return None, out

@@ -1,0 +1,71 @@
+"""Run a function on N local gloo ranks (spawned processes) and collect what each returns.
+
+Used by ``hp-cp demo``, the benchmark and the tests: one job runs many cases, since starting
+a process group costs seconds. A rank that hangs is killed after ``timeout`` and reported.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    try:
+        result: Any = ("ok", fn(rank, world, *args))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> list[Any]:
+    """``fn(rank, world, *args)`` on every rank; returns the list of results or raises."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_worker, args=(k, world, port, fn, args, out_dir))
+            for k in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [k for k, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout}s (hang)")
+        results = []
+        for k in range(world):
+            path = os.path.join(out_dir, f"rank{k}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {k} died without a result (exit {procs[k].exitcode})")
+            status, value = torch.load(path, weights_only=False)
+            if status == "error":
+                raise AssertionError(value)
+            results.append(value)
+        return results

@@ -1,0 +1,100 @@
+# /// script
+# dependencies = ["nox>=2024.3"]
+# ///
+"""Sessions: lint, core (no framework), torch, mindformers, bench, dist, device.
+
+`nox` runs lint, core, torch and mindformers; each installs its own distributions into a
+fresh virtualenv, so the core is proven framework-free and every backend is tested with its
+framework for real.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.needs_version = ">=2024.3"
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["lint", "core", "torch", "mindformers"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHONS = ["3.11"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+TORCH = "torch==2.13.0"  # the CPU build (a local wheel on the dev machines)
+TRANSFORMERS = "transformers==5.23.0"
+MINDSPORE = ["mindspore==2.10.0", "numpy<2"]
+
+
+@nox.session(python=PYTHONS)
+def lint(session: nox.Session) -> None:
+    """ruff check and format check over the three distributions and the tests."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHONS)
+def core(session: nox.Session) -> None:
+    """hp-cp-core alone (pluggy + numpy) with the numpy fake backend: no framework."""
+    session.install("./hp_cp_core", "./tests/fakes", *TEST_DEPS)
+    session.run(
+        "pytest", "tests/core", "tests/test_hooks_documented.py",
+        "tests/test_no_framework_imports.py", "tests/contract", *session.posargs,
+        env={"HP_CP_REQUIRE_BACKEND": "fake"},
+    )
+
+
+@nox.session(python=PYTHONS)
+def torch(session: nox.Session) -> None:
+    """hp-cp-torch on real gloo process groups, with transformers for the HF integration."""
+    session.install(TORCH)
+    session.install("./hp_cp_core", "./hp_cp_torch", "./tests/fakes", TRANSFORMERS, *TEST_DEPS)
+    out = session.run("python", "-m", "hp_cp_core", silent=True)
+    if "torch" not in out or "ok" not in out:
+        session.error(f"python -m hp_cp_core does not report `torch ok`:\n{out}")
+    session.run(
+        "pytest", "tests/torch", "tests/contract", *session.posargs,
+        env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers"},
+    )
+
+
+@nox.session(python=PYTHONS)
+def mindformers(session: nox.Session) -> None:
+    """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun."""
+    session.install(*MINDSPORE)
+    session.install("./hp_cp_core", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS,
+                    "numpy<2")
+    session.install("--no-deps", "mindformers==2.1.0")
+    session.run(
+        "pytest", "tests/mindformers", "tests/contract", *session.posargs,
+        env={"HP_CP_REQUIRE_BACKEND": "fake,mindformers", "HP_CP_MSRUN_BIN": session.bin},
+    )
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench(session: nox.Session) -> None:
+    """`hp-cp bench`: bench.json and bench.png (traffic, balance, memory, time)."""
+    session.install(TORCH)
+    session.install("./hp_cp_core", "./hp_cp_torch[bench]")
+    session.run("hp-cp", "bench", *session.posargs)
+
+
+@nox.session(python=PYTHONS, default=False)
+def dist(session: nox.Session) -> None:
+    """Build the three wheels, install them non-editable and check the entry points."""
+    session.install("build")
+    for d in ("hp_cp_core", "hp_cp_torch", "hp_cp_mindformers"):
+        session.run("python", "-m", "build", "--wheel", "--outdir", "dist", d)
+    session.install("--no-deps", "--find-links", "dist", "hp-cp-core", "hp-cp-torch",
+                    "hp-cp-mindformers")
+    session.install("pluggy", "numpy")
+    session.run(
+        "python", "-c",
+        "import importlib.metadata as m; names = {e.name for e in m.entry_points(group='hp_cp')};"
+        "assert {'torch', 'mindformers'} <= names, names; print(sorted(names))",
+    )
+
+
+@nox.session(python=PYTHONS, default=False)
+def device(session: nox.Session) -> None:
+    """Multi-GPU check with torchrun (NCCL); run on a machine with GPUs."""
+    session.install("./hp_cp_core", "./hp_cp_torch")
+    session.run("bash", "scripts/device_check.sh", external=True)
