@@ -36,8 +36,12 @@ def core(session: nox.Session) -> None:
     """hp-cp-core alone (pluggy + numpy) with the numpy fake backend: no framework."""
     session.install("./hp_cp_core", "./tests/fakes", *TEST_DEPS)
     session.run(
-        "pytest", "tests/core", "tests/test_hooks_documented.py",
-        "tests/test_no_framework_imports.py", "tests/contract", *session.posargs,
+        "pytest",
+        "tests/core",
+        "tests/test_hooks_documented.py",
+        "tests/test_no_framework_imports.py",
+        "tests/contract",
+        *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake"},
     )
 
@@ -51,7 +55,10 @@ def torch(session: nox.Session) -> None:
     if "torch" not in out or "ok" not in out:
         session.error(f"python -m hp_cp_core does not report `torch ok`:\n{out}")
     session.run(
-        "pytest", "tests/torch", "tests/contract", *session.posargs,
+        "pytest",
+        "tests/torch",
+        "tests/contract",
+        *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers"},
     )
 
@@ -60,11 +67,13 @@ def torch(session: nox.Session) -> None:
 def mindformers(session: nox.Session) -> None:
     """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun."""
     session.install(*MINDSPORE)
-    session.install("./hp_cp_core", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS,
-                    "numpy<2")
+    session.install("./hp_cp_core", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS, "numpy<2")
     session.install("--no-deps", "mindformers==2.1.0")
     session.run(
-        "pytest", "tests/mindformers", "tests/contract", *session.posargs,
+        "pytest",
+        "tests/mindformers",
+        "tests/contract",
+        *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake,mindformers", "HP_CP_MSRUN_BIN": session.bin},
     )
 
@@ -83,11 +92,13 @@ def dist(session: nox.Session) -> None:
     session.install("build")
     for d in ("hp_cp_core", "hp_cp_torch", "hp_cp_mindformers"):
         session.run("python", "-m", "build", "--wheel", "--outdir", "dist", d)
-    session.install("--no-deps", "--find-links", "dist", "hp-cp-core", "hp-cp-torch",
-                    "hp-cp-mindformers")
+    session.install(
+        "--no-deps", "--find-links", "dist", "hp-cp-core", "hp-cp-torch", "hp-cp-mindformers"
+    )
     session.install("pluggy", "numpy")
     session.run(
-        "python", "-c",
+        "python",
+        "-c",
         "import importlib.metadata as m; names = {e.name for e in m.entry_points(group='hp_cp')};"
         "assert {'torch', 'mindformers'} <= names, names; print(sorted(names))",
     )

@@ -51,6 +51,5 @@ def gather_compressed_slots(
     gathered = group.all_gather_rows(packed)
     parts = ops.split_features(gathered, widths)
     return [
-        ops.unflatten_rows(p, (ops.shape(p)[0], *ops.shape(t)[1:]))
-        for p, t in zip(parts, owned)
+        ops.unflatten_rows(p, (ops.shape(p)[0], *ops.shape(t)[1:])) for p, t in zip(parts, owned)
     ]

@@ -85,9 +85,7 @@ class LayerSpec:
         if int(self.window_size) < 1:
             raise HpCpError(f"LayerSpec.window_size must be >= 1, got {self.window_size}.")
         if self.packed_grid not in GRIDS:
-            raise HpCpError(
-                f"LayerSpec.packed_grid={self.packed_grid!r}: expected one of {GRIDS}."
-            )
+            raise HpCpError(f"LayerSpec.packed_grid={self.packed_grid!r}: expected one of {GRIDS}.")
         if self.has_indexer and r == 0:
             raise HpCpError("LayerSpec.has_indexer=True needs compress_ratio > 0.")
 

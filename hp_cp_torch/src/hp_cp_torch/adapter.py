@@ -169,9 +169,11 @@ class TorchDeepSeekV4CSAAdapter:
                 "(a callable compressor(x, rope_pos_offset=int))."
             )
         if attention_fn is None or not callable(attention_fn):
-            raise HpCpError("attention_fn must be a callable taking the keyword arguments "
-                            "query, ori_kv, x, qr, pos_offset, cmp_kv_global, ori_halo_len, "
-                            "cmp_idx_global.")
+            raise HpCpError(
+                "attention_fn must be a callable taking the keyword arguments "
+                "query, ori_kv, x, qr, pos_offset, cmp_kv_global, ori_halo_len, "
+                "cmp_idx_global."
+            )
         self.module = module
         self.compressor = compressor
         self.indexer_compressor = indexer_compressor
@@ -255,7 +257,9 @@ def patch_torch_deepseek_v4_csa_forward(
     Returns:
         The ``enable_cp`` handle; ``disable_cp(handle)`` restores the module.
     """
-    ratio = compress_ratio if compress_ratio is not None else getattr(module, "compress_ratio", None)
+    ratio = compress_ratio
+    if ratio is None:
+        ratio = getattr(module, "compress_ratio", None)
     window = window_size if window_size is not None else getattr(module, "window_size", None)
     if ratio is None or window is None:
         raise HpCpError(
@@ -269,8 +273,9 @@ def patch_torch_deepseek_v4_csa_forward(
         indexer_compressor=indexer_compressor
         if indexer_compressor is not None
         else getattr(module, "indexer_compressor", getattr(indexer, "compressor", None)),
-        attention_fn=attention_fn if attention_fn is not None else getattr(module, "attention_fn",
-                                                                           None),
+        attention_fn=attention_fn
+        if attention_fn is not None
+        else getattr(module, "attention_fn", None),
         compress_ratio=int(ratio),
         window_size=int(window),
     )

@@ -166,7 +166,8 @@ class _HaloExchange(torch.autograd.Function):
             if n:
                 recv_sizes[peer] = n
         recvs = group.p2p(sends, recv_sizes)
-        group.count("halo_exchange", sum(b.numel() for b in sends.values()), sum(recv_sizes.values()))
+        sent = sum(b.numel() for b in sends.values())
+        group.count("halo_exchange", sent, sum(recv_sizes.values()))
         outs = []
         offsets = dict.fromkeys(recvs, 0)
         pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
@@ -186,8 +187,9 @@ class _HaloExchange(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor):
         group, plans = ctx.group, ctx.plans
         grads = [
-            g if g is not None else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1],
-                                                device=s[2])
+            g
+            if g is not None
+            else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2])
             for g, p, s in zip(grads, plans, ctx.shapes)
         ]
         like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
@@ -207,8 +209,9 @@ class _HaloExchange(torch.autograd.Function):
             if n:
                 recv_sizes[peer] = n
         recvs = group.p2p(sends, recv_sizes)
-        group.count("halo_exchange_bwd", sum(b.numel() for b in sends.values()),
-                    sum(recv_sizes.values()))
+        group.count(
+            "halo_exchange_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
+        )
         out = [g[p.n_halo :].clone() for g, p in zip(grads, plans)]
         for peer in sorted(recvs):
             off = 0

@@ -65,8 +65,9 @@ def reference_parity(
     ref_outs = model(x1, pos)
     ref_outs[-1].backward(grad_out)
     single_s = time.perf_counter() - t0
-    ref_grads = [[p.grad.clone() for p in layer.parameters() if p.grad is not None]
-                 for layer in model.layers]
+    ref_grads = [
+        [p.grad.clone() for p in layer.parameters() if p.grad is not None] for layer in model.layers
+    ]
     ref_xgrad = x1.grad.clone()
     model.zero_grad()
 
@@ -84,12 +85,19 @@ def reference_parity(
         for g in grads:
             torch.distributed.all_reduce(g)
         gerr = max((_rel(a, b) for a, b in zip(grads, ref_grads[i])), default=0.0)
-        rows.append({"layer": i, "ratio": RATIOS[i], "out_err": _rel(full, ref.detach()),
-                     "grad_err": gerr})
+        rows.append(
+            {"layer": i, "ratio": RATIOS[i], "out_err": _rel(full, ref.detach()), "grad_err": gerr}
+        )
     xerr = _rel(handle.unshard(xl.grad, 1), ref_xgrad)
     disable_cp(handle)
-    return {"rows": rows, "x_grad_err": xerr, "bytes_sent": stats["bytes_sent"],
-            "bytes_recv": stats["bytes_recv"], "single_s": single_s, "cp_s": cp_s}
+    return {
+        "rows": rows,
+        "x_grad_err": xerr,
+        "bytes_sent": stats["bytes_sent"],
+        "bytes_recv": stats["bytes_recv"],
+        "single_s": single_s,
+        "cp_s": cp_s,
+    }
 
 
 def report(results: list[dict], title: str) -> bool:
@@ -109,8 +117,10 @@ def report(results: list[dict], title: str) -> bool:
     print(f"input grad err {xerr:.3e}")
     print(f"{'rank':<6}{'bytes sent':<14}{'bytes recv':<14}{'cp step s':<12}{'1-dev step s':<12}")
     for k, r in enumerate(results):
-        print(f"{k:<6}{r['bytes_sent']:<14}{r['bytes_recv']:<14}{r['cp_s']:<12.3f}"
-              f"{r['single_s']:<12.3f}")
+        print(
+            f"{k:<6}{r['bytes_sent']:<14}{r['bytes_recv']:<14}{r['cp_s']:<12.3f}"
+            f"{r['single_s']:<12.3f}"
+        )
     print("PARITY OK" if ok else f"PARITY FAILED (tolerance out {OUT_TOL}, grad {GRAD_TOL})")
     return ok
 
@@ -140,8 +150,13 @@ def torchrun_main(layout: str = "contiguous", seq_len: int | None = None) -> int
     return 0 if int(flag) else 1
 
 
-def main(cp: int, model: str = "reference", layout: str = "contiguous",
-         seq_len: int | None = None, launcher: str = "local") -> int:
+def main(
+    cp: int,
+    model: str = "reference",
+    layout: str = "contiguous",
+    seq_len: int | None = None,
+    launcher: str = "local",
+) -> int:
     from hp_cp_torch.launch import run_ranks
 
     if launcher == "torchrun":
