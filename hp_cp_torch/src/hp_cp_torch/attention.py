@@ -133,10 +133,11 @@ def select_topk_chunked(
         sel = torch.where(torch.isneginf(values), -1, ids + s0)
         outs.append(torch.nn.functional.pad(sel, (0, topk - sel.shape[-1]), value=-1))
     batch = next((o.shape[0] for o in outs if o is not None), 1)
+    device = next((o.device for o in outs if o is not None), None)
     return torch.cat(
         [
             o if o is not None else torch.full((batch, min(lo + query_chunk, plan.n_local) - lo,
-                                                 topk), -1, dtype=torch.long)
+                                                 topk), -1, dtype=torch.long, device=device)
             for o, lo in zip(outs, range(0, plan.n_local, query_chunk))
         ],
         dim=1,

@@ -1,10 +1,480 @@
-"""Hugging Face transformers ``DeepseekV4Attention`` under CP (work in progress)."""
+"""Hugging Face transformers ``DeepseekV4Attention`` (transformers >= 5.x) under CP.
+
+``enable_cp(model, mesh)`` on a ``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (or on one
+``DeepseekV4Attention``) replaces the forward of every attention layer (sliding, CSA, HCA)
+with the CP one; the decoder layers, MoE, hyper-connections, norms and head are token-local
+and run unchanged on each rank's rows. Each rank then calls::
+
+    S = input_ids.shape[1]
+    pos = torch.arange(S).unsqueeze(0)
+    out = model(input_ids=handle.shard(input_ids, 1),
+                position_ids=handle.shard(pos, 1), use_cache=False)
+
+The stages reuse the module's own parameters and submodules, op for op as HF's forward:
+
+* projections: ``q_a_proj, q_a_norm, q_b_proj, q_b_norm, kv_proj, kv_norm`` with the
+  ``(cos, sin)`` the model computed from the (sharded, global) ``position_ids``
+  (``position_embeddings[module.rope_layer_type]``);
+* compressors (CSA / HCA): ``compressor.{kv_proj, gate_proj, position_bias, kv_norm,
+  rotary_emb}``, slot j of a segment roped at ``rope_pos_offset + j*r`` (the plan's global
+  slot positions), CSA overlap exactly as HF (previous block's first half, -inf gate for a
+  missing predecessor);
+* indexer (CSA): ``compressor.indexer.{kv_proj, gate_proj, position_bias, kv_norm,
+  rotary_emb, q_b_proj, scorer, index_topk}``, run without autograd like HF (whose top-k
+  gives the indexer no gradient);
+* attention: the window and visible-slot ranges of the plan, the indexer picks for CSA,
+  every visible slot for HCA, with the per-head ``sinks`` inside the softmax max (HF's extra
+  logit column), ``scaling``; then the inverse RoPE at the query position and the grouped
+  ``o_a_proj`` / ``o_b_proj``.
+
+Not supported under CP (a clear :class:`~hp_cp_core.HpCpError` on every rank, before any
+exchange): a KV cache (``past_key_values``, or ``use_cache=True``, the config default),
+attention masks with padding, packed sequences / position ids that are not the global row
+numbers, attention dropout in training.
+
+Training: shift the labels on the full sequence *before* sharding (:func:`cp_shift_labels`),
+take :func:`cp_causal_lm_loss` per rank (sum over its tokens / global token count) and sum
+the gradients over the CP group (:func:`cp_sum_gradients`, or DDP/FSDP over a mesh that
+includes the CP dimension).
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
+from hp_cp_core.indices import compressed_index_dense, window_index_dense
+from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+
+__all__ = [
+    "DeepseekV4AttentionAdapter",
+    "cp_causal_lm_loss",
+    "cp_shift_labels",
+    "cp_sum_gradients",
+    "hf_adapter_for",
+]
+
+MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
+
+
+def _hf() -> Any:
+    return importlib.import_module(MODELING)
 
 
 def hf_adapter_for(module: Any) -> Any:
-    """The adapter for a transformers DeepSeek V4 attention module, else ``None``."""
-    return None
+    """The adapter for a transformers ``DeepseekV4Attention``, else ``None``.
+
+    Never imports the DeepSeek V4 modeling file itself: a module can only be an instance of
+    its class once something else imported it.
+    """
+    modeling = sys.modules.get(MODELING)
+    cls = getattr(modeling, "DeepseekV4Attention", None) if modeling is not None else None
+    if cls is None or not isinstance(module, cls):
+        return None
+    return DeepseekV4AttentionAdapter(module)
+
+
+def _compress_rows(comp: nn.Module, overlap: bool, rows: torch.Tensor, offset: int) -> torch.Tensor:
+    """HF's stateless compressor body on sequence-major rows ``[n, B, hidden]``.
+
+    Every complete block of ``r`` rows gives one slot (trailing rows are ignored, as HF drops
+    them); with ``overlap`` (CSA / indexer) slot j also pools block j-1's first-half channels,
+    the first block's predecessor being kv 0 / gate -inf (weight 0). Slot j is roped at
+    ``offset + j*r``. Returns ``[n // r, B, head_dim]``. With no complete block the
+    parameters still enter the graph, so every rank gets a (zero) gradient for them.
+    """
+    apply_rope = _hf().apply_rotary_pos_emb
+    x = rows.transpose(0, 1)  # [B, n, hidden]
+    r, d = int(comp.compress_rate), int(comp.head_dim)
+    batch, length = x.shape[0], x.shape[1]
+    n = length // r
+    usable = n * r
+    kv = comp.kv_proj(x)
+    gate = comp.gate_proj(x)
+    chunk_kv = kv[:, :usable].reshape(batch, n, r, kv.shape[-1])
+    chunk_gate = gate[:, :usable].reshape(batch, n, r, gate.shape[-1]) + comp.position_bias
+    if overlap:
+        new_kv = chunk_kv.new_zeros((batch, n, 2 * r, d))
+        new_gate = chunk_gate.new_full((batch, n, 2 * r, d), float("-inf"))
+        new_kv[:, :, r:] = chunk_kv[..., d:]
+        new_gate[:, :, r:] = chunk_gate[..., d:]
+        if n > 1:
+            new_kv[:, 1:, :r] = chunk_kv[:, :-1, :, :d]
+            new_gate[:, 1:, :r] = chunk_gate[:, :-1, :, :d]
+        chunk_kv, chunk_gate = new_kv, new_gate
+    weights = chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)
+    compressed = comp.kv_norm((chunk_kv * weights).sum(dim=2))  # [B, n, d]
+    positions = torch.arange(n, device=x.device) * r + int(offset)
+    positions = positions.unsqueeze(0).expand(batch, -1)
+    cos, sin = comp.rotary_emb(compressed, position_ids=positions, layer_type="compress")
+    compressed = apply_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
+    return compressed.transpose(0, 1)
+
+
+def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
+    """Whether the mask HF passes down hides some token from itself (padding) or is custom.
+
+    HF's eager sliding-window mask always lets a token see itself; padding (a 2-D
+    ``attention_mask`` with zeros) masks the padded token's own column, so it shows on the
+    diagonal. Returns a 0-dim bool tensor (one host sync later) or ``False``.
+    """
+    if not isinstance(mask, torch.Tensor):
+        return False
+    if mask.dim() == 2:  # a raw padding mask handed straight to the layer
+        return (mask == 0).any()
+    if mask.dim() != 4:
+        return True
+    q_len, k_len = mask.shape[-2], mask.shape[-1]
+    diag = torch.diagonal(mask, offset=k_len - q_len, dim1=-2, dim2=-1)
+    return (~diag).any() if mask.dtype == torch.bool else (diag != 0).any()
+
+
+class DeepseekV4AttentionAdapter:
+    """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def is_csa(self) -> bool:
+        comp = self.module.compressor
+        return comp is not None and getattr(comp, "indexer", None) is not None
+
+    def layer_spec(self) -> LayerSpec:
+        m = self.module
+        comp = m.compressor
+        ratio = 0 if comp is None else int(comp.compress_rate)
+        if comp is not None and (ratio == 4) != self.is_csa:
+            kind = "CSA (overlapping, with indexer)" if self.is_csa else "HCA (non-overlapping)"
+            raise HpCpError(
+                f"layer {m.layer_idx} ({m.layer_type}) is a {kind} layer with compress rate "
+                f"{ratio}; hp_cp supports overlapping compression only at rate 4 and "
+                "non-overlapping compression at rates other than 4. Use compress_rates "
+                "{'compressed_sparse_attention': 4, 'heavily_compressed_attention': 128}."
+            )
+        return LayerSpec(
+            compress_ratio=ratio,
+            window_size=int(m.sliding_window),
+            has_indexer=self.is_csa,
+            force_unfused=True,
+        )
+
+    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
+        return key  # [L, B, D]: the single roped KV head (K == V)
+
+    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        comp, overlap = self.module.compressor, self.is_csa
+        return stage1_compress_with_halo(
+            lambda rows, offset: _compress_rows(comp, overlap, rows, offset), x, halo_x, call
+        )
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        indexer = self.module.compressor.indexer
+        with torch.no_grad():  # HF: the indexer only feeds integer top-k ids, no gradient
+            return stage1_compress_with_halo(
+                lambda rows, offset: _compress_rows(indexer, True, rows, offset), x, halo_x, call
+            )
+
+    def select(
+        self,
+        xb: torch.Tensor,
+        qrb: torch.Tensor,
+        position_ids: torch.Tensor,
+        call: DeepSeekV4CPContext,
+    ) -> torch.Tensor:
+        """Indexer top-k of the local queries over their visible slots (global slot ids)."""
+        ix = self.module.compressor.indexer
+        apply_rope = _hf().apply_rotary_pos_emb
+        with torch.no_grad():
+            batch, length = xb.shape[:2]
+            cos_q, sin_q = ix.rotary_emb(
+                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
+            )
+            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
+            q = apply_rope(q, cos_q, sin_q).transpose(1, 2)  # [B, L, H_I, D_I]
+            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
+            return select_topk_chunked(
+                lambda lo, hi, s0, s1: ix.scorer(q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
+                call.plan,
+                int(ix.index_topk),
+                call.config.query_chunk,
+            )
+
+    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
+        m = self.module
+        cos, sin, position_ids = call.extra["cos"], call.extra["sin"], call.extra["position_ids"]
+        selected = None
+        if call.cmp_idx_global is not None:
+            selected = self.select(x.transpose(0, 1), qr.transpose(0, 1), position_ids, call)
+        cmp = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
+        q = query.transpose(0, 1)  # [B, L, H, D]
+        ori = ori_ext.transpose(0, 1)  # [B, E, D]
+        if call.config.attention_kernel != "smallop":
+            o = run_sparse_attention(
+                q,
+                ori,
+                cmp,
+                call.plan,
+                selected,
+                m.sinks,
+                m.scaling,
+                kernel=call.config.attention_kernel,
+                query_chunk=call.config.query_chunk,
+            )
+        else:
+            o = self.eager_attention(q, ori, cmp, call.plan, selected, call.config.query_chunk)
+        return self.output(o, cos, sin)
+
+    def eager_attention(
+        self,
+        q: torch.Tensor,
+        ori: torch.Tensor,
+        cmp: torch.Tensor | None,
+        plan: Any,
+        selected: torch.Tensor | None,
+        query_chunk: int,
+    ) -> torch.Tensor:
+        """HF's ``eager_attention_forward`` on gathered columns instead of a dense mask.
+
+        Each query attends to its plan columns (window, then the indexer picks for CSA or
+        every visible slot for HCA); the op sequence and dtypes are HF's: logits in the
+        model dtype, the ``sinks`` logit column inside the max, softmax in the logits' dtype,
+        dropout, probabilities cast to the value dtype. Query chunks bound the memory.
+        """
+        m = self.module
+        batch, n_ext = q.shape[0], ori.shape[1]
+        pool = ori if cmp is None else torch.cat([ori, cmp], dim=1)
+        if pool.shape[1] == 0:
+            pool = pool.new_zeros((batch, 1, pool.shape[-1]))
+        window = torch.as_tensor(
+            window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size),
+            device=q.device,
+        )
+        rows = torch.arange(batch, device=q.device)[:, None, None]
+        p_drop = m.attention_dropout if m.training else 0.0
+        outs = []
+        for lo in range(0, plan.n_local, query_chunk):
+            hi = min(lo + query_chunk, plan.n_local)
+            cols = [window[lo:hi].expand(batch, -1, -1)]
+            if selected is not None:
+                sel = selected[:, lo:hi].to(q.device)
+                cols.append(torch.where(sel >= 0, sel + n_ext, -1))
+            elif cmp is not None:
+                count = plan.cmp_count[lo:hi]
+                width = int(count.max()) if count.size else 0
+                hca = torch.as_tensor(
+                    compressed_index_dense(plan.cmp_start[lo:hi], count, width), device=q.device
+                )
+                cols.append(torch.where(hca >= 0, hca + n_ext, -1).expand(batch, -1, -1))
+            idx = torch.cat(cols, dim=-1)  # [B, l, K]
+            kv = pool[rows, idx.clamp(min=0)]  # [B, l, K, D]; K == V
+            qc = q[:, lo:hi]  # [B, l, H, D]
+            logits = torch.matmul(qc, kv.transpose(-1, -2)) * m.scaling  # [B, l, H, K]
+            bias = torch.zeros((), dtype=logits.dtype, device=q.device)
+            bias = torch.where(idx >= 0, bias, float("-inf"))[:, :, None, :]
+            logits = logits + bias
+            sinks = m.sinks.reshape(1, 1, -1, 1).expand(batch, hi - lo, -1, 1)
+            logits = torch.cat([logits, sinks], dim=-1)
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+            probs = F.dropout(probs, p=p_drop, training=m.training).to(kv.dtype)
+            outs.append(torch.matmul(probs, kv))  # [B, l, H, D]
+        return torch.cat(outs, dim=1)
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE at the query position, grouped ``o_a_proj``, ``o_b_proj`` (HF's tail)."""
+        m = self.module
+        o = _hf().apply_rotary_pos_emb(o.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
+        return m.o_b_proj(m.o_a_proj(grouped).flatten(2))
+
+    def check_inputs(
+        self,
+        cp_forward: Any,
+        group: Any,
+        hidden_states: torch.Tensor,
+        position_ids: Any,
+        attention_mask: Any,
+        past_key_values: Any,
+    ) -> np.ndarray:
+        """Reject what CP cannot compute, on every rank, before any exchange.
+
+        Returns the expected global row of each local row (the plan's positions).
+        """
+        m = self.module
+        n_local = int(hidden_states.shape[1])
+        expected = cp_forward.local_positions(n_local)
+        bad = [_mask_is_unsupported(attention_mask), False]
+        if position_ids is not None:
+            want = torch.as_tensor(expected, device=position_ids.device)
+            got = position_ids.reshape(-1, position_ids.shape[-1])
+            bad[1] = True if got.shape[-1] != n_local else (got != want).any()
+        dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
+        flags = [
+            past_key_values is not None,
+            *dev.cpu().tolist(),
+            bool(m.training and m.attention_dropout > 0),
+        ]
+        meta = np.array(flags, dtype=np.int64)
+        if cp_forward.config.check_inputs_across_ranks and group.size > 1:
+            every = group.all_gather_meta(meta)
+        else:
+            every = meta[None]
+        if not every.any():
+            return expected
+
+        def ranks(i: int) -> str:
+            return str(np.flatnonzero(every[:, i]).tolist())
+
+        where = f"DeepseekV4Attention layer {m.layer_idx} under CP"
+        if every[:, 0].any():
+            raise HpCpError(
+                f"{where} got a KV cache (past_key_values) on ranks {ranks(0)}; caches and "
+                "generation are not supported under CP. Call the model with use_cache=False "
+                "(config.use_cache defaults to True) and without past_key_values."
+            )
+        if every[:, 1].any():
+            raise HpCpError(
+                f"{where} got an attention mask that hides tokens (padding, or a custom mask) "
+                f"on ranks {ranks(1)}; HF's compressors ignore padding, so CP supports only "
+                "unpadded sequences. Pass attention_mask=None (or all ones) and equal-length "
+                "sequences."
+            )
+        if every[:, 2].any():
+            raise HpCpError(
+                f"{where} got position_ids that are not the global row numbers of the local "
+                f"rows on ranks {ranks(2)}. Pass position_ids=handle.shard(torch.arange(S)"
+                ".unsqueeze(0), 1) with the same layout as the inputs; packed sequences "
+                "(positions restarting per document) are not supported."
+            )
+        raise HpCpError(
+            f"{where}: attention dropout ({m.attention_dropout}) in training is not supported; "
+            "set config.attention_dropout=0.0 or call model.eval()."
+        )
+
+    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
+        m = self.module
+        adapter = self
+
+        def forward(
+            hidden_states,
+            position_embeddings=None,
+            position_ids=None,
+            attention_mask=None,
+            past_key_values=None,
+            **kwargs,
+        ):
+            if position_embeddings is None:
+                raise HpCpError(
+                    f"DeepseekV4Attention layer {m.layer_idx} under CP needs the "
+                    "position_embeddings the model computes; call the model, not the layer, "
+                    "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
+                )
+            expected = adapter.check_inputs(
+                cp_forward, group, hidden_states, position_ids, attention_mask, past_key_values
+            )
+            if position_ids is None:
+                position_ids = torch.as_tensor(expected, device=hidden_states.device)[None]
+            if isinstance(position_embeddings, dict):
+                position_embeddings = position_embeddings[m.rope_layer_type]
+            cos, sin = position_embeddings
+            apply_rope = _hf().apply_rotary_pos_emb
+            batch, length = hidden_states.shape[:2]
+            shape = (batch, length, -1, m.head_dim)
+            q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
+            q = m.q_b_norm(m.q_b_proj(q_residual).view(shape).transpose(1, 2))
+            q = apply_rope(q, cos, sin)  # [B, H, L, D]
+            kv = m.kv_norm(m.kv_proj(hidden_states)).view(shape).transpose(1, 2)
+            kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
+            out = cp_forward(
+                q.permute(2, 0, 1, 3),  # sequence-major [L, B, H, D]
+                kv[:, 0].transpose(0, 1),  # [L, B, D]
+                hidden_states.transpose(0, 1),  # [L, B, hidden]
+                q_residual.transpose(0, 1),  # [L, B, q_lora_rank]
+                cos=cos,
+                sin=sin,
+                position_ids=position_ids,
+            )
+            return out, None  # HF returns (output, attn_weights)
+
+        return forward
+
+
+# --------------------------------------------------------------------------- training
+
+
+def cp_shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """HF's causal-LM label shift, done on the FULL sequence before sharding.
+
+    Position t is trained to predict token t+1; the last position gets ``ignore_index``.
+    HF's ``ForCausalLMLoss`` shifts inside the loss, on whatever rows it is given: on a CP
+    shard that drops the target of each shard's last row and, load-balanced, pairs rows of
+    different chunks. Shift the full labels first, then ``handle.shard(shifted, 1)``.
+    """
+    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def cp_causal_lm_loss(
+    logits_local: torch.Tensor,
+    labels_shifted_local: torch.Tensor,
+    n_tokens_global: int | torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """This rank's share of the global mean cross-entropy: ``sum over local tokens / N``.
+
+    Summed over the CP ranks it equals HF's loss on the full sequence (mean over the
+    ``N = (cp_shift_labels(labels) != ignore_index).sum()`` targets). Backward on each rank
+    and sum the gradients over the CP group (:func:`cp_sum_gradients`).
+
+    Args:
+        logits_local: ``[B, L, V]`` logits of this rank's rows.
+        labels_shifted_local: ``[B, L]`` this rank's rows of :func:`cp_shift_labels`.
+        n_tokens_global: number of non-ignored shifted labels of the whole batch.
+        ignore_index: label value that does not count.
+    """
+    logits = logits_local.float().reshape(-1, logits_local.shape[-1])
+    target = labels_shifted_local.reshape(-1).to(logits.device)
+    total = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(n_tokens_global):
+        n_tokens_global = n_tokens_global.to(total.device)
+    return total / n_tokens_global
+
+
+def cp_sum_gradients(parameters: Iterable[torch.Tensor], group: Any = None) -> None:
+    """Sum ``.grad`` over the CP group in place (two collectives in all).
+
+    A parameter may have no gradient on some ranks (an expert no local token was routed to);
+    it counts as zero there, and stays ``None`` only where no rank has a gradient. ``group``
+    is a torch ``ProcessGroup`` (``None``: the default group) or a 1-D ``DeviceMesh``.
+    """
+    import torch.distributed as dist
+
+    if group is not None and hasattr(group, "get_group"):
+        group = group.get_group()
+    params = [p for p in parameters if p.requires_grad]
+    if not params:
+        return
+    device = params[0].device
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(present, group=group)
+    flat = torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+            for p in params
+        ]
+    )
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, has in zip(params, present.tolist()):
+        n = p.numel()
+        if has:
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n

@@ -1,0 +1,139 @@
+"""Rank functions of tests/torch/test_transformers.py (spawned processes need module-level
+functions). One job of 4 gloo ranks runs every case: cp 2 and 3 on sub-groups, cp 4 on the
+world, so the process-group start-up is paid once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+from hp_cp_torch.integrations.transformers_demo import (
+    HCA,
+    build_tiny_model,
+    cp_parity,
+    make_inputs,
+    reference_run,
+)
+
+LAYOUTS = ("contiguous", "load_balanced")
+
+# name -> (config overrides, sequence length). S is a multiple of 2*cp for cp in 2, 3, 4.
+CASES: dict[str, tuple[dict[str, Any], int]] = {
+    # top-k 16 >= the 12 CSA slots: the indexer keeps every visible slot. HCA at rate 16
+    # gives 3 HCA slots; 6 rows per chunk (cp 4, load-balanced) < W = 16 and < r: the
+    # window halo spans several ranks and slots straddle ranks.
+    "short": (
+        {"index_topk": 16, "compress_rates": {"compressed_sparse_attention": 4, HCA: 16}},
+        48,
+    ),
+    # top-k 4 << 66 CSA slots: the selection runs over slots gathered from every rank;
+    # 2 HCA slots of 128 rows straddling ranks, 8 trailing rows in no slot.
+    "long": ({}, 264),
+}
+
+
+def _expect_error(fn: Any, match: str) -> str:
+    try:
+        fn()
+    except HpCpError as exc:
+        msg = str(exc)
+        return "ok" if match in msg else f"wrong message: {msg}"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def error_checks(model: Any, ids: torch.Tensor, ref_logits: torch.Tensor) -> dict[str, str]:
+    """Unsupported inputs raise HpCpError on every rank; disable_cp restores the model."""
+    seq_len = ids.shape[1]
+    handle = enable_cp(model, dist.group.WORLD, DeepSeekV4CPConfig(layout="load_balanced"))
+    out: dict[str, str] = {}
+    try:
+        local = handle.shard(ids, 1)
+        pos = handle.shard(torch.arange(seq_len)[None], 1)
+        with torch.no_grad():
+            out["use_cache"] = _expect_error(
+                lambda: model(input_ids=local, position_ids=pos, use_cache=True), "use_cache=False"
+            )
+            from transformers import DynamicCache
+
+            out["past_key_values"] = _expect_error(
+                lambda: model(
+                    input_ids=local,
+                    position_ids=pos,
+                    use_cache=False,
+                    past_key_values=DynamicCache(config=model.config),
+                ),
+                "KV cache",
+            )
+            mask = torch.ones_like(ids)
+            mask[0, :3] = 0  # left padding of the first sequence (rank 0's rows)
+            out["padding_mask"] = _expect_error(
+                lambda: model(
+                    input_ids=local,
+                    position_ids=pos,
+                    use_cache=False,
+                    attention_mask=handle.shard(mask, 1),
+                ),
+                "padding",
+            )
+            out["no_position_ids"] = _expect_error(
+                lambda: model(input_ids=local, use_cache=False), "position_ids"
+            )
+            ones = model(
+                input_ids=local,
+                position_ids=pos,
+                use_cache=False,
+                attention_mask=torch.ones_like(local),
+            ).logits
+            err = (handle.unshard(ones, 1) - ref_logits).abs().max() / ref_logits.abs().max()
+            out["all_ones_mask_rel_err"] = f"{float(err):.3e}"
+        out["layers_enabled"] = str(len(handle.layers))
+    finally:
+        disable_cp(handle)
+    attns = [layer.self_attn for layer in model.model.layers]
+    out["restored"] = "ok" if all("forward" not in a.__dict__ for a in attns) else "forward left"
+    with torch.no_grad():
+        again = model(
+            input_ids=ids, position_ids=torch.arange(seq_len)[None], use_cache=False
+        ).logits
+    out["restored_bitwise"] = "ok" if torch.equal(again, ref_logits) else "differs"
+    inner = enable_cp(model.model, dist.group.WORLD)
+    out["model_layers_enabled"] = str(len(inner.layers))
+    disable_cp(inner)
+    return out
+
+
+def parity_suite(rank: int, world: int) -> dict[str, Any]:
+    """Every parity case on cp 2, 3 and 4, both layouts, plus the error paths (world = 4)."""
+    assert world == 4
+    groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
+    results: list[dict[str, Any]] = []
+    variants: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    for name, (overrides, seq_len) in CASES.items():
+        model = build_tiny_model(0, **overrides)
+        ids = make_inputs(model.config.vocab_size, 2, seq_len, 0)
+        ref = reference_run(model, ids)
+        for cp, group in groups.items():
+            if rank >= cp:
+                continue
+            for layout in LAYOUTS:
+                res = cp_parity(model, ids, ref, group, layout, hf_loss=(cp == 3))
+                res["case"] = name
+                results.append(res)
+        if name == "long":
+            if rank < 2:  # the other attention kernel, and several query chunks per rank
+                for kernel, chunk in (("efficient", 1024), ("smallop", 40)):
+                    config = DeepSeekV4CPConfig(
+                        layout="load_balanced", attention_kernel=kernel, query_chunk=chunk
+                    )
+                    res = cp_parity(model, ids, ref, groups[2], "load_balanced", config=config)
+                    res["case"] = f"long {kernel} query_chunk={chunk}"
+                    variants.append(res)
+            errors = error_checks(model, ids, ref.logits)
+        dist.barrier()
+    return {"rank": rank, "results": results, "variants": variants, "errors": errors}
