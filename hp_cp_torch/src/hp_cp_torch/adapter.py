@@ -95,6 +95,7 @@ class ReferenceLayerAdapter:
                 call.plan,
                 m.config.index_topk,
                 call.config.query_chunk,
+                batch=q.shape[0],
             )
         o = run_sparse_attention(
             q,

@@ -97,6 +97,7 @@ def select_topk_chunked(
     plan: Any,
     topk: int,
     query_chunk: int,
+    batch: int | None = None,
 ) -> torch.Tensor:
     """Indexer top-k of every local query over its visible slots only, chunk by chunk.
 
@@ -109,6 +110,8 @@ def select_topk_chunked(
         plan: the rank's :class:`hp_cp_core.plan.RankPlan` (``cmp_start`` / ``cmp_count``).
         topk: the layer's ``index_topk``.
         query_chunk: queries per chunk.
+        batch: the batch size ``B``, needed when no local query sees a slot (nothing is
+            scored); default: taken from the scores (1 when there are none).
 
     Returns:
         Global slot ids ``[B, L, topk]`` in descending-score order (lower id first on ties),
@@ -119,7 +122,12 @@ def select_topk_chunked(
     outs = []
     for lo in range(0, plan.n_local, query_chunk):
         hi = min(lo + query_chunk, plan.n_local)
-        s0, s1 = int(start[lo:hi].min()), int(stop[lo:hi].max())
+        # a query that sees no slot may have its start past the gathered slots: skip it
+        seen = stop[lo:hi] > start[lo:hi]
+        if not bool(seen.any()):
+            outs.append(None)
+            continue
+        s0, s1 = int(start[lo:hi][seen].min()), int(stop[lo:hi][seen].max())
         if s1 <= s0:
             outs.append(None)
             continue
@@ -132,7 +140,7 @@ def select_topk_chunked(
         values, ids = deterministic_topk(scores, min(topk, s1 - s0))
         sel = torch.where(torch.isneginf(values), -1, ids + s0)
         outs.append(torch.nn.functional.pad(sel, (0, topk - sel.shape[-1]), value=-1))
-    batch = next((o.shape[0] for o in outs if o is not None), 1)
+    batch = next((o.shape[0] for o in outs if o is not None), 1 if batch is None else batch)
     device = next((o.device for o in outs if o is not None), None)
     return torch.cat(
         [

@@ -301,8 +301,7 @@ class Compressor(nn.Module):
             Slots ``[B, n // ratio, head_dim]`` in ``x``'s dtype; the trailing ``n % ratio``
             rows are not compressed.
         """
-        batch, n, _ = x.shape
-        r, d = self.ratio, self.head_dim
+        n, r = x.shape[1], self.ratio
         n_slots = n // r
         # No early return for n < r: the empty result stays connected to the weights, so a
         # CP rank that owns no slot still joins the gather's backward (symmetric collectives).

@@ -206,6 +206,7 @@ class DeepseekV4AttentionAdapter:
                 call.plan,
                 int(ix.index_topk),
                 call.config.query_chunk,
+                batch=xb.shape[0],
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
