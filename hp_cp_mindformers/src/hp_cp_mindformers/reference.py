@@ -58,13 +58,11 @@ Differences from the real cell, all deliberate:
   coefficient to be set in training); it is attached with the same auto-scaler and the
   last value is kept in ``self.last_indexer_loss`` instead of a global tracker.
 """
+
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
-
-import mindspore as ms
-from mindspore import nn, ops, mint, Tensor, Parameter
+from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore import dtype as mstype
 from mindspore.common._grad_function import _Function
 
@@ -119,13 +117,13 @@ class ReferenceCSAConfig:
     rotary_interleaved: bool = False
     rotary_base: float = 10000.0
     csa_compress_rotary_base: float = 40000.0
-    dsa_indexer_loss_coeff: Optional[float] = 0.0
+    dsa_indexer_loss_coeff: float | None = 0.0
     dsa_indexer_use_sparse_loss: bool = True
     input_layout: str = "BSND"
     num_layers: int = 1
     mtp_num_layers: int = 0
     seed: int = 0
-    init_std: Optional[float] = None  # None: fan_in ** -0.5
+    init_std: float | None = None  # None: fan_in ** -0.5
 
 
 def _rng_for(config, salt):
@@ -145,13 +143,13 @@ def _salt(name):
 # small building blocks
 # --------------------------------------------------------------------------------------
 class Linear(nn.Cell):
-    """``y = x @ weight.T`` with ``weight: [output_size, input_size]`` (mindformers Linear, no bias)."""
+    """``y = x @ weight.T``, ``weight: [output_size, input_size]`` (mindformers Linear, no bias)."""
 
     def __init__(self, input_size, output_size, rng, init_std=None):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        std = init_std if init_std is not None else input_size ** -0.5
+        std = init_std if init_std is not None else input_size**-0.5
         self.weight = Parameter(_normal(rng, (output_size, input_size), std), name="weight")
 
     def construct(self, input_):
@@ -164,8 +162,9 @@ class RMSNorm(nn.Cell):
     def __init__(self, dim, eps, rng):
         super().__init__()
         self.eps = eps
-        self.weight = Parameter(Tensor(1.0 + 0.1 * rng.standard_normal((dim,)).astype(np.float32)),
-                                name="weight")
+        self.weight = Parameter(
+            Tensor(1.0 + 0.1 * rng.standard_normal((dim,)).astype(np.float32)), name="weight"
+        )
 
     def construct(self, x):
         x32 = ops.cast(x, mstype.float32)
@@ -188,7 +187,7 @@ class Hadamard(nn.Cell):
     def __init__(self, head_dim):
         super().__init__()
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.hadamard_mat = Tensor(_hadamard_matrix(head_dim), mstype.float32)
 
     def construct(self, x):
@@ -213,13 +212,16 @@ class ReferenceRotaryEmbedding(nn.Cell):
         super().__init__()
         self.dim = kv_channels
         self.rotary_base = rotary_base
-        self.inv_freq_np = (1.0 / (rotary_base ** (np.arange(0, kv_channels, 2, dtype=np.float32)
-                                                   / kv_channels))).astype(np.float32)
+        self.inv_freq_np = (
+            1.0 / (rotary_base ** (np.arange(0, kv_channels, 2, dtype=np.float32) / kv_channels))
+        ).astype(np.float32)
 
     def construct(self, max_seq_len, offset=0, position_ids=None):
         if position_ids is not None:
-            pos = np.asarray(position_ids.asnumpy() if isinstance(position_ids, Tensor) else position_ids,
-                             np.float32).reshape(-1) + np.float32(offset)
+            pos = np.asarray(
+                position_ids.asnumpy() if isinstance(position_ids, Tensor) else position_ids,
+                np.float32,
+            ).reshape(-1) + np.float32(offset)
         else:
             pos = np.arange(int(max_seq_len), dtype=np.float32) + np.float32(offset)
         freqs = np.outer(pos, self.inv_freq_np).astype(np.float32)
@@ -249,7 +251,9 @@ def apply_mla_rope(t, freqs, mscale=1.0, inverse=False):
     t_rot = mint.cat((-h2, h1), dim=-1)
     out = t * cos_ + t_rot * sin_
     o_1, o_2 = out[..., :half], out[..., half:]
-    out = mint.reshape(mint.cat((mint.unsqueeze(o_1, -1), mint.unsqueeze(o_2, -1)), dim=-1), (s, b, n, rd))
+    out = mint.reshape(
+        mint.cat((mint.unsqueeze(o_1, -1), mint.unsqueeze(o_2, -1)), dim=-1), (s, b, n, rd)
+    )
     return ops.cast(out, origin)
 
 
@@ -270,8 +274,16 @@ class Compressor(nn.Cell):
     ``rope_pos_offset + j*r`` and (indexer branch) Hadamard-rotated.
     """
 
-    def __init__(self, config, submodules=None, compress_ratio: int = 4, head_dim: int = 32,
-                 rotate: bool = False, rotary_pos_emb: Optional[nn.Cell] = None, _salt_name="compressor"):
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        compress_ratio: int = 4,
+        head_dim: int = 32,
+        rotate: bool = False,
+        rotary_pos_emb: nn.Cell | None = None,
+        _salt_name="compressor",
+    ):
         super().__init__()
         del submodules
         self.config = config
@@ -306,11 +318,15 @@ class Compressor(nn.Cell):
     def _overlap_transform(self, tensor, fill_value: float = 0.0):
         """``[n, r, b, 2d] -> [n, 2r, b, d]``: rows ``0..r-1`` of group ``j`` are group ``j-1``'s
         first-half channels (``fill_value`` for ``j == 0``), rows ``r..2r-1`` group ``j``'s
-        second half.  Same result as the real ``roll`` + ``[0] = fill`` (``Roll`` has no CPU kernel)."""
+        second half.  Same result as the real ``roll`` + ``[0] = fill`` (``Roll`` has no CPU
+        kernel)."""
         half = tensor.shape[-1] // 2
         tensor_prev, tensor_next = tensor[..., :half], tensor[..., half:]
         first = ops.full((1,) + tuple(tensor_prev.shape[1:]), fill_value, dtype=tensor_prev.dtype)
-        tensor_prev = self.cat([first, tensor_prev[:-1]], 0)
+        n = tensor_prev.shape[0]
+        # one block: no predecessor to shift in (``tensor_prev[:-1]`` would be a ``[0:0]`` slice,
+        # whose CPU backward fails on MindSpore 2.10)
+        tensor_prev = first if n == 1 else self.cat([first, tensor_prev[: n - 1]], 0)
         return self.cat([tensor_prev, tensor_next], 1)
 
     def construct(self, x, rope_pos_offset: int = 0):
@@ -344,7 +360,7 @@ class Compressor(nn.Cell):
         total_seq_len = n_compressed * self.compress_ratio
         freqs, _ = self.rotary_pos_emb(total_seq_len, offset=rope_pos_offset)
         if self.compress_ratio > 1:
-            freqs = freqs[:total_seq_len:self.compress_ratio][:n_compressed]
+            freqs = freqs[: total_seq_len : self.compress_ratio][:n_compressed]
         kv_4d = self.unsqueeze(kv, -2)
         nope = d - self.qk_pos_emb_head_dim
         kv_nope, kv_pe = kv_4d[..., :nope], kv_4d[..., nope:]
@@ -359,7 +375,9 @@ class Compressor(nn.Cell):
 class CSAIndexer(nn.Cell):
     """CSA lightning indexer (unfused path only)."""
 
-    def __init__(self, config, submodules=None, compress_ratio: int = 4, rotary_pos_emb: nn.Cell = None):
+    def __init__(
+        self, config, submodules=None, compress_ratio: int = 4, rotary_pos_emb: nn.Cell = None
+    ):
         super().__init__()
         del submodules
         self.config = config
@@ -370,20 +388,31 @@ class CSAIndexer(nn.Cell):
         self.is_tnd = False  # only true on the fused path
         self.hidden_size = config.hidden_size
         self.qk_pos_emb_head_dim = config.qk_pos_emb_head_dim
-        self.q_lora_rank = config.q_lora_rank if config.q_lora_rank is not None else config.hidden_size
+        self.q_lora_rank = (
+            config.q_lora_rank if config.q_lora_rank is not None else config.hidden_size
+        )
         self.index_n_heads = config.dsa_indexer_n_heads
         self.index_head_dim = config.dsa_indexer_head_dim
         self.index_topk = config.dsa_indexer_topk
         self.sparse_loss = config.dsa_indexer_use_sparse_loss
-        self.softmax_scale = self.index_head_dim ** -0.5
+        self.softmax_scale = self.index_head_dim**-0.5
         self.compute_dtype = mstype.float32
         self.apply_dsa_kernel_fusion = False
-        self.index_head_scale = self.index_n_heads ** -0.5
+        self.index_head_scale = self.index_n_heads**-0.5
         rng = _rng_for(config, _salt("indexer"))
         init_std = getattr(config, "init_std", None)
-        self.linear_wq_b = Linear(self.q_lora_rank, self.index_n_heads * self.index_head_dim, rng, init_std)
-        self.compressor = Compressor(config, None, compress_ratio=compress_ratio, head_dim=self.index_head_dim,
-                                     rotate=True, rotary_pos_emb=rotary_pos_emb, _salt_name="indexer.compressor")
+        self.linear_wq_b = Linear(
+            self.q_lora_rank, self.index_n_heads * self.index_head_dim, rng, init_std
+        )
+        self.compressor = Compressor(
+            config,
+            None,
+            compress_ratio=compress_ratio,
+            head_dim=self.index_head_dim,
+            rotate=True,
+            rotary_pos_emb=rotary_pos_emb,
+            _salt_name="indexer.compressor",
+        )
         self.linear_weights_proj = Linear(self.hidden_size, self.index_n_heads, rng, init_std)
         self.hadamard = Hadamard(self.index_head_dim)
 
@@ -476,11 +505,13 @@ class UnfusedCSAIndexerLoss(nn.Cell):
         eps = 1.0e-9
         sq, b, _, _ = query.shape
         sk = key.shape[0]
-        query = mint.permute(query, (1, 2, 0, 3))        # [b, np, sq, d]
-        key = mint.permute(key, (1, 2, 3, 0))            # [b, 1, d, sk]
+        query = mint.permute(query, (1, 2, 0, 3))  # [b, np, sq, d]
+        key = mint.permute(key, (1, 2, 3, 0))  # [b, 1, d, sk]
         attention_scores = mint.matmul(query, key) * self.softmax_scale
         if mask is None:
-            causal_mask = Tensor(np.triu(np.full((sq, sk), -np.inf, np.float32), k=1).reshape(1, 1, sq, sk))
+            causal_mask = Tensor(
+                np.triu(np.full((sq, sk), -np.inf, np.float32), k=1).reshape(1, 1, sq, sk)
+            )
         else:
             causal_mask = mint.reshape(ops.cast(mask, mstype.float32), (-1, 1, sq, sk))
         max_valid_idx = sk - 1
@@ -495,7 +526,8 @@ class UnfusedCSAIndexerLoss(nn.Cell):
         attention_scores = mint.softmax(ops.cast(attention_scores, mstype.float32), dim=-1)
         attention_scores = mint.sum(attention_scores, dim=1)
         attention_scores = attention_scores / mint.maximum(
-            mint.sum(attention_scores, -1, keepdim=True), Tensor(1.0e-12, mstype.float32))
+            mint.sum(attention_scores, -1, keepdim=True), Tensor(1.0e-12, mstype.float32)
+        )
         selected_target = mint.gather(attention_scores, -1, clean_indices)
         finite_min = ops.full(index_scores.shape, _BF16_MIN, dtype=index_scores.dtype)
         index_scores = mint.where(mint.isfinite(index_scores), index_scores, finite_min)
@@ -521,7 +553,11 @@ def parse_cu_seqlens(actual_seq_len, t_global):
     """Reduce a padded cumulative doc-end vector to host cu_seqlens (ends only, no leading 0)."""
     if actual_seq_len is None:
         return None
-    arr = actual_seq_len.asnumpy() if isinstance(actual_seq_len, Tensor) else np.asarray(actual_seq_len)
+    arr = (
+        actual_seq_len.asnumpy()
+        if isinstance(actual_seq_len, Tensor)
+        else np.asarray(actual_seq_len)
+    )
     ends = np.unique(arr.reshape(-1)).tolist()
     ends = [int(e) for e in ends if 0 < int(e) <= t_global]
     if not ends or ends[-1] != t_global:
@@ -546,7 +582,9 @@ def get_compress_topk_idxs(ratio, batch_size, seqlen, offset):
     return _bcast(matrix, batch_size)
 
 
-def get_doc_window_topk_idxs(window_size, batch_size, seqlen, cu_seqlens, pos_offset=0, ori_halo_len=0):
+def get_doc_window_topk_idxs(
+    window_size, batch_size, seqlen, cu_seqlens, pos_offset=0, ori_halo_len=0
+):
     """Doc-aware sliding-window indices (window clipped at the document start)."""
     ends = list(cu_seqlens)
     starts = [0] + ends[:-1]
@@ -593,11 +631,13 @@ def _doc_of_fn(cu_seqlens):
             if st <= p < en:
                 return d
         return -1
+
     return doc_of
 
 
-def get_doc_compress_topk_idxs(ratio, batch_size, seqlen, offset, cu_seqlens, pos_offset=0, compact=False,
-                               n_compressed=None):
+def get_doc_compress_topk_idxs(
+    ratio, batch_size, seqlen, offset, cu_seqlens, pos_offset=0, compact=False, n_compressed=None
+):
     """Doc-aware dense compressed indices (global-grid path)."""
     valid, block_doc = build_grid_valid_blocks(ratio, cu_seqlens)
     doc_of = _doc_of_fn(cu_seqlens)
@@ -689,8 +729,15 @@ class CompressedSparseAttention(nn.Cell):
     ``csa_compress_rotary_base`` (ratio > 1) or ``rotary_base``.
     """
 
-    def __init__(self, config=None, submodules=None, layer_number: int = 1, softmax_scale: Optional[float] = None,
-                 rotary_pos_emb: Optional[nn.Cell] = None, compress_ratio: int = 0) -> None:
+    def __init__(
+        self,
+        config=None,
+        submodules=None,
+        layer_number: int = 1,
+        softmax_scale: float | None = None,
+        rotary_pos_emb: nn.Cell | None = None,
+        compress_ratio: int = 0,
+    ) -> None:
         super().__init__()
         if config is None:
             config = ReferenceCSAConfig()
@@ -711,7 +758,7 @@ class CompressedSparseAttention(nn.Cell):
         self.dsa_indexer_loss_coeff = getattr(config, "dsa_indexer_loss_coeff", 0.0)
         self.sparse_loss = getattr(config, "dsa_indexer_use_sparse_loss", True)
 
-        self.softmax_scale = softmax_scale or config.v_head_dim ** -0.5
+        self.softmax_scale = softmax_scale or config.v_head_dim**-0.5
         self.ori_mask_mode = 4
         self.cmp_mask_mode = 3
         self.ori_win_left = config.csa_window_size - 1
@@ -721,19 +768,29 @@ class CompressedSparseAttention(nn.Cell):
         self.force_unfused = True  # not on the real 2.1.0 class; read by hyper-parallel's CP patch
 
         rng = _rng_for(config, _salt("attn_sink") + layer_number)
-        self.attn_sink = Parameter(_normal(rng, (config.num_attention_heads,), 0.5), name="attn_sink")
+        self.attn_sink = Parameter(
+            _normal(rng, (config.num_attention_heads,), 0.5), name="attn_sink"
+        )
 
         if compress_ratio > 0:
             self.enable_compress = True
-            self.compressor = Compressor(config, None, compress_ratio=compress_ratio, head_dim=config.v_head_dim,
-                                         rotate=False, rotary_pos_emb=self.rotary_pos_emb)
+            self.compressor = Compressor(
+                config,
+                None,
+                compress_ratio=compress_ratio,
+                head_dim=config.v_head_dim,
+                rotate=False,
+                rotary_pos_emb=self.rotary_pos_emb,
+            )
         else:
             self.enable_compress = False
             self.compressor = None
 
         if compress_ratio == 4 and not config.csa_dense_mode:
             self.enable_indexer = True
-            self.indexer = CSAIndexer(config, None, compress_ratio=compress_ratio, rotary_pos_emb=self.rotary_pos_emb)
+            self.indexer = CSAIndexer(
+                config, None, compress_ratio=compress_ratio, rotary_pos_emb=self.rotary_pos_emb
+            )
             self.indexer_loss_auto_scaler = _IndexerLossAutoScaler()
             self.unfused_indexer_loss = UnfusedCSAIndexerLoss(
                 softmax_scale=self.softmax_scale,
@@ -793,17 +850,22 @@ class CompressedSparseAttention(nn.Cell):
             if self.enable_indexer:
                 x_detach = ops.stop_gradient(x)
                 qr_detach = ops.stop_gradient(qr)
-                query_index, key_index, weights = self.indexer.forward_before_topk(x_detach, qr_detach)
+                query_index, key_index, weights = self.indexer.forward_before_topk(
+                    x_detach, qr_detach
+                )
                 positions_np = np.arange(1, sq + 1, dtype=np.int32)[:, None]
                 if cu_seqlens is not None:
                     causal_mask = build_doc_block_mask(ratio, sq, cu_seqlens)
                 else:
-                    future = np.arange(n_compressed, dtype=np.int32)[None, :] >= (positions_np // ratio)
+                    future = np.arange(n_compressed, dtype=np.int32)[None, :] >= (
+                        positions_np // ratio
+                    )
                     causal_mask = Tensor(np.where(future, -np.inf, 0.0).astype(np.float32))
                 causal_mask = self.reshape(causal_mask, (1, sq, n_compressed))
 
-                topk_indices_compressed, index_scores = self.indexer(query_index, key_index, weights,
-                                                                     mask=causal_mask)
+                topk_indices_compressed, index_scores = self.indexer(
+                    query_index, key_index, weights, mask=causal_mask
+                )
                 coeff = self.dsa_indexer_loss_coeff
                 if self.training and coeff is not None and coeff > 0:
                     indexer_loss = self.unfused_indexer_loss(
@@ -831,7 +893,9 @@ class CompressedSparseAttention(nn.Cell):
             topk_idxs = window_idxs
 
         # --- Step 4: differentiable sparse attention
-        output = unfused_compressed_sparse_attn(query, kv_full, self.attn_sink, topk_idxs, self.softmax_scale)
+        output = unfused_compressed_sparse_attn(
+            query, kv_full, self.attn_sink, topk_idxs, self.softmax_scale
+        )
 
         # --- Step 5: attach the KL loss (training, ratio == 4)
         if indexer_loss is not None and self.training:

@@ -1,0 +1,40 @@
+"""A missing MindSpore fails the mindformers tests when ``HP_CP_REQUIRE_BACKEND`` names
+``mindformers`` (the nox session), and skips them otherwise. MindSpore is hidden from a child
+pytest with ``sys.modules["mindspore"] = None``; this module itself needs no MindSpore."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN = (
+    "import sys; sys.modules['mindspore'] = None; import pytest; "
+    "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', sys.argv[1]]))"
+)
+
+
+@pytest.mark.parametrize("required", [True, False], ids=["required", "optional"])
+def test_missing_mindspore(required: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HP_CP_REQUIRE_BACKEND"}
+    if required:
+        env["HP_CP_REQUIRE_BACKEND"] = "fake,mindformers"
+    target = os.path.join(HERE, "test_mindformers_inprocess.py")
+    out = subprocess.run(
+        [sys.executable, "-c", RUN, target],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=HERE,
+    )
+    text = out.stdout + out.stderr
+    if required:
+        assert out.returncode != 0, text
+        assert "HP_CP_REQUIRE_BACKEND asks for the mindformers backend" in text, text
+    else:
+        assert out.returncode in (0, 5), text  # 5: nothing collected (module skipped)
+        assert "MindSpore cannot be imported" in text or "skipped" in text, text
