@@ -229,4 +229,107 @@ class TorchDriver:
         return calls.get("halo_exchange", 0), calls.get("all_gather", 0)
 
 
-DRIVERS = {"fake": FakeDriver, "torch": TorchDriver}
+# ------------------------------------------------------------------------------ mindformers
+
+
+MF_TESTS = Path(__file__).resolve().parent.parent / "mindformers"
+MF_WORKER = Path(__file__).resolve().parent / "mf_contract_worker.py"
+MF_WORLD = 3
+MF_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MindformersDriver:
+    """The mindformers backend's reference cell on MindSpore CPU ranks: ONE ``msrun`` job of 3
+    workers (cp = 3 on the world group, cp = 2 on a sub-group of ranks 0-1, cp = 1 on rank 2;
+    see ``mf_contract_worker.py``); each rank reports JSON per case."""
+
+    name = "mindformers"
+    cases = CASES
+
+    def __init__(self) -> None:
+        if str(MF_TESTS) not in sys.path:
+            sys.path.insert(0, str(MF_TESTS))
+
+    @functools.cache  # noqa: B019 - one driver object per session
+    def run(self) -> dict[ContractCase, list[dict] | str] | BaseException:
+        import json
+        import signal
+        import subprocess
+        import tempfile
+
+        from mf_cases import msrun_executable
+
+        msrun = msrun_executable()
+        if msrun is None:
+            return RuntimeError("msrun not found (set HP_CP_MSRUN_BIN to the venv's bin dir)")
+        out = tempfile.mkdtemp(prefix="hp_cp_contract_mf_")
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(msrun) + os.pathsep + env.get("PATH", "")  # runs `python`
+        env.setdefault("GLOG_v", "3")
+        spec = json.dumps([[c.cp, c.r, c.layout, c.packed] for c in self.cases])
+        cmd = [
+            msrun,
+            f"--worker_num={MF_WORLD}",
+            f"--local_worker_num={MF_WORLD}",
+            f"--master_port={_free_port()}",
+            f"--log_dir={os.path.join(out, 'logs')}",
+            "--join=True",
+            str(MF_WORKER),
+            out,
+            spec,
+        ]
+        with open(os.path.join(out, "msrun.txt"), "w") as log:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                rc: Any = proc.wait(timeout=MF_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "timeout"
+        reports = []
+        for r in range(MF_WORLD):
+            path = os.path.join(out, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as fh:
+                    reports.append(json.load(fh)["cases"])
+        where = f"(msrun rc={rc}, logs in {out})"
+        results: dict[ContractCase, list[dict] | str] = {}
+        for case in self.cases:
+            got = [rep[case.name] for rep in reports if case.name in rep]
+            errors = [g["error"] + "\n" + g.get("traceback", "") for g in got if "error" in g]
+            if errors:
+                results[case] = errors[0]
+            elif len(got) != case.cp:
+                results[case] = f"{len(got)} of {case.cp} ranks reported {case.name} {where}"
+            else:
+                results[case] = sorted(got, key=lambda g: g["cp_rank"])
+        return results
+
+    def check(self, case: ContractCase, per_rank: list[dict]) -> None:
+        from mf_cases import OUT_TOL
+
+        assert [r["cp_rank"] for r in per_rank] == list(range(case.cp))
+        for r in per_rank:
+            who = f"{case.name} rank {r['cp_rank']}"
+            assert r["cp_size"] == case.cp, who
+            assert r["installed"] == (case.cp > 1), f"{who}: installed={r['installed']}"
+            assert r["out_err"] <= OUT_TOL, f"{who}: output rel err {r['out_err']:.3g}"
+            assert r["unshard_err"] <= OUT_TOL, f"{who}: unshard rel err {r['unshard_err']:.3g}"
+
+    @staticmethod
+    def counts(stats: dict) -> tuple[int, int]:
+        calls = stats["collectives"]
+        return calls.get("halo_exchange", 0), calls.get("all_gather", 0)
+
+
+DRIVERS = {"fake": FakeDriver, "torch": TorchDriver, "mindformers": MindformersDriver}

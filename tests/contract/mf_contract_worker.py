@@ -1,0 +1,150 @@
+"""msrun worker of the mindformers contract driver (``contract_drivers.MindformersDriver``).
+
+Started on 3 MindSpore CPU ranks: cp = 3 cases on the world group (every rank), cp = 2 on the
+communication sub-group of ranks 0 and 1, cp = 1 on rank 2 alone (a 1-rank mesh), so ranks 0-1
+and rank 2 work side by side. Per case every rank of the CP group builds the reference cell
+``hp_cp_mindformers.reference.CompressedSparseAttention`` and the same seeded global inputs,
+runs one forward under CP on its rows, records ``handle.stats()``, gathers the output with
+``handle.unshard`` and compares it with the single-device cell (every rank: the 2-core machine
+can afford it); then ``disable_cp`` and checks the cell is restored. Writes
+``<outdir>/rank<r>.json`` after each case. Usage: ``msrun ... mf_contract_worker.py OUTDIR
+CASES-JSON`` where CASES-JSON is a list of ``[cp, r, layout, packed]``.
+
+Helpers (``init()``, RoPE, the mesh object, relative error) come from
+``tests/mindformers/mf_msrun_worker.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+MF_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mindformers")
+sys.path.insert(0, MF_TESTS)
+
+import mf_msrun_worker as w  # noqa: E402  (sets the CPU context and calls init())
+import numpy as np  # noqa: E402
+from mindspore import Tensor  # noqa: E402
+from mindspore.communication import GlobalComm, create_group  # noqa: E402
+
+from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp  # noqa: E402
+from hp_cp_mindformers import reference as ref  # noqa: E402
+
+
+def sizes(r: int) -> tuple[int, tuple[int, ...]]:
+    """Global rows (a multiple of 2 * cp for cp 1..3) and packed document ends (padded)."""
+    if r == 128:  # a document longer than r, two shorter ones; L < r for cp > 1
+        return 300, (5, 100, 300, 300)
+    # documents shorter than r, one spanning ranks; L = 4 < W - 1 for cp = 3
+    return 24, (2, 9, 11, 24, 24)
+
+
+def case_name(cp: int, r: int, layout: str, packed: bool) -> str:
+    lay = "lb" if layout == "load_balanced" else "contig"
+    return f"cp{cp}-r{r}-{lay}-{'packed' if packed else 'padded'}"
+
+
+class OneRankMesh:
+    """A HyperParallel-style mesh of one rank (cp = 1 without a communication group)."""
+
+    ndim = 1
+
+    def size(self) -> int:
+        return 1
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def get_group(self) -> str:
+        return GlobalComm.WORLD_COMM_GROUP
+
+
+SUB2 = "hp_cp_contract_2"
+
+
+def mesh_for(cp: int):
+    """This rank's mesh for a cp-sized case, or ``None`` when it sits the case out."""
+    rank, world = w.WORLD_RANK, w.WORLD
+    if cp == world:
+        return GlobalComm.WORLD_COMM_GROUP
+    if cp == 1:
+        return OneRankMesh() if rank == world - 1 else None
+    return SUB2 if rank < cp else None
+
+
+def run_case(cp: int, r: int, layout: str, packed: bool) -> dict:
+    t0 = time.time()
+    cfg = ref.ReferenceCSAConfig(seed=7)
+    cell = ref.CompressedSparseAttention(cfg, None, 1, compress_ratio=r)
+    cell.set_train(False)
+    s, ends = sizes(r)
+    b = 1 if packed else 2
+    rng = np.random.default_rng([r, s, b])
+    q_pre = rng.standard_normal((s, b, 4, 32)).astype(np.float32)
+    k_pre = rng.standard_normal((s, b, 1, 32)).astype(np.float32)
+    x = rng.standard_normal((s, b, 64)).astype(np.float32)
+    qr = rng.standard_normal((s, b, 48)).astype(np.float32)
+    asl = Tensor(np.array(ends, np.int32)) if packed else None
+    inputs_full = (w.rope(q_pre, np.arange(s)), w.rope(k_pre, np.arange(s)), Tensor(x), Tensor(qr))
+    want = cell(*inputs_full, asl).asnumpy()
+
+    handle = enable_cp(cell, mesh_for(cp), DeepSeekV4CPConfig(layout=layout, query_chunk=8))
+    try:
+        installed = "construct" in cell.__dict__
+        pos = handle.shard(np.arange(s), 0)
+        local = cell(
+            w.rope(handle.shard(q_pre, 0), pos),
+            w.rope(handle.shard(k_pre, 0), pos),
+            Tensor(handle.shard(x, 0)),
+            Tensor(handle.shard(qr, 0)),
+            asl,
+        )
+        stats = handle.stats()
+        out_err = w.rel(local.asnumpy(), handle.shard(want, 0))
+        full_err = w.rel(handle.unshard(local, 0).asnumpy(), want)
+        cp_rank, cp_size = handle.cp_rank, handle.cp_size
+    finally:
+        disable_cp(handle)
+    restored = "construct" not in cell.__dict__
+    restored_err = w.rel(cell(*inputs_full, asl).asnumpy(), want)
+    return {
+        "cp_rank": cp_rank,
+        "cp_size": cp_size,
+        "installed": installed,
+        "out_err": out_err,
+        "unshard_err": full_err,
+        "stats": stats,
+        "restored": restored and restored_err == 0.0,
+        "restored_err": restored_err,
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
+def main() -> None:
+    out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+    report = {"rank": w.WORLD_RANK, "world": w.WORLD, "cases": {}}
+    path = os.path.join(out_dir, f"rank{w.WORLD_RANK}.json")
+    if w.WORLD > 2 and w.WORLD_RANK < 2:
+        create_group(SUB2, [0, 1])
+    for cp, r, layout, packed in sorted(cases, key=lambda c: -c[0]):  # world group first
+        if cp > w.WORLD or mesh_for(cp) is None:
+            continue
+        name = case_name(cp, r, layout, packed)
+        try:
+            report["cases"][name] = run_case(cp, r, layout, packed)
+        except Exception as exc:  # noqa: BLE001 - reported per case to the pytest side
+            report["cases"][name] = {
+                "error": f"rank {w.WORLD_RANK}: {type(exc).__name__}: {exc}"[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+            }
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=1)
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
