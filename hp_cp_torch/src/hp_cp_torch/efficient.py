@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["GATHER_BUDGET_BYTES", "MAX_CHUNK_ROWS", "sparse_attention_efficient"]
 
-GATHER_BUDGET_BYTES = 64 << 20
+GATHER_BUDGET_BYTES = 16 << 20
 """Upper bound on one chunk's fp32 gather ``[B, rows, K, D]`` (bytes)."""
 
 MAX_CHUNK_ROWS = 256
@@ -124,8 +124,10 @@ class _SparseAttention(torch.autograd.Function):
             if need_q:
                 d_q[:, lo:hi] = (torch.einsum("bshk,bskd->bshd", ds, kv_sel) * scale).to(q.dtype)
             if need_kv and k:
-                d_sel = torch.einsum("bshk,bshd->bskd", p, go)
-                d_sel += torch.einsum("bshk,bshd->bskd", ds, qc) * scale
+                # both roles of each pool row (value: p dO, key: scale ds q) in one product
+                d_sel = torch.einsum(
+                    "bshk,bshd->bskd", torch.cat([p, ds], 2), torch.cat([go, qc * scale], 2)
+                )
                 # empty columns point at row 0 with zero p and ds: they add nothing
                 base = torch.arange(batch, device=idx.device) * pool.shape[1]
                 rows = idx[:, lo:hi].long().clamp(min=0) + base[:, None, None]
