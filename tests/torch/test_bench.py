@@ -132,6 +132,7 @@ def test_bench_main_small(tmp_path, capsys):
     ]
     for key in required:
         assert isinstance(res[key], (int, float)) and np.isfinite(res[key]), key
+    assert all(isinstance(v, (int, float)) for v in res.values()), "bench.json is numbers only"
     assert res["saved_bytes_efficient_over_smallop"] < 0.15
     assert res["saved_bytes_efficient_real_over_meta_l32"] == 1.0
     for lay, ker in bench.STEP_VARIANTS:

@@ -16,8 +16,8 @@ Two kinds of measure, kept apart:
   best-over-best ratios (``*_best_over_best``) are reported beside them, and a cp = 2 step
   counts as its slower rank.
 
-Writes a flat JSON object (``--out``, default ``./bench.json``; numbers, a few strings that
-name a setup, and per-rank lists) and a PNG bar chart of the headline ratios (``--png``,
+Writes a flat JSON object of numbers (``--out``, default ``./bench.json``; per-rank lists
+become ``key_<rank>``; the strings that name a setup go to ``bench.notes.json``) and a PNG bar chart of the headline ratios (``--png``,
 default next to the JSON; matplotlib when importable, else a small built-in renderer), and
 prints a table. ``python -m hp_cp_torch.bench --help``.
 
@@ -644,6 +644,25 @@ def _bars_png_fallback(rows: list[tuple[str, float, float | None]], path: str) -
         f.write(_png_bytes(pix, width, height))
 
 
+def _flatten_numbers(res: dict) -> tuple[dict, dict]:
+    """``bench.json`` holds numbers only (per-rank lists become ``key_<i>``); the strings that
+    name a setup go to ``bench.notes.json``."""
+    numbers: dict = {}
+    notes: dict = {}
+    for key, value in res.items():
+        if isinstance(value, bool):
+            numbers[key] = int(value)
+        elif isinstance(value, (int, float)):
+            numbers[key] = value
+        elif isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            numbers.update({f"{key}_{i}": v for i, v in enumerate(value)})
+        else:
+            notes[key] = value
+    return numbers, notes
+
+
 def write_png(rows: list[tuple[str, float, float | None]], path: str) -> str:
     """Bar chart of ``(label, value, target or None)``; returns the renderer used."""
     try:
@@ -880,8 +899,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in (out, png):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     res["png_renderer"] = write_png(_lower_is_better_rows(res), png)
+    numbers, notes = _flatten_numbers(res)
     with open(out, "w") as f:
-        json.dump(res, f, indent=1, sort_keys=True)
+        json.dump(numbers, f, indent=1, sort_keys=True)
+    with open(os.path.splitext(out)[0] + ".notes.json", "w") as f:
+        json.dump(notes, f, indent=1, sort_keys=True)
     print(_table(res))
     print(f"wrote {out} and {png}")
     return 0
