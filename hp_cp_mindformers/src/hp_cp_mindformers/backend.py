@@ -30,7 +30,7 @@ Index arrays are built on the host with numpy; empty slices are taken as ``t[n:n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from mindspore.common._grad_function import _Function
 from mindspore.communication import GlobalComm, get_group_size, get_rank
 
 from hp_cp_core import HpCpError
+from hp_cp_core.adapters import InstallingBackend
 
 __all__ = [
     "Capabilities",
@@ -485,26 +486,13 @@ class _AllGatherRows(_Function):
 # the backend
 
 
-class MindSporeBackend:
+class MindSporeBackend(InstallingBackend):
     """The mindformers backend: tensor ops for the core helpers, groups and forward install."""
 
     name = "mindformers"
 
-    def __init__(self, find: Callable[[Any], list[Any]], install: Callable[..., Any]) -> None:
-        self._find = find
-        self._install = install
-
     def group(self, mesh: Any) -> MindSporeGroup:
         return MindSporeGroup(resolve_mesh(mesh))
-
-    def find_layers(self, module: Any) -> list[Any]:
-        return self._find(module)
-
-    def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
-        return self._install(layer, cp_forward, group)
-
-    def uninstall(self, layer: Any, token: Any) -> None:
-        token()
 
     # ops (dim 0 = rows); index arrays arrive as numpy int64
     def cat(self, tensors: Sequence[Tensor]) -> Tensor:

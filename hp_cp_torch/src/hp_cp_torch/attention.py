@@ -144,8 +144,14 @@ def select_topk_chunked(
     device = next((o.device for o in outs if o is not None), None)
     return torch.cat(
         [
-            o if o is not None else torch.full((batch, min(lo + query_chunk, plan.n_local) - lo,
-                                                 topk), -1, dtype=torch.long, device=device)
+            o
+            if o is not None
+            else torch.full(
+                (batch, min(lo + query_chunk, plan.n_local) - lo, topk),
+                -1,
+                dtype=torch.long,
+                device=device,
+            )
             for o, lo in zip(outs, range(0, plan.n_local, query_chunk))
         ],
         dim=1,

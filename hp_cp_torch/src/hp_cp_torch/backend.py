@@ -11,7 +11,7 @@ rank reaches every backward collective even when it received nothing:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import HpCpError
+from hp_cp_core.adapters import InstallingBackend
 
 __all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
 
@@ -250,26 +251,13 @@ class _AllGatherRows(torch.autograd.Function):
         return None, out
 
 
-class TorchBackend:
+class TorchBackend(InstallingBackend):
     """The torch backend: ops for the core helpers, groups, and forward install."""
 
     name = "torch"
 
-    def __init__(self, find: Callable[[Any], list[Any]], install: Callable[..., Any]) -> None:
-        self._find = find
-        self._install = install
-
     def group(self, mesh: Any) -> TorchGroup:
         return TorchGroup(resolve_process_group(mesh))
-
-    def find_layers(self, module: Any) -> list[Any]:
-        return self._find(module)
-
-    def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
-        return self._install(layer, cp_forward, group)
-
-    def uninstall(self, layer: Any, token: Any) -> None:
-        token()
 
     # ops (dim 0 = rows); index arrays arrive as numpy
     def cat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

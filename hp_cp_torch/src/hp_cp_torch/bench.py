@@ -17,8 +17,9 @@ Two kinds of measure, kept apart:
   counts as its slower rank.
 
 Writes a flat JSON object of numbers (``--out``, default ``./bench.json``; per-rank lists
-become ``key_<rank>``; the strings that name a setup go to ``bench.notes.json``) and a PNG bar chart of the headline ratios (``--png``,
-default next to the JSON; matplotlib when importable, else a small built-in renderer), and
+become ``key_<rank>``; the strings that name a setup go to ``bench.notes.json``) and a PNG
+bar chart of the headline ratios (``--png``, default next to the JSON; matplotlib when
+importable, else a small built-in renderer), and
 prints a table. ``python -m hp_cp_torch.bench --help``.
 
 Note [Communication lower bound]

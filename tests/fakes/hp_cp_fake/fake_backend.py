@@ -324,16 +324,18 @@ def hp_cp_extract_ori_kv(module: Any, key: Any) -> Any:
 def hp_cp_compress_main(module: Any, x: Any, halo_x: Any, call: Any) -> Any:
     if not isinstance(module, ToyAttention):
         return None
-    return stage1_compress_with_halo(lambda rows, off: module.compress(rows, off, module.wc),
-                                     x, halo_x, call)
+    return stage1_compress_with_halo(
+        lambda rows, off: module.compress(rows, off, module.wc), x, halo_x, call
+    )
 
 
 @hookimpl
 def hp_cp_compress_indexer(module: Any, x: Any, halo_x: Any, call: Any) -> Any:
     if not isinstance(module, ToyAttention):
         return None
-    return stage1_compress_with_halo(lambda rows, off: module.compress(rows, off, module.wci),
-                                     x, halo_x, call)
+    return stage1_compress_with_halo(
+        lambda rows, off: module.compress(rows, off, module.wci), x, halo_x, call
+    )
 
 
 @hookimpl

@@ -1,0 +1,125 @@
+"""Hook implementations shared by backends whose modules are driven by *adapter* objects.
+
+A backend that maps each module it knows to an adapter (``layer_spec()``,
+``extract_ori_kv(key)``, ``compress_main(x, halo_x, call)``, ``compress_indexer(...)``,
+``run_attention(query, ori_ext, x, qr, call)``, ``make_forward(cp_forward, group)``) needs
+the same six hooks and the same install rule; :class:`AdapterHooks` is them, once. A plugin
+module exposes its bound methods as module-level hooks::
+
+    _HOOKS = AdapterHooks(framework="torch", adapter_for=..., make_backend=..., ...)
+    hp_cp_backend = _HOOKS.hp_cp_backend
+    ...
+
+``framework`` is checked in ``sys.modules`` before anything else, so discovery never imports
+a framework, and a module is only claimed when its framework is already loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from hp_cp_core import hookimpl
+
+
+class AdapterHooks:
+    """The six hp_cp hooks, delegating every stage to the module's adapter.
+
+    Args:
+        framework: top-level module name of the framework (``"torch"``, ``"mindspore"``).
+        adapter_for: ``module -> adapter`` or ``None`` (imports backend code lazily).
+        make_backend: ``(find_layers, install) -> Backend``.
+        children: ``module -> iterable of sub-modules`` (for a whole model).
+        install_forward: ``(layer, forward) -> undo`` replacing the layer's forward.
+    """
+
+    def __init__(
+        self,
+        *,
+        framework: str,
+        adapter_for: Callable[[Any], Any],
+        make_backend: Callable[..., Any],
+        children: Callable[[Any], Iterable[Any]],
+        install_forward: Callable[[Any, Any], Callable[[], None]],
+    ) -> None:
+        self.framework = framework
+        self._adapter_for = adapter_for
+        self._make_backend = make_backend
+        self._children = children
+        self._install_forward = install_forward
+
+    def adapter(self, module: Any) -> Any:
+        """The module's adapter, or ``None`` when this backend does not own it."""
+        if sys.modules.get(self.framework) is None:
+            return None
+        return self._adapter_for(module)
+
+    def find_layers(self, module: Any) -> list[Any]:
+        """Every sub-module (the module itself included) this backend has an adapter for."""
+        if self.adapter(module) is not None:
+            return [module]
+        if sys.modules.get(self.framework) is None:
+            return []
+        return [m for m in self._children(module) if self.adapter(m) is not None]
+
+    def install(self, layer: Any, cp_forward: Any, group: Any) -> Callable[[], None]:
+        """Route the layer's forward through CP; with a group of one the original path stays."""
+        if group.size == 1:
+            return lambda: None
+        return self._install_forward(layer, self.adapter(layer).make_forward(cp_forward, group))
+
+    @hookimpl
+    def hp_cp_backend(self, module: Any) -> Any:
+        if not self.find_layers(module):
+            return None
+        return self._make_backend(self.find_layers, self.install)
+
+    @hookimpl
+    def hp_cp_layer_spec(self, module: Any) -> Any:
+        adapter = self.adapter(module)
+        return None if adapter is None else adapter.layer_spec()
+
+    @hookimpl
+    def hp_cp_extract_ori_kv(self, module: Any, key: Any) -> Any:
+        adapter = self.adapter(module)
+        return None if adapter is None else adapter.extract_ori_kv(key)
+
+    @hookimpl
+    def hp_cp_compress_main(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
+        adapter = self.adapter(module)
+        return None if adapter is None else adapter.compress_main(x, halo_x, call)
+
+    @hookimpl
+    def hp_cp_compress_indexer(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
+        adapter = self.adapter(module)
+        return None if adapter is None else adapter.compress_indexer(x, halo_x, call)
+
+    @hookimpl
+    def hp_cp_run_attention(
+        self, module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, call: Any
+    ) -> Any:
+        adapter = self.adapter(module)
+        return None if adapter is None else adapter.run_attention(query, ori_ext, x, qr, call)
+
+
+class InstallingBackend:
+    """Base for backends built by :class:`AdapterHooks`: layer finding and forward install.
+
+    Subclasses add the framework's ``group(mesh)`` and tensor ops.
+    """
+
+    name = "?"
+
+    def __init__(self, find: Callable[[Any], list[Any]], install: Callable[..., Any]) -> None:
+        self._find = find
+        self._install = install
+
+    def find_layers(self, module: Any) -> list[Any]:
+        return self._find(module)
+
+    def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
+        return self._install(layer, cp_forward, group)
+
+    def uninstall(self, layer: Any, token: Any) -> None:
+        token()
