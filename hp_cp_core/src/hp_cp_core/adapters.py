@@ -6,7 +6,7 @@ A backend that maps each module it knows to an adapter (``layer_spec()``,
 the same six hooks and the same install rule; :class:`AdapterHooks` is them, once. A plugin
 module exposes its bound methods as module-level hooks::
 
-    _HOOKS = AdapterHooks(framework="torch", adapter_for=..., make_backend=..., ...)
+    _HOOKS = AdapterHooks(framework="torch", adapter_for="hp_cp_torch.adapter:adapter_for", ...)
     hp_cp_backend = _HOOKS.hp_cp_backend
     ...
 
@@ -16,6 +16,7 @@ a framework, and a module is only claimed when its framework is already loaded.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,22 +33,26 @@ class AdapterHooks:
         make_backend: ``(find_layers, install) -> Backend``.
         children: ``module -> iterable of sub-modules`` (for a whole model).
         install_forward: ``(layer, forward) -> undo`` replacing the layer's forward.
+
+    ``adapter_for``, ``make_backend`` and ``install_forward`` may also be given as
+    ``"package.module:name"`` strings, imported on first use (after the framework check), so
+    a plugin module stays free of framework imports.
     """
 
     def __init__(
         self,
         *,
         framework: str,
-        adapter_for: Callable[[Any], Any],
-        make_backend: Callable[..., Any],
+        adapter_for: Callable[[Any], Any] | str,
+        make_backend: Callable[..., Any] | str,
         children: Callable[[Any], Iterable[Any]],
-        install_forward: Callable[[Any, Any], Callable[[], None]],
+        install_forward: Callable[[Any, Any], Callable[[], None]] | str,
     ) -> None:
         self.framework = framework
-        self._adapter_for = adapter_for
-        self._make_backend = make_backend
+        self._adapter_for = _lazy(adapter_for)
+        self._make_backend = _lazy(make_backend)
         self._children = children
-        self._install_forward = install_forward
+        self._install_forward = _lazy(install_forward)
 
     def adapter(self, module: Any) -> Any:
         """The module's adapter, or ``None`` when this backend does not own it."""
@@ -101,6 +106,18 @@ class AdapterHooks:
     ) -> Any:
         adapter = self.adapter(module)
         return None if adapter is None else adapter.run_attention(query, ori_ext, x, qr, call)
+
+
+def _lazy(target: Callable[..., Any] | str) -> Callable[..., Any]:
+    """``target`` itself, or a callable importing ``"module:name"`` on its first call."""
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module_name), attr)(*args, **kwargs)
+
+    return call
 
 
 class InstallingBackend:

@@ -12,24 +12,6 @@ from typing import Any
 from hp_cp_core.adapters import AdapterHooks
 
 
-def _adapter_for(module: Any) -> Any:
-    from hp_cp_mindformers.adapter import adapter_for
-
-    return adapter_for(module)
-
-
-def _make_backend(find: Any, install: Any) -> Any:
-    from hp_cp_mindformers.backend import MindSporeBackend
-
-    return MindSporeBackend(find, install)
-
-
-def _install_forward(layer: Any, forward: Any) -> Any:
-    from hp_cp_mindformers.adapter import install_construct
-
-    return install_construct(layer, forward)
-
-
 def _children(cell: Any) -> Any:
     cells = getattr(cell, "cells_and_names", None)
     return (c for _, c in cells()) if cells is not None else ()
@@ -37,10 +19,10 @@ def _children(cell: Any) -> Any:
 
 _HOOKS = AdapterHooks(
     framework="mindspore",
-    adapter_for=_adapter_for,
-    make_backend=_make_backend,
+    adapter_for="hp_cp_mindformers.adapter:adapter_for",
+    make_backend="hp_cp_mindformers.backend:MindSporeBackend",
     children=_children,
-    install_forward=_install_forward,
+    install_forward="hp_cp_mindformers.adapter:install_construct",
 )
 
 find_layers = _HOOKS.find_layers

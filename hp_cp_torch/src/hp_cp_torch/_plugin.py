@@ -12,24 +12,6 @@ from typing import Any
 from hp_cp_core.adapters import AdapterHooks
 
 
-def _adapter_for(module: Any) -> Any:
-    from hp_cp_torch.adapter import adapter_for
-
-    return adapter_for(module)
-
-
-def _make_backend(find: Any, install: Any) -> Any:
-    from hp_cp_torch.backend import TorchBackend
-
-    return TorchBackend(find, install)
-
-
-def _install_forward(layer: Any, forward: Any) -> Any:
-    from hp_cp_torch.adapter import install_forward
-
-    return install_forward(layer, forward)
-
-
 def _children(module: Any) -> Any:
     modules = getattr(module, "modules", None)
     return modules() if modules is not None else ()
@@ -37,10 +19,10 @@ def _children(module: Any) -> Any:
 
 _HOOKS = AdapterHooks(
     framework="torch",
-    adapter_for=_adapter_for,
-    make_backend=_make_backend,
+    adapter_for="hp_cp_torch.adapter:adapter_for",
+    make_backend="hp_cp_torch.backend:TorchBackend",
     children=_children,
-    install_forward=_install_forward,
+    install_forward="hp_cp_torch.adapter:install_forward",
 )
 
 find_layers = _HOOKS.find_layers

@@ -1,0 +1,105 @@
+"""AdapterHooks: the shared hook implementations of adapter-driven backends."""
+
+from __future__ import annotations
+
+import json  # noqa: F401 - "json" plays the framework that is already imported
+import sys
+
+from hp_cp_core.adapters import AdapterHooks, InstallingBackend
+
+
+class Layer:
+    def __init__(self) -> None:
+        self.children: list = []
+
+
+class Model:
+    def __init__(self, children: list) -> None:
+        self.children = children
+
+
+class Adapter:
+    def __init__(self, module: Layer) -> None:
+        self.module = module
+
+    def layer_spec(self):
+        return ("spec", self.module)
+
+    def extract_ori_kv(self, key):
+        return ("kv", key)
+
+    def compress_main(self, x, halo_x, call):
+        return ("main", x, halo_x, call)
+
+    def compress_indexer(self, x, halo_x, call):
+        return ("indexer", x, halo_x, call)
+
+    def run_attention(self, query, ori_ext, x, qr, call):
+        return ("attn", query, ori_ext, x, qr, call)
+
+    def make_forward(self, cp_forward, group):
+        return ("forward", cp_forward)
+
+
+class Group:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def make_hooks(framework: str = "json") -> AdapterHooks:
+    installed = []
+
+    def install_forward(layer, forward):
+        installed.append((layer, forward))
+        return lambda: installed.remove((layer, forward))
+
+    hooks = AdapterHooks(
+        framework=framework,
+        adapter_for=lambda m: Adapter(m) if isinstance(m, Layer) else None,
+        make_backend="hp_cp_core.adapters:InstallingBackend",  # resolved lazily
+        children=lambda m: getattr(m, "children", ()),
+        install_forward=install_forward,
+    )
+    hooks.installed = installed
+    return hooks
+
+
+def test_every_stage_delegates_to_the_adapter_and_declines_foreign_modules():
+    hooks, layer = make_hooks(), Layer()
+    assert hooks.hp_cp_layer_spec(layer) == ("spec", layer)
+    assert hooks.hp_cp_extract_ori_kv(layer, "k") == ("kv", "k")
+    assert hooks.hp_cp_compress_main(layer, "x", "h", "c") == ("main", "x", "h", "c")
+    assert hooks.hp_cp_compress_indexer(layer, "x", "h", "c") == ("indexer", "x", "h", "c")
+    assert hooks.hp_cp_run_attention(layer, "q", "o", "x", "r", "c")[0] == "attn"
+    other = object()
+    assert hooks.hp_cp_layer_spec(other) is None
+    assert hooks.hp_cp_extract_ori_kv(other, "k") is None
+    assert hooks.hp_cp_run_attention(other, "q", "o", "x", "r", "c") is None
+    assert hooks.hp_cp_backend(other) is None
+
+
+def test_backend_is_built_lazily_and_finds_layers_inside_a_model():
+    hooks, model = make_hooks(), Model([Layer(), object(), Layer()])
+    backend = hooks.hp_cp_backend(model)
+    assert isinstance(backend, InstallingBackend)
+    assert backend.find_layers(model) == [model.children[0], model.children[2]]
+
+
+def test_install_keeps_the_original_path_for_a_group_of_one():
+    hooks, layer = make_hooks(), Layer()
+    undo = hooks.install(layer, "cp", Group(1))
+    assert hooks.installed == []
+    undo()
+    undo = hooks.install(layer, "cp", Group(2))
+    assert hooks.installed == [(layer, ("forward", "cp"))]
+    undo()
+    assert hooks.installed == []
+
+
+def test_nothing_is_claimed_while_the_framework_is_not_imported():
+    name = "hp_cp_framework_never_imported"
+    assert name not in sys.modules
+    hooks = make_hooks(framework=name)
+    assert hooks.hp_cp_backend(Layer()) is None
+    assert hooks.hp_cp_layer_spec(Layer()) is None
+    assert hooks.find_layers(Layer()) == []
