@@ -1,7 +1,7 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, bench, dist, device.
+"""Sessions: lint, core (no framework), torch, mindformers, bench, dist, device, fuzz.
 
 `nox` runs lint, core, torch and mindformers; each installs its own distributions into a
 fresh virtualenv, so the core is proven framework-free and every backend is tested with its
@@ -9,6 +9,9 @@ framework for real.
 """
 
 from __future__ import annotations
+
+import os
+import random
 
 import nox
 
@@ -104,6 +107,28 @@ def dist(session: nox.Session) -> None:
         "-c",
         "import importlib.metadata as m; names = {e.name for e in m.entry_points(group='hp_cp')};"
         "assert {'torch', 'mindformers'} <= names, names; print(sorted(names))",
+    )
+
+
+@nox.session(python=PYTHONS, default=False)
+def fuzz(session: nox.Session) -> None:
+    """Randomised CP-vs-single-device parity on gloo ranks, with a random seed (printed).
+
+    ``HP_CP_FUZZ_SEED`` repeats a run, ``HP_CP_FUZZ_CASES`` (default 200) and
+    ``HP_CP_FUZZ_WORLDS`` (cp sizes, default ``2,3,4,8``) size it; the cases come from
+    ``tests/torch/fuzz_cases.py``, the same generator the torch session runs with a fixed seed.
+    """
+    session.install(TORCH)
+    session.install("./hp_cp_core", "./hp_cp_torch", *TEST_DEPS)
+    seed = os.environ.get("HP_CP_FUZZ_SEED") or str(random.SystemRandom().randrange(2**31))
+    cases = os.environ.get("HP_CP_FUZZ_CASES", "200")
+    worlds = os.environ.get("HP_CP_FUZZ_WORLDS", "2,3,4,8")
+    session.log(f"fuzz: seed {seed}, {cases} cases, cp {worlds} (repeat: HP_CP_FUZZ_SEED={seed})")
+    session.run(
+        "pytest",
+        "tests/torch/test_fuzz.py",
+        *session.posargs,
+        env={"HP_CP_FUZZ_SEED": seed, "HP_CP_FUZZ_CASES": cases, "HP_CP_FUZZ_WORLDS": worlds},
     )
 
 

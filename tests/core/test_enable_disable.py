@@ -87,7 +87,7 @@ def test_enable_reports_the_layers_and_stats(host: PluginHost) -> None:
     assert (handle.cp_rank, handle.cp_size, handle.backend_name) == (2, 3, "fake")
     stats = handle.stats()
     assert stats["layout"] == "load_balanced" and stats["layers"] == 1
-    assert stats["plan_cache"] == {"plans": 0, "hits": 0, "misses": 0}
+    assert stats["plan_cache"] == {"plans": 0, "capacity": 64, "hits": 0, "misses": 0}
     disable_cp(handle)
 
 
@@ -116,7 +116,9 @@ def test_layer_spec_must_be_a_layer_spec(host: PluginHost) -> None:
     with pytest.raises(HpCpError) as err:
         enable_cp(fb.ToyAttention(), fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
     assert str(err.value) == (
-        "hp_cp_layer_spec returned a dict for `ToyAttention`; expected a hp_cp_core.LayerSpec."
+        "hp_cp_layer_spec returned a dict for `ToyAttention`; expected a hp_cp_core.LayerSpec, "
+        "got {'compress_ratio': 4}. Return LayerSpec(compress_ratio=..., window_size=..., "
+        "has_indexer=...) from the backend's hook."
     )
 
 

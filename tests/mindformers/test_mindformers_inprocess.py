@@ -172,6 +172,7 @@ def test_cp1_keeps_the_cells_own_path(host: PluginHost, patch: str) -> None:
     assert handle.stats()["cp_size"] == 1
     disable_cp(handle)
     assert getattr(cell, "_hp_cp_handle", None) is None
+    assert "_hp_cp_adapter" not in cell.__dict__  # the patch functions' adapter goes too
 
 
 def test_adapter_maps_the_cell(host: PluginHost) -> None:

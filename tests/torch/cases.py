@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import functools
+import importlib
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class Case:
             (``loss.backward()`` and ``.grad``).
         cu: explicit packed boundaries (else random documents, see :func:`make_cu`).
         seed: weights and inputs.
+        topk: the indexer's top-k (r = 4).
+        rows: the global sequence length when not ``2 * cp * chunk`` (0: that default).
     """
 
     cp: int
@@ -78,10 +81,12 @@ class Case:
     backward: str = "grad"
     cu: tuple[int, ...] | None = None
     seed: int = 0
+    topk: int = 3
+    rows: int = 0
 
     @property
     def total(self) -> int:
-        return 2 * self.cp * self.chunk
+        return self.rows or 2 * self.cp * self.chunk
 
     @property
     def local(self) -> int:
@@ -104,6 +109,8 @@ class Case:
             parts.append(self.kernel)
         if self.backward != "grad":
             parts.append("loss.backward")
+        if self.topk != 3:
+            parts.append(f"k{self.topk}")
         return "-".join(parts)
 
 
@@ -125,7 +132,7 @@ def parity_case(cp: int, r: int, layout: str = "contiguous", packed: bool = Fals
     return Case(cp, r, layout, packed, chunk, **kw)
 
 
-def layer_config(r: int, window: int = 16) -> DeepSeekV4AttentionConfig:
+def layer_config(r: int, window: int = 16, topk: int = 3) -> DeepSeekV4AttentionConfig:
     return DeepSeekV4AttentionConfig(
         hidden_size=32,
         n_heads=2,
@@ -138,13 +145,13 @@ def layer_config(r: int, window: int = 16) -> DeepSeekV4AttentionConfig:
         compress_ratio=r,
         index_n_heads=2,
         index_head_dim=16,
-        index_topk=3,
+        index_topk=topk,
     )
 
 
 def build_layer(case: Case) -> DeepSeekV4Attention:
     torch.manual_seed(1000 + case.seed)
-    layer = DeepSeekV4Attention(layer_config(case.r, case.window))
+    layer = DeepSeekV4Attention(layer_config(case.r, case.window, case.topk))
     return layer.to(getattr(torch, case.dtype))
 
 
@@ -326,7 +333,7 @@ def reference_selection(layer: DeepSeekV4Attention, x: torch.Tensor, cu: torch.T
             seg = xb[:, a:b]
             pos = torch.arange(b - a)[None].expand(batch, -1)
             _, _, qr = layer.project(seg, pos)
-            ids = layer._indexer_slots(seg, qr, pos)
+            ids = layer._indexer_slots(seg, qr, pos)[0]
             sc = ind.scores(ind.queries(qr, pos), ind.weights(seg), ind.compressor(seg))
             for bi in range(batch):
                 for t in range(b - a):
@@ -393,7 +400,7 @@ def check_parity(case: Case, got: dict) -> None:
         assert err <= 1e-4, f"input gradient relative error {err:.3g} > 1e-4"
         for name, ref in want["pgrads"].items():
             cp_grad = got["pgrads"][name]
-            if ref is None:  # e.g. the indexer: no gradient reaches it from the output
+            if ref is None:  # no gradient reaches it (e.g. the indexer in eval mode)
                 assert not cp_grad.abs().any(), f"{name}: CP gradient where single device has none"
                 continue
             err = rel_err(cp_grad, ref)
@@ -473,6 +480,11 @@ def result(suite: str, world: int, name: str) -> list[Any]:
 
 
 def suite_cases(suite: str, world: int) -> dict[str, tuple[Callable, tuple]]:
+    """``SUITES[suite](world)``, or for ``"module:function[:arg]"`` a suite defined in another
+    test module (imported in each rank): ``function(world[, arg])``."""
+    if ":" in suite:
+        module, name, *arg = suite.split(":")
+        return getattr(importlib.import_module(module), name)(world, *arg)
     return SUITES[suite](world)
 
 
@@ -1114,6 +1126,7 @@ SUITES: dict[str, Callable[[int], dict[str, tuple[Callable, tuple]]]] = {
     "parity": _parity_suite,
     "api": _api_suite,
     "adapter": _adapter_suite,
+    "indexer_loss": lambda world: __import__("indexer_loss_cases").loss_suite(world),
 }
 
 __all__ = [

@@ -144,7 +144,8 @@ def test_inconsistent_inputs_raise_on_every_rank(world: int) -> None:
         assert kind == "PlanError" and "inconsistent" in msg and "local rows per rank" in msg
         assert str([8 + k for k in range(world)]) in msg, msg
         kind, msg = errors["cu_seqlens"]
-        assert kind == "PlanError" and "cu_seqlens digests" in msg, msg
+        assert kind == "PlanError" and "cu_seqlens per rank [[0, 5, " in msg, msg
+        assert f"[0, 6, {8 * world}]]. Expected the same global cu_seqlens" in msg, msg
         kind, msg = errors["not_global"]
         assert kind == "PlanError" and "global cu_seqlens" in msg, msg
         assert r["after"][1] == 7 * 2, "the group did not work after the errors"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from hp_cp_core.forward import DeepSeekV4CPForward
 from hp_cp_core.layout import SequenceLayout
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
+from hp_cp_core.validation import check_group, check_layer_spec
 
 _MARK = "_hp_cp_handle"
 
@@ -30,6 +32,9 @@ class CPHandle:
         group: the CP group.
         config: the options.
         layers: the attention layers running under CP, with their specs.
+
+    A handle (and so a module running under CP, which refers to it) cannot be pickled or
+    copied: it holds this process's CP group. See :func:`cp_state_not_copyable`.
     """
 
     module: Any
@@ -41,7 +46,19 @@ class CPHandle:
     layers: list[tuple[Any, LayerSpec]] = field(default_factory=list)
     cache: PlanCache = field(default_factory=PlanCache)
     _tokens: list[tuple[Any, Any]] = field(default_factory=list)
+    _cleanups: list[Callable[[], None]] = field(default_factory=list)
     active: bool = True
+
+    def on_disable(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` in ``disable_cp``, after the forwards are restored.
+
+        For what a backend attaches to a module besides its forward (an explicit adapter),
+        so that ``disable_cp`` leaves no attribute behind.
+        """
+        self._cleanups.append(fn)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise cp_state_not_copyable(type(self.module).__name__)
 
     @property
     def cp_rank(self) -> int:
@@ -135,15 +152,11 @@ def enable_cp(
                 "it again."
             )
     group = be.group(mesh)
-    handle = CPHandle(module, mesh, name, be, group, config)
+    check_group(group, mesh, name)
+    cache = PlanCache(config.plan_cache_size)
+    handle = CPHandle(module, mesh, name, be, group, config, cache=cache)
     hooks = host.hooks
-    specs = [(layer, hooks.layer_spec(layer)) for layer in layers]
-    for layer, spec in specs:
-        if not isinstance(spec, LayerSpec):
-            raise HpCpError(
-                f"hp_cp_layer_spec returned a {type(spec).__name__} for `{type(layer).__name__}`;"
-                " expected a hp_cp_core.LayerSpec."
-            )
+    specs = [(layer, check_layer_spec(hooks.layer_spec(layer), layer)) for layer in layers]
     for layer, spec in specs:
         cp_forward = DeepSeekV4CPForward(layer, hooks, be, group, spec, config, handle.cache)
         handle._tokens.append((layer, be.install(layer, cp_forward, group)))
@@ -160,9 +173,25 @@ def disable_cp(handle: CPHandle) -> None:
     for layer, token in reversed(handle._tokens):
         handle.backend.uninstall(layer, token)
     handle._tokens.clear()
+    while handle._cleanups:
+        handle._cleanups.pop()()
     for obj in {id(o): o for o in [handle.module, *(lay for lay, _ in handle.layers)]}.values():
         _set_mark(obj, None)
     handle.active = False
+
+
+def cp_state_not_copyable(module_type: str) -> HpCpError:
+    """The error for pickling, ``torch.save``-ing or deep-copying a module under CP.
+
+    Its forward is bound to this process's CP group, which cannot travel to another process
+    or be duplicated; the parameters themselves are untouched by CP.
+    """
+    return HpCpError(
+        f"cannot pickle or copy a `{module_type}` while it runs under CP: its forward "
+        "is bound to this process's CP group. Save or copy `module.state_dict()` instead (CP "
+        "leaves it unchanged) and load it into a fresh module, or call disable_cp(handle) "
+        "first and enable_cp again afterwards (on the copy too)."
+    )
 
 
 def _set_mark(obj: Any, handle: CPHandle | None) -> None:

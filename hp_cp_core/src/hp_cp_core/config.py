@@ -30,15 +30,22 @@ class DeepSeekV4CPConfig:
             ``"efficient"`` (chunked, recomputes in backward; memory does not grow with the
             number of selected keys). Backends that have only one ignore the other.
         query_chunk: queries scored / attended per chunk by causal-aware kernels.
-        check_inputs_across_ranks: all-gather a few integers (local rows, cu_seqlens digest)
-            before the first exchange so that ranks given inconsistent inputs all raise
-            ``HpCpError`` instead of hanging.
+        check_inputs_across_ranks: all-gather a few integers (each rank's check verdict and
+            digests of its rows, cu_seqlens, tensor shapes, layer spec and these options)
+            before the first exchange, so that a bad input on one rank, or ranks given
+            inconsistent inputs, make every rank raise ``HpCpError`` instead of hanging. See
+            Note [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`. Must be
+            the same on every rank.
+        plan_cache_size: most plans kept per ``enable_cp`` handle (least recently used
+            goes first). A plan holds O(L) index arrays per input shape (per ``cu_seqlens``
+            when packed), so this bounds the cache's memory when every batch differs.
     """
 
     layout: str = "contiguous"
     attention_kernel: str = "smallop"
     query_chunk: int = 1024
     check_inputs_across_ranks: bool = True
+    plan_cache_size: int = 64
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -53,6 +60,10 @@ class DeepSeekV4CPConfig:
             )
         if int(self.query_chunk) < 1:
             raise HpCpError(f"DeepSeekV4CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")
+        if int(self.plan_cache_size) < 1:
+            raise HpCpError(
+                f"DeepSeekV4CPConfig.plan_cache_size must be >= 1, got {self.plan_cache_size}."
+            )
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,10 @@ class DeepSeekV4CPContext:
         cmp_idx_global: indexer keys, same rows as ``cmp_kv_global``; ``None`` when absent.
         ops: the module's :class:`~hp_cp_core.backend.Backend` (tensor ops for core helpers).
         extra: backend-private values the install wrapper passes to its own hooks.
+        group: the CP :class:`~hp_cp_core.backend.Group` (for
+            :func:`hp_cp_core.indexer_loss.global_indexer_loss`).
+        loss_rows: rows (batch x tokens) of *all* ranks that count in the indexer loss's
+            mean; see Note [Indexer loss under CP] in :mod:`hp_cp_core.indexer_loss`.
     """
 
     cp_rank: int
@@ -123,6 +138,8 @@ class DeepSeekV4CPContext:
     cmp_idx_global: Any = None
     ops: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    group: Any = None
+    loss_rows: int = 0
 
     @property
     def pos_offset(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,9 +11,16 @@ from hp_cp_core.backend import Backend, Group
 from hp_cp_core.collectives import exchange_halos
 from hp_cp_core.compression import build_global_compressed_kv_for_cp
 from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
-from hp_cp_core.errors import PlanError
+from hp_cp_core.errors import HpCpError
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
+from hp_cp_core.validation import (
+    LocalCheck,
+    agree,
+    agreed_config_text,
+    check_rows,
+    parse_cu_seqlens,
+)
 
 
 class DeepSeekV4CPForward:
@@ -45,12 +52,43 @@ class DeepSeekV4CPForward:
         self.group = group
         self.spec = spec
         self.config = config or DeepSeekV4CPConfig()
-        self.cache = cache or PlanCache()
+        self.cache = cache if cache is not None else PlanCache()
+        self._spec_text, self._config_text = repr(spec), agreed_config_text(self.config)
 
     def __call__(
-        self, query: Any, key: Any, x: Any, qr: Any, *, cu_seqlens: Any = None, **extra: Any
+        self,
+        query: Any,
+        key: Any,
+        x: Any,
+        qr: Any,
+        *,
+        cu_seqlens: Any = None,
+        call: DeepSeekV4CPContext | None = None,
+        **extra: Any,
     ) -> Any:
-        call = self.context(self.backend.num_rows(x), cu_seqlens, extra)
+        """One layer forward on this rank's rows (sequence-major, rows first).
+
+        Args:
+            query, key, x, qr: the layer's local tensors (see the stage hooks).
+            cu_seqlens: global packed document boundaries, ``None`` when padded.
+            call: the context :meth:`agree` returned, when the install wrapper already
+                checked its inputs (then ``cu_seqlens`` is taken from it); else this call
+                checks the inputs and agrees across ranks itself.
+            extra: backend-private values for the hooks (``call.extra``).
+        """
+        if call is None:
+            shapes = [self.backend.shape(t)[1:] for t in (query, key, x, qr) if t is not None]
+            n_local = self.backend.num_rows(x)
+            check = self.inspect(
+                n_local, cu_seqlens, signature=" ".join(str(list(s)) for s in shapes)
+            )
+            if self.spec.has_indexer and extra.get("loss_rows") is None:
+                # every row counts in the indexer loss: N = batch x total rows
+                batch = int(np.prod(self.backend.shape(x)[1:-1], dtype=np.int64))
+                extra = {**extra, "loss_rows": batch * n_local}
+            call = self.agree(check, extra)
+        elif extra:
+            call = call.replace(extra={**call.extra, **extra})
         ori_kv = self.hooks.extract_ori_kv(self.module, key)
         ori_ext, halo_x = exchange_halos(self.group, self.backend, ori_kv, x, call.plan)
         cmp_kv_global, cmp_idx_global = self.global_compressed_kv(x, halo_x, call)
@@ -82,35 +120,72 @@ class DeepSeekV4CPForward:
             cu_seqlens=cu,
         )
 
-    def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:
-        """Validate the local inputs (on every rank, before any exchange) and fetch the plan."""
-        cu = None if cu_seqlens is None else np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
-        cp, rank = self.group.size, self.group.rank
-        if self.config.check_inputs_across_ranks and cp > 1:
-            digest = 0 if cu is None else zlib.crc32(cu.tobytes())
-            meta = self.group.all_gather_meta(np.array([n_local, digest], dtype=np.int64))
-            if np.any(meta != meta[0]):
-                raise PlanError(
-                    f"CP ranks were given inconsistent inputs: local rows per rank "
-                    f"{meta[:, 0].tolist()}, cu_seqlens digests {meta[:, 1].tolist()}. Expected "
-                    "every rank to pass the same number of local rows (use handle.shard) and "
-                    "the same global cu_seqlens."
-                )
-        total = n_local * cp
-        if cu is not None and int(cu[-1]) != total:
-            raise PlanError(
-                f"cu_seqlens ends at {int(cu[-1])} but the ranks hold {n_local} x {cp} = {total} "
-                "rows. Pass the global cu_seqlens (the same on every rank) and each rank's "
-                "local rows from handle.shard(x, 0)."
-            )
-        plan = self._plan(n_local, cu)
+    def inspect(
+        self,
+        n_local: int,
+        cu_seqlens: Any = None,
+        *,
+        problems: Sequence[str] = (),
+        signature: str = "",
+    ) -> LocalCheck:
+        """This rank's checks of one forward's inputs, and its plan; no communication.
+
+        Never raises for bad input: every failed check is recorded, so that :meth:`agree`
+        can make every rank raise it. See Note [Validate, agree, then communicate] in
+        :mod:`hp_cp_core.validation`.
+
+        Args:
+            n_local: this rank's rows (tokens).
+            cu_seqlens: global packed document boundaries, ``None`` when padded.
+            problems: what the backend's own checks (tensor dims, dtype, device...) found.
+            signature: the tensors' shapes without the row dim, and dtypes (agreed on).
+        """
+        check = LocalCheck(n_local=int(n_local), signature=signature)
+        for message in problems:
+            check.fail(message)
+        parse_cu_seqlens(cu_seqlens, check)
+        if check.ok and check_rows(check, self.group.size, self.config.layout):
+            try:
+                check.plan = self._plan(check.n_local, check.cu_seqlens)
+            except HpCpError as exc:
+                check.fail(str(exc), type(exc))
+                check.cause = exc
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+                check.fail(f"building the CP plan failed: {type(exc).__name__}: {exc}")
+                check.cause = exc
+        return check
+
+    def agree(self, check: LocalCheck, extra: dict[str, Any] | None = None) -> DeepSeekV4CPContext:
+        """One small collective: raise on every rank if any rank's check failed or the ranks
+        disagree on the global metadata; else the context of this forward.
+
+        ``extra["loss_rows"]`` (this rank's rows that count in the indexer loss), when given,
+        is summed over the ranks in the same collective into ``call.loss_rows``.
+        """
+        extra = dict(extra or {})
+        loss_rows = extra.pop("loss_rows", None)
+        total = agree(
+            self.group,
+            check,
+            self.spec,
+            self.config,
+            spec_text=self._spec_text,
+            config_text=self._config_text,
+            count=loss_rows,
+        )
         return DeepSeekV4CPContext(
-            cp_rank=rank,
-            cp_size=cp,
+            cp_rank=self.group.rank,
+            cp_size=self.group.size,
             spec=self.spec,
-            plan=plan,
+            plan=check.plan,
             config=self.config,
-            cu_seqlens=cu,
+            cu_seqlens=check.cu_seqlens,
             ops=self.backend,
             extra=extra,
+            group=self.group,
+            loss_rows=0 if total is None else total,
         )
+
+    def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:
+        """Check the local inputs (on every rank, before any exchange) and fetch the plan."""
+        return self.agree(self.inspect(n_local, cu_seqlens), extra)

@@ -363,11 +363,18 @@ def build_rank_plan(
 
 
 class PlanCache:
-    """Plans keyed by everything they depend on; one cache per ``enable_cp`` handle."""
+    """Plans keyed by everything they depend on; one cache per ``enable_cp`` handle.
+
+    Holds at most ``max_entries`` plans (``DeepSeekV4CPConfig.plan_cache_size``) and drops
+    the least recently used one first, so packed batches whose ``cu_seqlens`` all differ
+    cannot grow it without bound while a recurring shape stays cached.
+    """
 
     def __init__(self, max_entries: int = 64) -> None:
+        if int(max_entries) < 1:
+            raise PlanError(f"a plan cache holds >= 1 plan, got max_entries={max_entries}.")
         self._plans: dict[tuple, RankPlan] = {}
-        self._max = max_entries
+        self._max = int(max_entries)
         self.hits = 0
         self.misses = 0
 
@@ -384,9 +391,10 @@ class PlanCache:
         """The cached plan, built on first use."""
         cu_key = None if cu_seqlens is None else np.asarray(cu_seqlens, np.int64).tobytes()
         key = (rank, cp_size, spec, layout_kind, int(total_rows), cu_key)
-        plan = self._plans.get(key)
+        plan = self._plans.pop(key, None)
         if plan is not None:
             self.hits += 1
+            self._plans[key] = plan  # most recently used last
             return plan
         self.misses += 1
         plan = build_rank_plan(
@@ -403,4 +411,10 @@ class PlanCache:
         return plan
 
     def stats(self) -> dict[str, int]:
-        return {"plans": len(self._plans), "hits": self.hits, "misses": self.misses}
+        """Plans held, the most it may hold, and lookups served from / missing the cache."""
+        return {
+            "plans": len(self._plans),
+            "capacity": self._max,
+            "hits": self.hits,
+            "misses": self.misses,
+        }

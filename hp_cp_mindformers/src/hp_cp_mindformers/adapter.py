@@ -40,6 +40,7 @@ from hp_cp_core import (
     stage1_compress_with_halo,
 )
 from hp_cp_core.compression import build_x_ext
+from hp_cp_core.indexer_loss import global_indexer_loss, indexer_loss_weight
 from hp_cp_core.indices import compressed_index_dense, window_index_dense
 
 __all__ = [
@@ -295,8 +296,9 @@ class MindFormersDeepSeekV4CSAAdapter:
     def _indexer_select_with_loss(self, query: Tensor, x: Tensor, qr: Tensor, call: Any):
         """Training with the indexer KL loss: score every global slot (the loss's softmax runs
         over all of them on one device too), pick exactly the single-device top-k, and attach
-        this rank's share of the loss (local mean / cp, so gradients summed over ranks equal
-        the single-device ones)."""
+        this rank's share of the global token-weighted mean (the cell's local mean times its
+        rows over all ranks' rows, Note [Indexer loss under CP] in hp_cp_core.indexer_loss),
+        so gradients summed over ranks equal the single-device ones."""
         m, plan = self.module, call.plan
         b = int(query.shape[1])
         xd, qrd, keys, start, stop = self._indexer_inputs(x, qr, call)
@@ -329,9 +331,10 @@ class MindFormersDeepSeekV4CSAAdapter:
         loss = m.unfused_indexer_loss(
             selected, Tensor(raw.astype(np.int32)), ops.stop_gradient(query), cmp_kv, mask=mask_t
         )
-        loss = loss * (1.0 / call.cp_size)
-        if hasattr(m, "last_indexer_loss"):
-            m.last_indexer_loss = ops.stop_gradient(loss)
+        loss = loss * (b * int(query.shape[0]) * indexer_loss_weight(call))
+        if hasattr(m, "last_indexer_loss"):  # the global value, the same on every rank
+            value = global_indexer_loss(call, float(ops.stop_gradient(loss).asnumpy()))
+            m.last_indexer_loss = Tensor(value, mstype.float32)
         return picks, loss
 
     # -- the replaced construct ---------------------------------------------------------------
@@ -361,7 +364,9 @@ class MindFormersDeepSeekV4CSAAdapter:
                     f"actual_seq_len=None); got {sorted(kwargs)}."
                 )
             cu = self.cu_seqlens(actual_seq_len, query, group.size)
-            return cp_forward(query, key, x, qr, cu_seqlens=cu)
+            # every row counts in the indexer loss's global mean (no loss mask on this cell)
+            rows = int(query.shape[0]) * int(query.shape[1]) if self._loss_wanted() else None
+            return cp_forward(query, key, x, qr, cu_seqlens=cu, loss_rows=rows)
 
         return construct
 
@@ -404,10 +409,12 @@ def patch_mindformers_deepseek_v4_csa_forward(
         )
     object.__setattr__(csa_module, ADAPTER_ATTR, MindFormersDeepSeekV4CSAAdapter(csa_module))
     try:
-        return enable_cp(csa_module, cp_mesh, config, backend="mindformers")
+        handle = enable_cp(csa_module, cp_mesh, config, backend="mindformers")
     except BaseException:
         object.__delattr__(csa_module, ADAPTER_ATTR)
         raise
+    handle.on_disable(lambda: csa_module.__dict__.pop(ADAPTER_ATTR, None))
+    return handle
 
 
 def patch_deepseek_v4_compressed_sparse_attention_forward(

@@ -12,6 +12,7 @@ An adapter never plans: it runs the plan in ``call`` (see :mod:`hp_cp_core.plan`
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,11 @@ from hp_cp_core import (
     enable_cp,
     stage1_compress_with_halo,
 )
+from hp_cp_core.api import cp_state_not_copyable
+from hp_cp_core.indexer_loss import global_indexer_loss
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
+from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, rows_hint
 
 ADAPTER_ATTR = "_hp_cp_adapter"
 
@@ -37,11 +42,31 @@ def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], 
     return lambda rows, offset: fn(rows.transpose(0, 1), offset).transpose(0, 1)
 
 
+class CPForward:
+    """The forward ``enable_cp`` sets on a layer: calls ``fn``, refuses to be pickled or copied.
+
+    A plain closure would make ``torch.save(model)`` fail with "Can't pickle local object" and
+    ``copy.deepcopy(model)`` hand the copy a forward still bound to the original's weights;
+    this raises :func:`hp_cp_core.api.cp_state_not_copyable` for both instead.
+    """
+
+    def __init__(self, fn: Callable[..., Any], layer: nn.Module) -> None:
+        functools.update_wrapper(self, fn)  # name, docstring, signature of ``fn``
+        self.fn = fn
+        self.layer_type = type(layer).__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise cp_state_not_copyable(self.layer_type)
+
+
 def install_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
     """Set ``layer.forward`` to ``forward``; the returned undo restores exactly what was there."""
     had_own = "forward" in layer.__dict__
     previous = layer.__dict__.get("forward")
-    layer.forward = forward
+    layer.forward = CPForward(forward, layer)
 
     def undo() -> None:
         if had_own:
@@ -82,25 +107,30 @@ class ReferenceLayerAdapter:
         m = self.module
         positions = call.extra["positions"]  # [B, L]
         q = query.transpose(0, 1)  # [B, L, H, D]
-        selected = None
+        kv_ext = ori_ext.transpose(0, 1)  # [B, E, D]
+        cmp_kv = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
+        selected = student = None
         if m.indexer is not None and call.cmp_idx_global is not None:
             xd, qrd = x.transpose(0, 1).detach(), qr.transpose(0, 1).detach()
             q_idx = m.indexer.queries(qrd, positions)
             weights = m.indexer.weights(xd)
             keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
-            selected = select_topk_chunked(
-                lambda lo, hi, s0, s1: m.indexer.scores(
-                    q_idx[:, lo:hi], weights[:, lo:hi], keys[:, s0:s1]
-                ),
-                call.plan,
-                m.config.index_topk,
-                call.config.query_chunk,
-                batch=q.shape[0],
-            )
+            with torch.no_grad():  # the picks are discrete; the loss's student is recomputed
+                selected = select_topk_chunked(
+                    lambda lo, hi, s0, s1: m.indexer.scores(
+                        q_idx[:, lo:hi], weights[:, lo:hi], keys[:, s0:s1]
+                    ),
+                    call.plan,
+                    m.config.index_topk,
+                    call.config.query_chunk,
+                    batch=q.shape[0],
+                )
+            if m.computes_indexer_loss:
+                student = indexer_scores_at(q_idx, weights, keys, selected)
         o = run_sparse_attention(
             q,
-            ori_ext.transpose(0, 1),
-            None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1),
+            kv_ext,
+            cmp_kv,
             call.plan,
             selected,
             m.attn_sink,
@@ -108,18 +138,51 @@ class ReferenceLayerAdapter:
             kernel=call.config.attention_kernel,
             query_chunk=call.config.query_chunk,
         )
-        return m.output(o, positions)
+        out = m.output(o, positions)
+        if student is None:
+            m.indexer_loss = None
+            return out
+        share = indexer_loss_share(
+            call,
+            q,
+            kv_ext,
+            cmp_kv,
+            selected,
+            student,
+            m.attn_sink,
+            m.softmax_scale,
+            call.extra.get("loss_mask"),
+        )
+        m.indexer_loss = share.new_tensor(global_indexer_loss(call, float(share.detach())))
+        return attach_indexer_loss(out, share, m.config.indexer_loss_coeff)
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
         m = self.module
 
-        def forward(x, position_ids=None, cu_seqlens=None):
+        def forward(x, position_ids=None, cu_seqlens=None, loss_mask=None):
             packed = cu_seqlens is not None
-            xb = x[None] if packed and x.dim() == 2 else x  # [B, L, hidden]
+            # Nothing that can fail on one rank only runs before agree() has run on every
+            # rank: see Note [Validate, agree, then communicate] in hp_cp_core.validation.
+            checks = check_reference_inputs(
+                m, getattr(group, "device", None), x, position_ids, loss_mask, packed
+            )
+            check = cp_forward.inspect(
+                rows_hint(x, -2),
+                _to_numpy(cu_seqlens),
+                problems=checks.problems,
+                signature=checks.signature,
+            )
+            mask, loss_rows = None, None
+            if check.ok:
+                xb = x[None] if packed and x.dim() == 2 else x  # [B, L, hidden]
+                if loss_mask is not None and m.computes_indexer_loss:
+                    mask = (loss_mask != 0).reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
+                    loss_rows = int(mask.sum())
+                elif m.computes_indexer_loss:  # every row counts: N = batch x total rows
+                    loss_rows = int(xb.shape[0] * xb.shape[1])
+            call = cp_forward.agree(check, {"loss_rows": loss_rows})
             if position_ids is None:
-                n_local = xb.shape[1]
-                pos = torch.as_tensor(cp_forward.local_positions(n_local, cu_seqlens))
-                position_ids = pos.to(x.device)
+                position_ids = torch.as_tensor(call.positions, device=x.device)
             positions = position_ids.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
             q, kv, qr = m.project(xb, positions)
             out = cp_forward(
@@ -127,8 +190,9 @@ class ReferenceLayerAdapter:
                 kv.transpose(0, 1),
                 xb.transpose(0, 1),
                 qr.transpose(0, 1),
-                cu_seqlens=None if cu_seqlens is None else _to_numpy(cu_seqlens),
+                call=call,
                 positions=positions,
+                loss_mask=mask,
             )
             return out[0] if packed and x.dim() == 2 else out
 
@@ -229,12 +293,17 @@ class TorchDeepSeekV4CSAAdapter:
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
         def forward(query, key, x, qr=None, *args, **kwargs):
+            checks = check_csa_inputs(getattr(group, "device", None), query, key, x, qr)
             if args or kwargs:
-                raise HpCpError(
+                checks.fail(
                     "a module patched by patch_torch_deepseek_v4_csa_forward takes "
-                    f"(query, key, x, qr) under CP; got extra arguments {list(kwargs) or args}."
+                    f"(query, key, x, qr) under CP; got extra arguments {list(kwargs) or args}. "
+                    "Call it with those four only."
                 )
-            return cp_forward(query, key, x, qr)
+            check = cp_forward.inspect(
+                rows_hint(query, 0), problems=checks.problems, signature=checks.signature
+            )
+            return cp_forward(query, key, x, qr, call=cp_forward.agree(check))
 
         return forward
 
@@ -282,10 +351,12 @@ def patch_torch_deepseek_v4_csa_forward(
     )
     setattr(module, ADAPTER_ATTR, adapter)
     try:
-        return enable_cp(module, cp_mesh, config, backend="torch")
+        handle = enable_cp(module, cp_mesh, config, backend="torch")
     except BaseException:
         delattr(module, ADAPTER_ATTR)
         raise
+    handle.on_disable(lambda: module.__dict__.pop(ADAPTER_ATTR, None))
+    return handle
 
 
 def adapter_for(module: Any) -> Any:

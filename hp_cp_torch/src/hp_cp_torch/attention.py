@@ -17,11 +17,31 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PlanColumns",
     "deterministic_topk",
+    "gather_rows",
     "run_sparse_attention",
     "select_topk_chunked",
     "sparse_attention_smallop",
 ]
+
+
+def gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``pool[b, idx[b, ...]]`` per batch row: ``pool [B, P, ...]``, ``idx [B or 1, ...]`` in
+    ``[0, P)`` -> ``[B, ..., *pool.shape[2:]]``; the same values as advanced indexing.
+
+    Its backward is bitwise reproducible on every device. Duplicate indices make the
+    backward a scatter-add: advanced indexing's (``index_put_`` with accumulate) sums them in
+    a thread-dependent order on CPU, ``index_select``'s (``index_add_``) uses atomics on CUDA.
+    So CPU uses ``index_select`` on the flattened pool and other devices advanced indexing.
+    """
+    batch, n_rows, feat = pool.shape[0], pool.shape[1], pool.shape[2:]
+    shape = (-1, *([1] * (idx.dim() - 1)))
+    if pool.device.type != "cpu":
+        return pool[torch.arange(batch, device=idx.device).view(shape), idx]
+    flat = idx + (torch.arange(batch, device=idx.device) * n_rows).view(shape)
+    out = pool.reshape(batch * n_rows, *feat).index_select(0, flat.reshape(-1))
+    return out.view(*flat.shape, *feat)
 
 
 def sparse_attention_smallop(
@@ -57,8 +77,7 @@ def sparse_attention_smallop(
     valid = idx >= 0  # [B, S, K]
     if kv_pool.shape[1] == 0:  # nothing to gather from: every column must be -1
         kv_pool = kv_pool.new_zeros(batch, 1, dim)
-    rows = torch.arange(batch, device=idx.device)[:, None, None]
-    kv_sel = kv_pool[rows, idx.clamp(min=0)].float()  # [B, S, K, D]
+    kv_sel = gather_rows(kv_pool, idx.clamp(min=0)).float()  # [B, S, K, D]
     logits = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel) * scale
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     sink_f = sink.float().view(1, 1, -1, 1)  # [1, 1, H, 1]
@@ -189,29 +208,59 @@ def run_sparse_attention(
     Returns:
         ``[B, L, H, D]``.
     """
-    from hp_cp_core.indices import compressed_index_dense, window_index_dense
-
     attend = sparse_attention_smallop
     if kernel == "efficient":
         from hp_cp_torch.efficient import sparse_attention_efficient as attend
-    n_ext = ori_ext.shape[1]
     pool = ori_ext if cmp_kv is None else torch.cat([ori_ext, cmp_kv], dim=1)
-    window = torch.as_tensor(
-        window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size),
-        device=q.device,
-    )
+    columns = PlanColumns(plan, ori_ext.shape[1], cmp_kv is not None, q.shape[0], q.device)
     outs = []
-    for lo in range(0, plan.n_local, query_chunk):
-        hi = min(lo + query_chunk, plan.n_local)
-        cols = [window[lo:hi].expand(q.shape[0], -1, -1)]
-        if selected is not None:
-            sel = selected[:, lo:hi].to(q.device)
-            cols.append(torch.where(sel >= 0, sel + n_ext, -1))
-        elif cmp_kv is not None:
-            count = plan.cmp_count[lo:hi]
-            width = int(count.max()) if count.size else 0
-            hca = compressed_index_dense(plan.cmp_start[lo:hi], count, width)
-            hca = torch.as_tensor(hca, device=q.device)
-            cols.append(torch.where(hca >= 0, hca + n_ext, -1).expand(q.shape[0], -1, -1))
-        outs.append(attend(q[:, lo:hi], pool, torch.cat(cols, dim=-1), sink, scale))
+    for lo, hi in columns.chunks(query_chunk):
+        window, slots = columns.of(lo, hi, selected)
+        idx = window if slots is None else torch.cat([window, slots], dim=-1)
+        outs.append(attend(q[:, lo:hi], pool, idx, sink, scale))
     return torch.cat(outs, dim=1)
+
+
+class PlanColumns:
+    """The pool columns of the local queries, chunk by chunk, in the single-device order:
+    window rows of the ext frame (``-1`` padded to W), then compressed slots at ``n_ext + j``
+    (the indexer's picks, or every visible slot for r = 128).
+
+    Args:
+        plan: the rank's :class:`hp_cp_core.plan.RankPlan` (the index math is there).
+        n_ext: rows of the window ext frame (the pool's compressed slots start after them).
+        has_cmp: whether the pool holds compressed slots.
+        batch: ``B``.
+        device: where the index tensors go.
+    """
+
+    def __init__(self, plan: Any, n_ext: int, has_cmp: bool, batch: int, device: Any) -> None:
+        from hp_cp_core.indices import window_index_dense
+
+        self.plan, self.n_ext, self.has_cmp, self.batch = plan, n_ext, has_cmp, batch
+        self.device = device
+        window = window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size)
+        self.window = torch.as_tensor(window, device=device)
+
+    def chunks(self, query_chunk: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` local query ranges of at most ``query_chunk`` rows."""
+        n = self.plan.n_local
+        return [(lo, min(lo + query_chunk, n)) for lo in range(0, n, query_chunk)]
+
+    def of(
+        self, lo: int, hi: int, selected: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(window [B, hi-lo, W], slots [B, hi-lo, k] or None)`` pool rows, ``-1`` = empty."""
+        from hp_cp_core.indices import compressed_index_dense
+
+        window = self.window[lo:hi].expand(self.batch, -1, -1)
+        if selected is not None:
+            sel = selected[:, lo:hi].to(self.device)
+            return window, torch.where(sel >= 0, sel + self.n_ext, -1)
+        if not self.has_cmp:
+            return window, None
+        count = self.plan.cmp_count[lo:hi]
+        width = int(count.max()) if count.size else 0
+        hca = compressed_index_dense(self.plan.cmp_start[lo:hi], count, width)
+        hca = torch.as_tensor(hca, device=self.device)
+        return window, torch.where(hca >= 0, hca + self.n_ext, -1).expand(self.batch, -1, -1)

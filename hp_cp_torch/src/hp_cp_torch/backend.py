@@ -7,11 +7,16 @@ rank reaches every backward collective even when it received nothing:
   and the x halo as raw bytes; backward returns the halo gradients to their owners.
 * :class:`_AllGatherRows`: all-gather of the padded compressed slots (main and indexer in one
   buffer); backward reduce-scatters.
+
+A collective that fails or times out (a peer raised inside the layer and never joined it)
+raises :class:`~hp_cp_core.HpCpError` naming the collective and this rank, chained from the
+``torch.distributed`` error, within the process group's timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +38,21 @@ def resolve_process_group(mesh: Any) -> Any:
         )
     if mesh is None:
         return dist.group.WORLD
+    me = dist.get_rank()
+    if isinstance(mesh, int) and mesh == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+        raise HpCpError(
+            f"enable_cp(mesh=...) got GroupMember.NON_GROUP_MEMBER on global rank {me}: "
+            "dist.new_group(ranks) returns it on ranks outside `ranks`, so this process is not "
+            "in that CP group. Pass each rank the group it belongs to (call new_group once per "
+            "CP group on every rank and keep the one containing this rank), or mesh['cp']."
+        )
     if isinstance(mesh, dist.ProcessGroup):
+        if dist.get_rank(mesh) < 0:
+            raise HpCpError(
+                f"enable_cp(mesh=...) got a ProcessGroup of global ranks "
+                f"{dist.get_process_group_ranks(mesh)} that this process (global rank {me}) "
+                "is not a member of. Pass each rank the CP group that contains it."
+            )
         return mesh
     get_group = getattr(mesh, "get_group", None)
     if get_group is not None and hasattr(mesh, "mesh"):  # DeviceMesh
@@ -43,11 +62,56 @@ def resolve_process_group(mesh: Any) -> Any:
                 f"enable_cp needs a 1-D DeviceMesh for the CP dimension, got a {mesh.ndim}-D "
                 f"mesh with dims {names}. Pass the CP dim, e.g. mesh['cp']."
             )
-        return get_group()
+        return _mesh_group(mesh, me)
     raise HpCpError(
         f"enable_cp(mesh=...) got a {type(mesh).__name__}; expected a torch DeviceMesh (1-D or "
         "mesh['cp']) or a torch.distributed ProcessGroup."
     )
+
+
+def _mesh_group(mesh: Any, me: int) -> Any:
+    """The group of a 1-D ``DeviceMesh``, checked against the mesh: this rank is in it, and
+    it holds exactly the mesh's ranks (a mesh and group that disagree would make the plan's
+    cp size differ from the ranks that actually exchange)."""
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if me not in ranks:
+        raise HpCpError(
+            f"enable_cp(mesh=...) got a DeviceMesh of global ranks {ranks} that this process "
+            f"(global rank {me}) is not part of. Pass each rank the CP mesh that contains it "
+            "(init_device_mesh(...)['cp'] gives every rank its own)."
+        )
+    pg = mesh.get_group()
+    group_ranks = dist.get_process_group_ranks(pg)
+    if len(ranks) != len(group_ranks) or sorted(ranks) != sorted(group_ranks):
+        raise HpCpError(
+            f"enable_cp(mesh=...) got a DeviceMesh of size {len(ranks)} (global ranks {ranks}) "
+            f"whose process group has size {len(group_ranks)} (global ranks {group_ranks}); "
+            "the CP size must be the same for both. Build the mesh with init_device_mesh (or "
+            "pass the ProcessGroup itself)."
+        )
+    return pg
+
+
+def _peer_failure(group: TorchGroup, name: str, exc: BaseException) -> HpCpError:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    me = group.global_ranks[group.rank] if 0 <= group.rank < len(group.global_ranks) else "?"
+    return HpCpError(
+        f"CP collective {name} failed on rank {group.rank} of {group.size} (global rank {me}): "
+        f"a peer rank likely failed or skipped it ({type(exc).__name__}: {first}). Look for "
+        "the first error on the other ranks; every rank must run each CP layer's forward and "
+        "backward the same number of times. The wait is bounded by the process group's "
+        "timeout (init_process_group(timeout=...) / new_group(timeout=...))."
+    )
+
+
+@contextlib.contextmanager
+def _collective(group: TorchGroup, name: str) -> Iterator[None]:
+    """Turn a failed or timed-out collective into an :class:`HpCpError` naming it."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo / NCCL timeouts, closed connections (DistError)
+        raise _peer_failure(group, name, exc) from exc
 
 
 class TorchGroup:
@@ -88,7 +152,8 @@ class TorchGroup:
     def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
         local = torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
         out = torch.empty(self.size * local.numel(), dtype=torch.int64, device=self.device)
-        _all_gather_single(out, local, self.pg)
+        with _collective(self, "all_gather_meta"):
+            _all_gather_single(out, local, self.pg)
         return out.view(self.size, -1).cpu().numpy()
 
     def stats(self) -> dict[str, Any]:
@@ -99,7 +164,9 @@ class TorchGroup:
         }
 
     # -- point-to-point with byte payloads --------------------------------------------------
-    def p2p(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int]) -> dict:
+    def p2p(
+        self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int], name: str = "p2p"
+    ) -> dict:
         """Send ``sends[peer]`` (uint8) and receive ``recv_sizes[peer]`` bytes from each peer."""
         ops, recvs = [], {}
         for peer, buf in sends.items():
@@ -108,8 +175,9 @@ class TorchGroup:
             recvs[peer] = torch.empty(n, dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(dist.irecv, recvs[peer], self.global_ranks[peer], self.pg))
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            with _collective(self, name):
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
         return recvs
 
 
@@ -166,7 +234,7 @@ class _HaloExchange(torch.autograd.Function):
             n = sum(p.recv_counts[peer] * _row_bytes(t) for t, p in zip(tensors, plans))
             if n:
                 recv_sizes[peer] = n
-        recvs = group.p2p(sends, recv_sizes)
+        recvs = group.p2p(sends, recv_sizes, "halo_exchange")
         sent = sum(b.numel() for b in sends.values())
         group.count("halo_exchange", sent, sum(recv_sizes.values()))
         outs = []
@@ -209,7 +277,7 @@ class _HaloExchange(torch.autograd.Function):
             n = sum(p.send_rows[peer].size * _row_bytes(t) for t, p in zip(like, plans))
             if n:
                 recv_sizes[peer] = n
-        recvs = group.p2p(sends, recv_sizes)
+        recvs = group.p2p(sends, recv_sizes, "halo_exchange backward")
         group.count(
             "halo_exchange_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
         )
@@ -234,7 +302,8 @@ class _AllGatherRows(torch.autograd.Function):
         ctx.group = group
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0], *tensor.shape[1:]))
-        _all_gather_single(out, tensor, group.pg)
+        with _collective(group, "all_gather"):
+            _all_gather_single(out, tensor, group.pg)
         nbytes = tensor.numel() * tensor.element_size()
         group.count("all_gather", nbytes, nbytes * (group.size - 1))
         return out
@@ -245,7 +314,8 @@ class _AllGatherRows(torch.autograd.Function):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(out, grad, group=group.pg)
+        with _collective(group, "all_gather backward (reduce_scatter)"):
+            reduce_scatter(out, grad, group=group.pg)
         nbytes = out.numel() * out.element_size()
         group.count("reduce_scatter", nbytes * (group.size - 1), nbytes * (group.size - 1))
         return None, out

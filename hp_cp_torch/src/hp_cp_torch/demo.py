@@ -69,6 +69,7 @@ def reference_parity(
         [p.grad.clone() for p in layer.parameters() if p.grad is not None] for layer in model.layers
     ]
     ref_xgrad = x1.grad.clone()
+    ref_index_loss = float(model.layers[RATIOS.index(4)].indexer_loss)
     model.zero_grad()
 
     handle = enable_cp(model, None, DeepSeekV4CPConfig(layout=layout))
@@ -77,6 +78,7 @@ def reference_parity(
     outs = model(xl, handle.shard(pos, 0))
     outs[-1].backward(handle.shard(grad_out, 1))
     cp_s = time.perf_counter() - t0
+    index_loss = float(model.layers[RATIOS.index(4)].indexer_loss)  # global mean, every rank
     stats = handle.stats()  # this layer stack's traffic, before the report's unshards
     rows: list[dict[str, Any]] = []
     for i, (layer, out, ref) in enumerate(zip(model.layers, outs, ref_outs)):
@@ -93,6 +95,11 @@ def reference_parity(
     return {
         "rows": rows,
         "x_grad_err": xerr,
+        "indexer_loss_err": abs(index_loss - ref_index_loss) / max(abs(ref_index_loss), 1e-30),
+        "summary": [
+            ("input grad err", "x_grad_err", GRAD_TOL),
+            ("indexer KL loss err", "indexer_loss_err", OUT_TOL),
+        ],
         "bytes_sent": stats["bytes_sent"],
         "bytes_recv": stats["bytes_recv"],
         "single_s": single_s,

@@ -6,6 +6,7 @@ a process group costs seconds. A rank that hangs is killed after ``timeout`` and
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -24,10 +25,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    out_dir: str,
+    pg_timeout: float | None = None,
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    kwargs = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **kwargs)
     torch.manual_seed(0)
     try:
         result: Any = ("ok", fn(rank, world, *args))
@@ -40,13 +50,25 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir
         pass
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> list[Any]:
-    """``fn(rank, world, *args)`` on every rank; returns the list of results or raises."""
+def run_ranks(
+    world: int, fn: Callable, *args: Any, timeout: float = 600, pg_timeout: float | None = None
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on every rank; returns the list of results or raises.
+
+    Args:
+        world: number of ranks (processes).
+        fn: a picklable ``fn(rank, world, *args)``.
+        args: more arguments for ``fn``.
+        timeout: seconds the whole job may take before its ranks are killed as hung.
+        pg_timeout: the default process group's collective timeout in seconds (torch's
+            default, 30 minutes, when ``None``); a collective a peer never joins fails after
+            this long.
+    """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = _free_port()
         procs = [
-            ctx.Process(target=_worker, args=(k, world, port, fn, args, out_dir))
+            ctx.Process(target=_worker, args=(k, world, port, fn, args, out_dir, pg_timeout))
             for k in range(world)
         ]
         for p in procs:

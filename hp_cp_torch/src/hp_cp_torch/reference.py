@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from hp_cp_torch.attention import deterministic_topk, sparse_attention_smallop
+from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_kl_rows, indexer_scores_at
 
 __all__ = [
     "Compressor",
@@ -78,6 +79,8 @@ class DeepSeekV4AttentionConfig:
         original_seq_len: YaRN original context; 0 turns YaRN off.
         beta_fast: YaRN high-frequency cutoff.
         beta_slow: YaRN low-frequency cutoff.
+        indexer_loss_coeff: Weight of the indexer KL loss in training (r = 4 only); 0 still
+            runs the loss's backward (zero gradients), so every parameter gets a gradient.
     """
 
     hidden_size: int = 64
@@ -99,6 +102,7 @@ class DeepSeekV4AttentionConfig:
     original_seq_len: int = 0
     beta_fast: int = 32
     beta_slow: int = 1
+    indexer_loss_coeff: float = 0.01
 
     def __post_init__(self) -> None:
         if self.compress_ratio not in (0, 4, 128):
@@ -120,6 +124,8 @@ class DeepSeekV4AttentionConfig:
             )
         if self.window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+        if not self.indexer_loss_coeff >= 0:
+            raise ValueError(f"indexer_loss_coeff must be >= 0, got {self.indexer_loss_coeff}")
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -383,8 +389,9 @@ class DeepSeekV4Attention(nn.Module):
     """DeepSeek V4 attention layer (sliding window, CSA or HCA by ``compress_ratio``).
 
     See the module docstring for the index conventions. Gradients: the indexer branch sees
-    ``x.detach()`` and ``qr.detach()`` (Megatron training semantics); its top-k is discrete,
-    so no gradient reaches the indexer parameters from the attention output.
+    ``x.detach()`` and ``qr.detach()`` (Megatron training semantics) and its top-k is
+    discrete, so the indexer parameters learn only from the indexer KL loss, which a CSA
+    layer computes in training mode (``indexer_loss_coeff``; value in :attr:`indexer_loss`).
 
     Args:
         config: The layer configuration.
@@ -422,6 +429,7 @@ class DeepSeekV4Attention(nn.Module):
             c.n_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False
         )
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.indexer_loss: torch.Tensor | None = None  # the last training forward's KL mean
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if c.compress_ratio:
@@ -509,8 +517,13 @@ class DeepSeekV4Attention(nn.Module):
         x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the layer on padded or packed input.
+
+        In training, a CSA layer (r = 4) also computes the indexer KL loss, keeps it in
+        :attr:`indexer_loss` and attaches ``indexer_loss_coeff * indexer_loss`` to the output's
+        backward (see :mod:`hp_cp_torch.indexer_loss`).
 
         Args:
             x: Padded ``[B, S, hidden]``, or packed ``[T, hidden]`` (also ``[1, T, hidden]``)
@@ -520,6 +533,9 @@ class DeepSeekV4Attention(nn.Module):
             cu_seqlens: Packed document boundaries ``[n_docs + 1]``, from 0 to ``T``. Each
                 document is its own sequence: RoPE, window, compression grid and slot
                 visibility restart at its first row.
+            loss_mask: Rows that count in the indexer loss (``[B, S]`` / ``[S]`` padded,
+                ``[T]`` packed; nonzero = counts). Padding rows given 0 count nowhere: not in
+                the sum, not in the mean's divisor. Default: every row counts.
 
         Returns:
             Output with the shape of ``x``.
@@ -530,12 +546,33 @@ class DeepSeekV4Attention(nn.Module):
             batch, seq = x.shape[:2]
             if position_ids is None:
                 position_ids = torch.arange(seq, device=x.device)
-            return self._forward_padded(x, position_ids.expand(batch, seq))
-        return self._forward_packed(x, position_ids, cu_seqlens)
+            out, kl = self._forward_padded(x, position_ids.expand(batch, seq))
+        else:
+            out, kl = self._forward_packed(x, position_ids, cu_seqlens)
+        return self._finish_indexer_loss(out, kl, loss_mask)
+
+    def _finish_indexer_loss(
+        self, out: torch.Tensor, kl: torch.Tensor | None, loss_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Mean the per-row KL over the rows that count, keep it, attach it to ``out``."""
+        self.indexer_loss = None
+        if kl is None:
+            return out
+        weight = torch.ones_like(kl)
+        if loss_mask is not None:
+            weight = (loss_mask.reshape(kl.shape) != 0).to(kl.dtype)
+        loss = (kl * weight).sum() / weight.sum().clamp(min=1)
+        self.indexer_loss = loss.detach()
+        return attach_indexer_loss(out, loss, self.config.indexer_loss_coeff)
+
+    @property
+    def computes_indexer_loss(self) -> bool:
+        """Whether a forward computes the indexer loss: a CSA layer in training mode."""
+        return self.indexer is not None and self.training
 
     def _forward_packed(
         self, x: torch.Tensor, position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         squeeze = x.dim() == 3
         if squeeze:
             if x.shape[0] != 1:
@@ -547,7 +584,7 @@ class DeepSeekV4Attention(nn.Module):
         bounds = [int(b) for b in cu_seqlens.tolist()]
         if bounds[0] != 0 or bounds[-1] != x.shape[0] or bounds != sorted(bounds):
             raise ValueError(f"cu_seqlens must rise from 0 to T={x.shape[0]}, got {bounds}")
-        outs = []
+        outs, kls = [], []
         for start, end in pairwise(bounds):
             if start == end:
                 continue
@@ -556,35 +593,48 @@ class DeepSeekV4Attention(nn.Module):
                 if position_ids is None
                 else position_ids[start:end]
             )
-            outs.append(self._forward_padded(x[None, start:end], pos[None])[0])
+            out, kl = self._forward_padded(x[None, start:end], pos[None])
+            outs.append(out[0])
+            kls.append(kl)
         out = torch.cat(outs) if outs else x.new_zeros(0, self.config.hidden_size)
-        return out[None] if squeeze else out
+        kl = torch.cat([k[0] for k in kls]) if kls and kls[0] is not None else None
+        return (out[None] if squeeze else out), kl
 
-    def _forward_padded(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward_padded(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Output ``[B, S, hidden]`` and, when the loss is computed, per-row KL ``[B, S]``."""
         batch, seq, _ = x.shape
         q, kv, qr = self.project(x, positions)
-        idx = window_indices(seq, self.window_size, x.device).expand(batch, -1, -1)
-        pool = kv
+        window = window_indices(seq, self.window_size, x.device).expand(batch, -1, -1)
+        idx, pool, kl = window, kv, None
         r = self.compress_ratio
         if self.compressor is not None:
             pool = torch.cat((kv, self.compressor(x)), dim=1)  # slot j at row seq + j
             if self.indexer is not None:
-                slots = self._indexer_slots(x, qr, positions)
+                slots, student = self._indexer_slots(x, qr, positions)
             else:
                 slots = hca_slot_indices(seq, r, x.device).expand(batch, -1, -1)
-            idx = torch.cat((idx, torch.where(slots >= 0, slots + seq, -1)), dim=-1)
+            slot_cols = torch.where(slots >= 0, slots + seq, -1)
+            idx = torch.cat((window, slot_cols), dim=-1)
+            if self.computes_indexer_loss:
+                kl = indexer_kl_rows(
+                    q, pool, window, slot_cols, student, self.attn_sink, self.softmax_scale
+                )
         o = self.attend(q, pool, idx)
-        return self.output(o, positions)
+        return self.output(o, positions), kl
 
     def _indexer_slots(
         self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Return the indexer's picks ``[B, S, min(index_topk, S // 4)]`` (slot ids, -1 = none)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's picks ``[B, S, min(index_topk, S // 4)]`` (slot ids, -1 = none) and
+        their scores recomputed with gradient (the loss's student)."""
         assert self.indexer is not None
         x, qr = x.detach(), qr.detach()  # Megatron: no gradient from attention into the indexer
         keys = self.indexer.compressor(x)
-        scores = self.indexer.scores(
-            self.indexer.queries(qr, positions), self.indexer.weights(x), keys
-        )
+        q_idx, weights = self.indexer.queries(qr, positions), self.indexer.weights(x)
+        with torch.no_grad():
+            scores = self.indexer.scores(q_idx, weights, keys)
         visible = (torch.arange(x.shape[1], device=x.device) + 1) // self.compress_ratio
-        return self.select_slots(scores, visible)
+        slots = self.select_slots(scores, visible)
+        return slots, indexer_scores_at(q_idx, weights, keys, slots)

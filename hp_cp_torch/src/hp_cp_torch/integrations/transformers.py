@@ -45,14 +45,14 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
 from hp_cp_core.indices import compressed_index_dense, window_index_dense
-from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+from hp_cp_torch.attention import gather_rows, run_sparse_attention, select_topk_chunked
+from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
     "DeepseekV4AttentionAdapter",
@@ -259,7 +259,6 @@ class DeepseekV4AttentionAdapter:
             window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size),
             device=q.device,
         )
-        rows = torch.arange(batch, device=q.device)[:, None, None]
         p_drop = m.attention_dropout if m.training else 0.0
         outs = []
         for lo in range(0, plan.n_local, query_chunk):
@@ -276,7 +275,7 @@ class DeepseekV4AttentionAdapter:
                 )
                 cols.append(torch.where(hca >= 0, hca + n_ext, -1).expand(batch, -1, -1))
             idx = torch.cat(cols, dim=-1)  # [B, l, K]
-            kv = pool[rows, idx.clamp(min=0)]  # [B, l, K, D]; K == V
+            kv = gather_rows(pool, idx.clamp(min=0))  # [B, l, K, D]; K == V
             qc = q[:, lo:hi]  # [B, l, H, D]
             logits = torch.matmul(qc, kv.transpose(-1, -2)) * m.scaling  # [B, l, H, K]
             bias = torch.zeros((), dtype=logits.dtype, device=q.device)
@@ -301,65 +300,76 @@ class DeepseekV4AttentionAdapter:
         self,
         cp_forward: Any,
         group: Any,
-        hidden_states: torch.Tensor,
+        hidden_states: Any,
+        position_embeddings: Any,
         position_ids: Any,
         attention_mask: Any,
         past_key_values: Any,
-    ) -> np.ndarray:
+    ) -> DeepSeekV4CPContext:
         """Reject what CP cannot compute, on every rank, before any exchange.
 
-        Returns the expected global row of each local row (the plan's positions).
+        The layer's own checks travel in the core's one agreement collective (see Note
+        [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`), so a problem
+        on one rank (say, padding only in its rows) makes every rank raise the same error.
+
+        Returns:
+            The agreed context (its plan's ``positions`` are the expected global rows).
         """
         m = self.module
-        n_local = int(hidden_states.shape[1])
-        expected = cp_forward.local_positions(n_local)
-        bad = [_mask_is_unsupported(attention_mask), False]
-        if position_ids is not None:
-            want = torch.as_tensor(expected, device=position_ids.device)
-            got = position_ids.reshape(-1, position_ids.shape[-1])
-            bad[1] = True if got.shape[-1] != n_local else (got != want).any()
-        dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
-        flags = [
-            past_key_values is not None,
-            *dev.cpu().tolist(),
-            bool(m.training and m.attention_dropout > 0),
-        ]
-        meta = np.array(flags, dtype=np.int64)
-        if cp_forward.config.check_inputs_across_ranks and group.size > 1:
-            every = group.all_gather_meta(meta)
-        else:
-            every = meta[None]
-        if not every.any():
-            return expected
-
-        def ranks(i: int) -> str:
-            return str(np.flatnonzero(every[:, i]).tolist())
-
         where = f"DeepseekV4Attention layer {m.layer_idx} under CP"
-        if every[:, 0].any():
-            raise HpCpError(
-                f"{where} got a KV cache (past_key_values) on ranks {ranks(0)}; caches and "
-                "generation are not supported under CP. Call the model with use_cache=False "
-                "(config.use_cache defaults to True) and without past_key_values."
+        checks = TensorChecks(getattr(group, "device", None), where)
+        ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
+        if ok:
+            hidden = int(m.config.hidden_size)
+            if hidden_states.shape[-1] != hidden:
+                checks.fail(
+                    f"hidden_states has hidden size {hidden_states.shape[-1]} (shape "
+                    f"{list(hidden_states.shape)}); the model's hidden_size is {hidden}. Call the "
+                    "model, not the layer, or pass the decoder layer's normalised input."
+                )
+            checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
+        if position_embeddings is None:
+            checks.fail(
+                "needs the position_embeddings the model computes; call the model, not the "
+                "layer, or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
             )
-        if every[:, 1].any():
-            raise HpCpError(
-                f"{where} got an attention mask that hides tokens (padding, or a custom mask) "
-                f"on ranks {ranks(1)}; HF's compressors ignore padding, so CP supports only "
-                "unpadded sequences. Pass attention_mask=None (or all ones) and equal-length "
-                "sequences."
+        if past_key_values is not None:
+            checks.fail(
+                "got a KV cache (past_key_values); caches and generation are not supported "
+                "under CP. Call the model with use_cache=False (config.use_cache defaults to "
+                "True) and without past_key_values."
             )
-        if every[:, 2].any():
-            raise HpCpError(
-                f"{where} got position_ids that are not the global row numbers of the local "
-                f"rows on ranks {ranks(2)}. Pass position_ids=handle.shard(torch.arange(S)"
-                ".unsqueeze(0), 1) with the same layout as the inputs; packed sequences "
-                "(positions restarting per document) are not supported."
+        if m.training and m.attention_dropout > 0:
+            checks.fail(
+                f"attention dropout ({m.attention_dropout}) in training is not supported; set "
+                "config.attention_dropout=0.0 or call model.eval()."
             )
-        raise HpCpError(
-            f"{where}: attention dropout ({m.attention_dropout}) in training is not supported; "
-            "set config.attention_dropout=0.0 or call model.eval()."
+        check = cp_forward.inspect(
+            rows_hint(hidden_states, 1), problems=checks.problems, signature=checks.signature
         )
+        if check.ok:  # the plan exists: compare the mask and positions with it
+            n_local = int(hidden_states.shape[1])
+            bad = [_mask_is_unsupported(attention_mask), False]
+            if position_ids is not None:
+                want = torch.as_tensor(check.plan.positions, device=position_ids.device)
+                got = position_ids.reshape(-1, position_ids.shape[-1])
+                bad[1] = True if got.shape[-1] != n_local else (got != want).any()
+            dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
+            mask_bad, positions_bad = dev.cpu().tolist()  # one host sync
+            if mask_bad:
+                check.fail(
+                    f"{where}: got an attention mask that hides tokens (padding, or a custom "
+                    "mask); HF's compressors ignore padding, so CP supports only unpadded "
+                    "sequences. Pass attention_mask=None (or all ones) and equal-length sequences."
+                )
+            if positions_bad:
+                check.fail(
+                    f"{where}: got position_ids that are not the global row numbers of the local "
+                    "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
+                    "the same layout as the inputs; packed sequences (positions restarting per "
+                    "document) are not supported."
+                )
+        return cp_forward.agree(check)
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
         m = self.module
@@ -373,17 +383,17 @@ class DeepseekV4AttentionAdapter:
             past_key_values=None,
             **kwargs,
         ):
-            if position_embeddings is None:
-                raise HpCpError(
-                    f"DeepseekV4Attention layer {m.layer_idx} under CP needs the "
-                    "position_embeddings the model computes; call the model, not the layer, "
-                    "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
-                )
-            expected = adapter.check_inputs(
-                cp_forward, group, hidden_states, position_ids, attention_mask, past_key_values
+            call = adapter.check_inputs(
+                cp_forward,
+                group,
+                hidden_states,
+                position_embeddings,
+                position_ids,
+                attention_mask,
+                past_key_values,
             )
             if position_ids is None:
-                position_ids = torch.as_tensor(expected, device=hidden_states.device)[None]
+                position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
             if isinstance(position_embeddings, dict):
                 position_embeddings = position_embeddings[m.rope_layer_type]
             cos, sin = position_embeddings
@@ -400,6 +410,7 @@ class DeepseekV4AttentionAdapter:
                 kv[:, 0].transpose(0, 1),  # [L, B, D]
                 hidden_states.transpose(0, 1),  # [L, B, hidden]
                 q_residual.transpose(0, 1),  # [L, B, q_lora_rank]
+                call=call,
                 cos=cos,
                 sin=sin,
                 position_ids=position_ids,

@@ -1,0 +1,174 @@
+"""The CSA lightning indexer's KL loss (Megatron's formulation), shared by the single-device
+reference layer and the CP path so both compute it with the same code.
+
+See Note [Indexer loss under CP] in :mod:`hp_cp_core.indexer_loss` for how the per-row sums of
+the ranks become the one global token-weighted mean.
+
+Per query row ``t`` (``reference/csa-semantics.md`` section 4.1, sparse variant):
+
+* teacher: for each main head ``h``, ``a[t,h,j] = scale * q[t,h] . ckv[j]`` over the picked
+  (visible) slots, normalised with the window and sink mass in the denominator,
+  ``p = exp(a - logaddexp(LSE_window+sink, logsumexp_j a))``; summed over heads and
+  L1-normalised over ``j``. ``q`` and the KV are detached.
+* student: ``log_softmax_j`` of the indexer scores over the same picked slots.
+* ``kl[t] = sum_j target (log target - log student)``; 0 for a row with no picked slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hp_cp_core.config import DeepSeekV4CPContext
+from hp_cp_core.indexer_loss import indexer_loss_weight
+from hp_cp_torch.attention import PlanColumns, gather_rows
+
+__all__ = [
+    "attach_indexer_loss",
+    "indexer_kl_rows",
+    "indexer_loss_share",
+    "indexer_scores_at",
+]
+
+
+def indexer_scores_at(
+    q_idx: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Indexer scores of the picked slots only (the student), differentiable: ``[B, S, k]``.
+
+    ``score[t, i] = sum_h w[t, h] * ReLU(qI[t, h] . KI[slots[t, i]])`` in fp32; picks of
+    ``-1`` read slot 0 (the caller masks them).
+
+    Args:
+        q_idx: indexer queries ``[B, S, nh, Di]``.
+        weights: head weights ``[B, S, nh]``.
+        keys: indexer keys ``[B, N, Di]`` (``N`` may be 0).
+        slots: picked slot ids ``[B, S, k]``, ``-1`` = none.
+    """
+    batch = keys.shape[0]
+    if keys.shape[1] == 0:  # keep the (empty) keys in the graph: their gather's backward runs
+        keys = torch.cat([keys, keys.new_zeros(batch, 1, keys.shape[2])], dim=1)
+    picked = gather_rows(keys, slots.clamp(min=0)).float()  # [B, S, k, Di]
+    logits = torch.einsum("bshd,bskd->bshk", q_idx.float(), picked).relu()
+    return torch.einsum("bshk,bsh->bsk", logits, weights.float())
+
+
+def indexer_kl_rows(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    window_cols: torch.Tensor,
+    slot_cols: torch.Tensor,
+    student: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Per-row KL(teacher || student) ``[B, S]`` (fp32); only ``student`` carries gradient.
+
+    Args:
+        q: main queries ``[B, S, H, D]`` (detached here).
+        kv_pool: the KV pool ``[B, P, D]`` the columns index (detached here).
+        window_cols: window pool rows ``[B, S, W]``, ``-1`` = empty.
+        slot_cols: pool rows of the picked compressed slots ``[B, S, k]``, ``-1`` = none.
+        student: indexer scores of the same picks ``[B, S, k]``.
+        sink: per-head sink logits ``[H]``.
+        scale: the main softmax scale.
+    """
+    with torch.no_grad():
+        q32, pool = q.detach().float(), kv_pool.detach().float()
+        if pool.shape[1] == 0:
+            pool = pool.new_zeros(pool.shape[0], 1, pool.shape[2])
+        window_lse = _logsumexp_cols(q32, pool, window_cols, scale, sink)  # [B, S, H]
+        cmp_logits = _logits(q32, pool, slot_cols, scale)  # [B, S, H, k]
+        full_lse = torch.logaddexp(window_lse, torch.logsumexp(cmp_logits, dim=-1))
+        mass = torch.exp(cmp_logits - full_lse[..., None]).sum(dim=2)  # [B, S, k]
+        total = mass.sum(dim=-1, keepdim=True)
+        target = torch.where(total > 0, mass / total.clamp(min=1e-30), torch.zeros_like(mass))
+    valid = slot_cols >= 0
+    any_valid = valid.any(dim=-1, keepdim=True)
+    # rows with no pick get finite zeros (log_softmax of all -inf would be NaN, also in backward)
+    fill = torch.where(any_valid, float("-inf"), 0.0)
+    scores = torch.where(valid, student.float(), fill)
+    log_student = torch.where(valid, torch.log_softmax(scores, dim=-1), 0.0)
+    return (torch.xlogy(target, target) - target * log_student).sum(dim=-1)
+
+
+def indexer_loss_share(
+    call: DeepSeekV4CPContext,
+    q: torch.Tensor,
+    ori_ext: torch.Tensor,
+    cmp_kv: torch.Tensor,
+    selected: torch.Tensor,
+    student: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    loss_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's share of the global loss: its rows' KL sum over ``N`` (all ranks' rows).
+
+    The columns are the attention's own (:class:`~hp_cp_torch.attention.PlanColumns`), chunk
+    by chunk, so the teacher's window + sink mass is exactly the attention's.
+
+    Args:
+        call: the forward's context (plan, ``loss_rows``, ``query_chunk``).
+        q: local queries ``[B, L, H, D]``.
+        ori_ext: window KV in the ext frame ``[B, E, D]``.
+        cmp_kv: global compressed KV ``[B, N, D]``.
+        selected: the indexer's picks ``[B, L, k]`` (global slot ids, ``-1`` = none).
+        student: their indexer scores ``[B, L, k]``, with gradient.
+        sink: per-head sink logits ``[H]``.
+        scale: the main softmax scale.
+        loss_mask: ``[B, L]``, nonzero where a row counts; ``None``: every row.
+    """
+    pool = torch.cat([ori_ext, cmp_kv], dim=1)
+    columns = PlanColumns(call.plan, ori_ext.shape[1], True, q.shape[0], q.device)
+    kls = []
+    for lo, hi in columns.chunks(call.config.query_chunk):
+        window, slots = columns.of(lo, hi, selected)
+        kls.append(
+            indexer_kl_rows(q[:, lo:hi], pool, window, slots, student[:, lo:hi], sink, scale)
+        )
+    kl = torch.cat(kls, dim=1)
+    if loss_mask is not None:
+        kl = kl * (loss_mask.reshape(kl.shape) != 0).to(kl.dtype)
+    return kl.sum() * indexer_loss_weight(call)
+
+
+def _logits(q: torch.Tensor, pool: torch.Tensor, cols: torch.Tensor, scale: float) -> torch.Tensor:
+    kv = gather_rows(pool, cols.long().clamp(min=0))  # [B, S, K, D]
+    logits = torch.einsum("bshd,bskd->bshk", q, kv) * scale
+    return logits.masked_fill((cols < 0)[:, :, None, :], float("-inf"))
+
+
+def _logsumexp_cols(
+    q: torch.Tensor, pool: torch.Tensor, cols: torch.Tensor, scale: float, sink: torch.Tensor
+) -> torch.Tensor:
+    logits = _logits(q, pool, cols, scale)
+    sink_col = sink.detach().float().view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
+    return torch.logsumexp(torch.cat([logits, sink_col], dim=-1), dim=-1)
+
+
+class _AttachIndexerLoss(torch.autograd.Function):
+    """Identity on ``output``; backward seeds ``loss`` with ``coeff`` (Megatron's
+    ``DSAIndexerLossAutoScaler``), so the indexer gets ``coeff * d loss`` and nothing else
+    changes."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor, coeff: float):
+        ctx.coeff = coeff
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.full(shape, ctx.coeff, dtype=dtype, device=device), None
+
+
+def attach_indexer_loss(output: torch.Tensor, loss: torch.Tensor, coeff: float) -> torch.Tensor:
+    """``output`` unchanged, with ``coeff * loss`` added to whatever is back-propagated through
+    it. With ``coeff = 0`` backward still runs through the loss (zero gradients), so every
+    rank reaches the same collectives and every indexer parameter gets a gradient."""
+    if not loss.requires_grad:
+        return output
+    return _AttachIndexerLoss.apply(output, loss, float(coeff))

@@ -1,0 +1,132 @@
+"""Rank and single-device runs for the indexer KL loss tests (``test_indexer_loss.py``).
+
+Each CP run trains one CSA layer twice from the same weights, with ``indexer_loss_coeff``
+0.01 and 0, and returns the loss value every rank read, the parameter gradients summed over
+the ranks and, per rank, which indexer parameters got a gradient. Rows of a ``loss_mask``
+(the padding tail of a padded batch row, or a trailing padding document when packed) count
+nowhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from cases import Case, layer_config, make_inputs, parity_case
+
+from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+from hp_cp_torch.reference import DeepSeekV4Attention
+
+COEFFS = (0.01, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCase:
+    """One CSA layer trained under CP; ``masked``: a loss mask drops the padding rows."""
+
+    base: Case
+    masked: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.base.name + ("-masked" if self.masked else "")
+
+
+def loss_cases(world: int) -> list[LossCase]:
+    """cp = world; contiguous and load-balanced; padded and packed; with and without a mask."""
+    out = []
+    for layout in ("contiguous", "load_balanced"):
+        for packed in (False, True):
+            base = parity_case(world, 4, layout, packed, chunk=10 if packed else 6)
+            out.append(LossCase(base, masked=False))
+            out.append(LossCase(base, masked=True))
+    return out
+
+
+def build(case: LossCase, coeff: float) -> DeepSeekV4Attention:
+    """The layer of ``case`` (same weights whatever ``coeff``)."""
+    torch.manual_seed(1000 + case.base.seed)
+    config = dataclasses.replace(layer_config(4, case.base.window), indexer_loss_coeff=coeff)
+    return DeepSeekV4Attention(config)
+
+
+def inputs(case: LossCase) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]:
+    """``(x, cu_seqlens, cotangent, loss_mask or None)``, global."""
+    x, cu, g = make_inputs(case.base)
+    if not case.masked:
+        return x, cu, g, None
+    total = case.base.total
+    if cu is None:  # padded batch of 2: row 1 ends in padding
+        mask = torch.ones(2, total, dtype=torch.bool)
+        mask[1, total - total // 3 :] = False
+    else:  # packed: the last document is padding, and so is one early row
+        mask = torch.ones(total, dtype=torch.bool)
+        mask[int(cu[-2]) :] = False
+        mask[1] = False
+    return x, cu, g, mask
+
+
+def _kwargs(cu: Any, mask: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = {"cu_seqlens": cu}
+    if mask is not None:
+        kw["loss_mask"] = mask
+    return kw
+
+
+def run_loss_case_cp(case: LossCase) -> dict:
+    """Per coefficient: loss value, summed parameter gradients, input gradient (rank 0) and
+    which indexer parameters this rank saw a gradient for."""
+    base = case.base
+    x, cu, g, mask = inputs(case)
+    dim = 0 if base.packed else 1
+    res: dict[str, Any] = {}
+    for coeff in COEFFS:
+        layer = build(case, coeff)
+        config = DeepSeekV4CPConfig(layout=base.layout, query_chunk=base.query_chunk)
+        handle = enable_cp(layer, None, config)
+        try:
+            xl = handle.shard(x, dim).requires_grad_(True)
+            local_mask = None if mask is None else handle.shard(mask, dim)
+            out = layer(xl, **_kwargs(cu, local_mask))
+            loss_value = float(layer.indexer_loss)
+            layer.zero_grad(set_to_none=True)
+            (out.float() * handle.shard(g, dim).float()).sum().backward()
+            named = dict(layer.named_parameters())
+            has_grad = {n: p.grad is not None for n, p in named.items() if "indexer" in n}
+            zero = {n: bool(p.grad is not None and not p.grad.any()) for n, p in named.items()}
+            summed = {}
+            for n, p in named.items():
+                t = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                dist.all_reduce(t)
+                summed[n] = t
+            gx = handle.unshard(xl.grad.detach(), dim)
+        finally:
+            disable_cp(handle)
+        res[coeff] = {
+            "loss": loss_value,
+            "has_grad": has_grad,
+            "zero": zero,
+            "pgrads": summed,
+            "gx": gx,
+        }
+    return res
+
+
+def single_device_loss(case: LossCase, coeff: float) -> dict:
+    """The same training step on one device."""
+    x, cu, g, mask = inputs(case)
+    layer = build(case, coeff)
+    x = x.clone().requires_grad_(True)
+    out = layer(x, **_kwargs(cu, mask))
+    (out.float() * g.float()).sum().backward()
+    return {
+        "loss": float(layer.indexer_loss),
+        "pgrads": {n: p.grad for n, p in layer.named_parameters()},
+        "gx": x.grad,
+    }
+
+
+def loss_suite(world: int) -> dict[str, tuple[Any, tuple]]:
+    return {c.name: (run_loss_case_cp, (c,)) for c in loss_cases(world)}
