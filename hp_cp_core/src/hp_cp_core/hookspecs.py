@@ -142,10 +142,12 @@ def hp_cp_run_attention(module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, 
     In training, a CSA layer's indexer KL loss is computed here too: its teacher's window +
     sink mass reads only the query's window, which ``ori_ext`` already holds, and its mean is
     global: multiply the local per-row KL sum by
-    :func:`hp_cp_core.indexer_loss.indexer_loss_weight` (``1 / call.loss_rows``) and read the
-    logged value with :func:`hp_cp_core.indexer_loss.global_indexer_loss` on every rank (Note
-    [Indexer loss under CP]). The loss must stay attached (zero gradients) when its
-    coefficient is 0, so that every rank runs the same backward collectives.
+    :func:`hp_cp_core.indexer_loss.indexer_loss_weight` (``1 / call.loss_rows``); the logged
+    value is the sum of the ranks' shares, on every rank
+    (:func:`hp_cp_core.indexer_loss.global_indexer_loss`, or the framework's all-reduce to
+    avoid a host sync; Note [Indexer loss under CP]). The loss must stay attached (zero
+    gradients) when its coefficient is 0, so that every rank runs the same backward
+    collectives.
 
     Args:
         module: the attention layer.

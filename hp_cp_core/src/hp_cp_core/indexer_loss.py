@@ -18,7 +18,8 @@ the all-gather's backward. Padding rows (``loss_mask`` 0) are in neither the sum
 
 ``N`` comes from the plan (``batch * total rows``) or, with a loss mask, from the forward's
 one metadata all-gather (:class:`~hp_cp_core.forward.DeepSeekV4CPForward`). The value that is
-logged is the sum of the ranks' shares, one tiny all-gather of float64s.
+logged is the sum of the ranks' shares: :func:`global_indexer_loss` (one tiny all-gather of
+float64s, a host sync), or a backend's own all-reduce (the torch backend's, no host sync).
 """
 
 from __future__ import annotations

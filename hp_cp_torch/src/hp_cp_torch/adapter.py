@@ -29,7 +29,6 @@ from hp_cp_core import (
     stage1_compress_with_halo,
 )
 from hp_cp_core.api import cp_state_not_copyable
-from hp_cp_core.indexer_loss import global_indexer_loss
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
 from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, rows_hint
@@ -153,7 +152,8 @@ class ReferenceLayerAdapter:
             m.softmax_scale,
             call.extra.get("loss_mask"),
         )
-        m.indexer_loss = share.new_tensor(global_indexer_loss(call, float(share.detach())))
+        # the global mean, the same on every rank (Note [Indexer loss under CP]); no host sync
+        m.indexer_loss = call.group.sum_detached(share)
         return attach_indexer_loss(out, share, m.config.indexer_loss_coeff)
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:

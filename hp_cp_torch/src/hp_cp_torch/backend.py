@@ -156,6 +156,14 @@ class TorchGroup:
             _all_gather_single(out, local, self.pg)
         return out.view(self.size, -1).cpu().numpy()
 
+    def sum_detached(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small tensor summed over the ranks, outside autograd (a logged value such as the
+        indexer loss). An all-reduce on the tensor's device: no host sync on GPU."""
+        out = tensor.detach().clone()
+        with _collective(self, "all_reduce"):
+            dist.all_reduce(out, group=self.pg)
+        return out
+
     def stats(self) -> dict[str, Any]:
         return {
             "bytes_sent": self.bytes_sent,
