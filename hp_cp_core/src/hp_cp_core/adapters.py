@@ -69,8 +69,10 @@ class AdapterHooks:
         return [m for m in self._children(module) if self.adapter(m) is not None]
 
     def install(self, layer: Any, cp_forward: Any, group: Any) -> Callable[[], None]:
-        """Route the layer's forward through CP; with a group of one the original path stays."""
-        if group.size == 1:
+        """Route the layer's forward through CP; with a group of one the original path stays
+        unless the config's ``single_rank_bypass`` is off."""
+        config = getattr(cp_forward, "config", None)
+        if group.size == 1 and (config is None or config.single_rank_bypass):
             return lambda: None
         return self._install_forward(layer, self.adapter(layer).make_forward(cp_forward, group))
 

@@ -19,29 +19,55 @@ Tensor = Any
 
 @runtime_checkable
 class Group(Protocol):
-    """Collectives over one CP group. Every exchange is differentiable in the framework."""
+    """Collectives over one CP group. Every exchange is differentiable in the framework.
+
+    Every exchange takes the layer's *order token* and returns the next one, so that backward
+    runs the exchanges in exactly the reverse forward order on every rank; see
+    Note [Backward order] in :mod:`hp_cp_core.collectives`. A token is ``None`` when the
+    framework records no backward (grad disabled); then the ops pass it through.
+    """
 
     rank: int
     size: int
 
-    def exchange_rows(self, items: Sequence[tuple[Tensor, Any]]) -> list[Tensor]:
+    def begin_order(self, anchor: Tensor) -> Any:
+        """The first token of one layer forward, tied to the layer input ``anchor``.
+
+        Backward of the token gives ``anchor`` a zero gradient, so nothing upstream of the
+        layer runs its backward before the layer's first exchange did. Returns ``None`` when
+        no backward is recorded.
+        """
+
+    def exchange_rows(
+        self, items: Sequence[tuple[Tensor, Any]], token: Any
+    ) -> tuple[list[Tensor], Any]:
         """Point-to-point halo exchange of several tensors in one message per peer.
 
-        ``items`` are ``(tensor, HaloPlan)`` pairs. For each, rank ``r`` sends
-        ``tensor[plan.send_rows[d]]`` to rank ``d`` and receives ``plan.recv_counts[s]`` rows
-        from each rank ``s``. Returns, per item, ``[received rows in source-rank order ; tensor]``.
-        Backward sends the gradient of the received rows back to their owners and adds it to
-        the gradient of the rows they sent.
+        ``items`` are ``(tensor, HaloPlan)`` pairs (a tensor may have 0 rows). For each, rank
+        ``r`` sends ``tensor[plan.send_rows[d]]`` to rank ``d`` and receives
+        ``plan.recv_counts[s]`` rows from each rank ``s``. Returns, per item,
+        ``[received rows in source-rank order ; tensor]``, and the next token. Backward sends
+        the gradient of the received rows back to their owners and adds it to the gradient of
+        the rows they sent; it runs after the backward of every later exchange of the layer
+        (it needs the returned token's gradient), also on a rank that sent and received nothing.
         """
 
-    def all_gather_rows(self, tensor: Tensor) -> Tensor:
-        """All-gather ``[cap, F]`` from every rank into ``[size * cap, F]`` (rank-major).
+    def all_gather_rows(self, tensor: Tensor, token: Any) -> tuple[Tensor, Any]:
+        """All-gather ``[cap, F]`` from every rank into ``[size * cap, F]`` (rank-major), and
+        the next token.
 
-        Backward reduce-scatters (or all-reduces and slices) the gradient.
+        Backward reduce-scatters (or all-reduces and slices) the gradient, after the backward
+        of every later exchange (the returned token's gradient).
         """
+
+    def end_order(self, output: Any, token: Any) -> Any:
+        """``output`` (the layer output: a tensor, or a tuple whose first tensor is it),
+        unchanged in value, with the last token attached so that its gradient starts the
+        chain of backward exchanges. ``token`` ``None``: ``output`` itself."""
 
     def all_gather_dim(self, tensor: Tensor, dim: int) -> Tensor:
-        """All-gather along ``dim`` (rank-major); used by ``handle.unshard``."""
+        """All-gather along ``dim`` (rank-major); used by ``handle.unshard`` (no token: it is
+        a single collective outside the layers)."""
 
     def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
         """All-gather a small int64 vector (no autograd): ``[n]`` -> ``[size, n]``."""

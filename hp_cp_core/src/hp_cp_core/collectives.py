@@ -3,6 +3,39 @@
 One point-to-point message per peer carries the window KV halo and the x halo together; one
 all-gather carries the main and indexer compressed slots together. See
 Note [Halos and the ext frame] in :mod:`hp_cp_core.plan`.
+
+Note [Backward order]
+~~~~~~~~~~~~~~~~~~~~~
+A collective returns only when every rank of the group has entered it, so every rank must
+run the same backward collectives in the same order. Autograd promises no order between
+nodes that do not depend on each other. On a rank that owns no compressed slot (L < r), the
+halo exchange and the slot all-gather are independent in its graph and the engine may run
+the halo's backward first, while on its peers the compressor reads the halo, so the
+all-gather's backward must come first there: each rank then waits in a different collective,
+forever. Which order a rank picks depends on the user's module, not on us.
+
+So the order is made a data dependence. Each layer forward threads one *order token* through
+its exchanges (``Group.begin_order`` / each exchange / ``Group.end_order``):
+
+    x --begin_order--> t0 --exchange_rows--> t1 --all_gather_rows--> t2 --end_order--> out
+                          (window KV, x halo)     (compressed slots)
+
+An exchange's backward needs the gradient of the token it returned, which only the next
+exchange's backward (``end_order``'s for the last one) produces:
+
+    out.grad -> end_order -> t2.grad -> all_gather bwd -> t1.grad -> exchange bwd -> t0.grad -> x
+
+so every rank runs them last to first, whatever its module computes, and a rank that never
+used an exchange's output still runs its backward (the token keeps it in the graph). Between
+layers: ``begin_order`` gives the layer input ``x`` a zero gradient that only exists after the
+layer's first exchange ran backward, and the layer below produced ``x``, so the layer below
+starts its backward exchanges only after this layer finished all of its own. This holds for
+layers applied one after the other (a decoder stack), on every rank whose loss depends on the
+layer output; a rank that skips a layer's backward is a bug the desync report names.
+
+A backend implements tokens with its framework's autograd (an empty tensor in the graph,
+see ``hp_cp_torch``). A framework whose backward is the forward program reversed (JAX's
+transpose) already has a fixed order; its tokens can be placeholders passed through.
 """
 
 from __future__ import annotations
@@ -15,17 +48,18 @@ from hp_cp_core.plan import RankPlan
 
 
 def exchange_halos(
-    group: Group, ops: Backend, ori_kv: Any, x: Any, plan: RankPlan
-) -> tuple[Any, Any]:
+    group: Group, ops: Backend, ori_kv: Any, x: Any, plan: RankPlan, token: Any
+) -> tuple[Any, Any, Any]:
     """Window KV halo and x halo in one exchange.
 
-    Returns ``(ori_ext, halo_x)``: the window KV in the ext frame (``[halo ; local]`` for a
-    contiguous layout) and the received x rows in ascending global order (``None`` for r = 0).
+    Returns ``(ori_ext, halo_x, token)``: the window KV in the ext frame (``[halo ; local]``
+    for a contiguous layout), the received x rows in ascending global order (``None`` for
+    r = 0) and the next order token (Note [Backward order]).
     """
     items = [(ori_kv, plan.window)]
     if plan.x is not None:
         items.append((x, plan.x))
-    outs = group.exchange_rows(items)
+    outs, token = group.exchange_rows(items, token)
     ori_ext = outs[0]
     if plan.window.ext_from_recv is not None:
         ori_ext = ops.index_rows(ori_ext, plan.window.ext_from_recv)
@@ -34,22 +68,23 @@ def exchange_halos(
         halo_x = ops.narrow(outs[1], 0, plan.x.n_halo)
         if plan.x.halo_gather is not None:
             halo_x = ops.index_rows(halo_x, plan.x.halo_gather)
-    return ori_ext, halo_x
+    return ori_ext, halo_x, token
 
 
 def gather_compressed_slots(
-    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan
-) -> list[Any]:
+    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan, token: Any
+) -> tuple[list[Any], Any]:
     """All-gather every rank's owned slots of several compressors in one collective.
 
-    Returns, per input, the rank-major padded buffer ``[cp * cap, (batch,) d]``; see
+    Returns, per input, the rank-major padded buffer ``[cp * cap, (batch,) d]``, and the next
+    order token; see
     :func:`~hp_cp_core.compression.select_and_pad_smallop` for putting it in global order.
     """
     flats = [ops.flatten_rows(t) for t in owned]
     widths = [ops.shape(f)[1] for f in flats]
     packed = ops.pad_rows(ops.cat_features(flats), plan.gather_cap)
-    gathered = group.all_gather_rows(packed)
+    gathered, token = group.all_gather_rows(packed, token)
     parts = ops.split_features(gathered, widths)
     return [
         ops.unflatten_rows(p, (ops.shape(p)[0], *ops.shape(t)[1:])) for p, t in zip(parts, owned)
-    ]
+    ], token

@@ -53,11 +53,12 @@ def select_and_pad_smallop(ops: Backend, gathered: Any, plan: RankPlan) -> Any:
 
 
 def build_global_compressed_kv_for_cp(
-    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan
-) -> list[Any]:
-    """Every rank's owned slots (main, then indexer) gathered in one collective, global order."""
-    gathered = gather_compressed_slots(group, ops, owned, plan)
-    return [select_and_pad_smallop(ops, g, plan) for g in gathered]
+    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan, token: Any
+) -> tuple[list[Any], Any]:
+    """Every rank's owned slots (main, then indexer) gathered in one collective, global
+    order, and the next order token (Note [Backward order] in :mod:`hp_cp_core.collectives`)."""
+    gathered, token = gather_compressed_slots(group, ops, owned, plan, token)
+    return [select_and_pad_smallop(ops, g, plan) for g in gathered], token
 
 
 __all__ = [

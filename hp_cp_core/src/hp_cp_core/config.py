@@ -39,6 +39,9 @@ class DeepSeekV4CPConfig:
         plan_cache_size: most plans kept per ``enable_cp`` handle (least recently used
             goes first). A plan holds O(L) index arrays per input shape (per ``cu_seqlens``
             when packed), so this bounds the cache's memory when every batch differs.
+        single_rank_bypass: with a CP group of one, keep each layer's original forward
+            (the default: nothing to exchange). ``False`` runs the full CP path on a group of
+            one (plan, agreement, exchanges): what tests and benchmarks of the CP path use.
     """
 
     layout: str = "contiguous"
@@ -46,6 +49,7 @@ class DeepSeekV4CPConfig:
     query_chunk: int = 1024
     check_inputs_across_ranks: bool = True
     plan_cache_size: int = 64
+    single_rank_bypass: bool = True
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

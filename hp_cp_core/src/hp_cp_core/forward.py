@@ -89,21 +89,28 @@ class DeepSeekV4CPForward:
             call = self.agree(check, extra)
         elif extra:
             call = call.replace(extra={**call.extra, **extra})
+        token = self.group.begin_order(x)  # Note [Backward order] in hp_cp_core.collectives
         ori_kv = self.hooks.extract_ori_kv(self.module, key)
-        ori_ext, halo_x = exchange_halos(self.group, self.backend, ori_kv, x, call.plan)
-        cmp_kv_global, cmp_idx_global = self.global_compressed_kv(x, halo_x, call)
+        ori_ext, halo_x, token = exchange_halos(
+            self.group, self.backend, ori_kv, x, call.plan, token
+        )
+        cmp_kv_global, cmp_idx_global, token = self.global_compressed_kv(x, halo_x, call, token)
         call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
-        return self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        return self.group.end_order(out, token)
 
-    def global_compressed_kv(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext):
-        """Main compressed KV and indexer keys of every rank, in global slot order."""
+    def global_compressed_kv(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any):
+        """Main compressed KV and indexer keys of every rank, in global slot order, and the
+        next order token."""
         if self.spec.compress_ratio == 0:
-            return None, None
+            return None, None, token
         owned = [self.hooks.compress_main(self.module, x, halo_x, call)]
         if self.spec.has_indexer:
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
-        gathered = build_global_compressed_kv_for_cp(self.group, self.backend, owned, call.plan)
-        return gathered[0], (gathered[1] if len(gathered) > 1 else None)
+        gathered, token = build_global_compressed_kv_for_cp(
+            self.group, self.backend, owned, call.plan, token
+        )
+        return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
 
     def local_positions(self, n_local: int, cu_seqlens: Any = None) -> np.ndarray:
         """Default RoPE positions of this rank's rows (used when the caller passes none)."""

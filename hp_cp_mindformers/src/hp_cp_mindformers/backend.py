@@ -22,8 +22,11 @@ exercised by this repository's tests. A point-to-point halo exchange for Ascend
 (``mint.distributed`` P2P) would plug in where :meth:`MindSporeGroup.exchange_rows` picks
 ``_ExchangeRowsGather``; until it exists every device uses the all-gather form.
 
-Every exchange is one ``_Function`` whose output includes the rank's own rows, so every rank
-runs every backward collective (a rank that received nothing still gets its own rows back).
+Every exchange is one ``_Function`` that takes the layer's order token and returns the next
+(Note [Backward order] in :mod:`hp_cp_core.collectives`; a token is a one-element tensor, since
+0-element tensors do not survive MindSpore's CPU backward), so every rank runs every backward
+collective in reverse forward order, also a rank that received nothing or never used what it
+received.
 Index arrays are built on the host with numpy; empty slices are taken as ``t[n:n]`` (never
 ``t[0:0]``, whose CPU backward fails) so empty results stay in the autograd graph.
 """
@@ -294,23 +297,42 @@ class MindSporeGroup:
         return total[self.rank * rows : (self.rank + 1) * rows]
 
     # -- Group protocol ---------------------------------------------------------------------
-    def exchange_rows(self, items: Sequence[tuple[Tensor, Any]]) -> list[Tensor]:
+    def begin_order(self, anchor: Tensor) -> Tensor:
+        return _OrderBegin.apply(anchor) if anchor is not None else _new_token()
+
+    def end_order(self, output: Any, token: Tensor | None) -> Any:
+        if token is None:
+            return output
+        if isinstance(output, Tensor):
+            return _OrderEnd.apply(output, token)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+            return type(output)([_OrderEnd.apply(output[0], token), *output[1:]])
+        raise HpCpError(
+            f"the CP attention hook returned a {type(output).__name__}; expected the layer "
+            "output tensor (or a tuple starting with it) so the backward order token can be "
+            "attached to it."
+        )
+
+    def exchange_rows(
+        self, items: Sequence[tuple[Tensor, Any]], token: Tensor | None
+    ) -> tuple[list[Tensor], Tensor | None]:
         tensors = [t for t, _ in items]
-        if self.size == 1:
-            return tensors
+        if self.size == 1:  # no collective, so nothing to order
+            return tensors, token
         plans = [p for _, p in items]
         layout = self._exchange_layout(tensors, plans)
         if layout.padded == 0:  # nobody sends anything (symmetric: padded is global)
-            return tensors
-        outs = _ExchangeRowsGather.apply(self, layout, plans, *tensors)
-        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            return tensors, token
+        token, *outs = _ExchangeRowsGather.apply(self, layout, plans, _token(token), *tensors)
+        return outs, token
 
-    def all_gather_rows(self, tensor: Tensor) -> Tensor:
+    def all_gather_rows(self, tensor: Tensor, token: Tensor | None) -> tuple[Tensor, Any]:
         if self.size == 1:
-            return tensor
+            return tensor, token
         if _rows(tensor) == 0:  # no slot anywhere (cap is the same on every rank)
-            return _zeros((0, *tensor.shape[1:]), tensor.dtype)
-        return _AllGatherRows.apply(self, tensor)
+            return _zeros((0, *tensor.shape[1:]), tensor.dtype), token
+        token, out = _AllGatherRows.apply(self, _token(token), tensor)
+        return out, token
 
     def all_gather_dim(self, tensor: Tensor, dim: int) -> Tensor:
         if self.size == 1:
@@ -321,7 +343,8 @@ class MindSporeGroup:
         moved = mint.permute(tensor, perm)
         shape = tuple(moved.shape)
         flat = mint.reshape(moved, (shape[0], _features(moved)))
-        out = mint.reshape(self.all_gather_rows(flat), (self.size * shape[0], *shape[1:]))
+        gathered, _ = self.all_gather_rows(flat, None)
+        out = mint.reshape(gathered, (self.size * shape[0], *shape[1:]))
         inverse = tuple(int(i) for i in np.argsort(perm))
         return mint.permute(out, inverse)
 
@@ -375,6 +398,41 @@ class MindSporeGroup:
         return layout
 
 
+def _new_token() -> Tensor:
+    return _zeros((1,), ms.float32)
+
+
+def _token(token: Tensor | None) -> Tensor:
+    return token if token is not None else _new_token()
+
+
+class _OrderBegin(_Function):
+    """The first token of a layer, from its input; backward: a zero gradient for the input
+    that exists only after the layer's first exchange ran its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor) -> Tensor:
+        ctx.anchor = (tuple(anchor.shape), anchor.dtype)
+        return _new_token()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        return _zeros(*ctx.anchor)
+
+
+class _OrderEnd(_Function):
+    """Identity on the layer output; backward hands the last token its gradient, which starts
+    the layer's backward exchanges, last to first."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, token: Tensor) -> Tensor:
+        return output * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        return grad, _new_token()
+
+
 class _ExchangeRowsGather(_Function):
     """``[received rows (source-rank order) ; own]`` per item via one padded AllGather.
 
@@ -386,7 +444,14 @@ class _ExchangeRowsGather(_Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, group: MindSporeGroup, layout: _ExchangeLayout, plans: list, *tensors):
+    def forward(
+        ctx: Any,
+        group: MindSporeGroup,
+        layout: _ExchangeLayout,
+        plans: list,
+        token: Tensor,
+        *tensors: Tensor,
+    ):
         ctx.group, ctx.layout, ctx.plans = group, layout, plans
         ctx.shapes = [tuple(t.shape) for t in tensors]
         dtype = tensors[0].dtype if all(t.dtype == tensors[0].dtype for t in tensors) else None
@@ -415,10 +480,10 @@ class _ExchangeRowsGather(_Function):
                     block = mint.reshape(block, (n, *t.shape[1:]))
                     got.append(block if block.dtype == t.dtype else ops.cast(block, t.dtype))
             outs.append(_cat([*got, t]) if got else t * 1)
-        return tuple(outs)
+        return (_new_token(), *outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads):
+    def backward(ctx: Any, _token_grad: Tensor, *grads):
         group, layout, plans = ctx.group, ctx.layout, ctx.plans
         me, size, wire = group.rank, group.size, ctx.wire
         grads = [
@@ -466,20 +531,20 @@ class _ExchangeRowsGather(_Function):
                 index = Tensor(np.concatenate(idx).astype(np.int32))
                 local = mint.reshape(mint.index_add(flat, 0, index, add), shape)
             out.append(local)
-        return (None, None, None, *out)
+        return (None, None, None, _new_token(), *out)
 
 
 class _AllGatherRows(_Function):
     """``[cap, F]`` from every rank -> ``[size * cap, F]``; backward: sum over ranks, own rows."""
 
     @staticmethod
-    def forward(ctx: Any, group: MindSporeGroup, tensor: Tensor) -> Tensor:
+    def forward(ctx: Any, group: MindSporeGroup, token: Tensor, tensor: Tensor):
         ctx.group, ctx.rows = group, _rows(tensor)
-        return group.gather_forward(tensor, "all_gather")
+        return _new_token(), group.gather_forward(tensor, "all_gather")
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor):
-        return None, ctx.group.gather_backward(grad, ctx.rows, "all_gather_bwd")
+    def backward(ctx: Any, _token_grad: Tensor, grad: Tensor):
+        return None, _new_token(), ctx.group.gather_backward(grad, ctx.rows, "all_gather_bwd")
 
 
 # --------------------------------------------------------------------------------------------

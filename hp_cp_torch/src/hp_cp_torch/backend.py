@@ -1,12 +1,17 @@
 """Tensor ops and differentiable collectives on ``torch.distributed`` (gloo, NCCL).
 
-Every exchange is one ``autograd.Function`` whose output holds the rank's own rows, so every
-rank reaches every backward collective even when it received nothing:
+Every exchange is one ``autograd.Function`` that takes the layer's order token and returns
+the next (Note [Backward order] in :mod:`hp_cp_core.collectives`): an empty tensor in the
+graph whose gradient only the next exchange's backward produces. So every rank runs every
+backward collective, in reverse forward order, even when it received nothing or never used
+what it received:
 
+* :class:`_OrderBegin`: the first token, tied to the layer input (zero gradient).
 * :class:`_HaloExchange`: one point-to-point message per peer carrying the window KV halo
   and the x halo as raw bytes; backward returns the halo gradients to their owners.
 * :class:`_AllGatherRows`: all-gather of the padded compressed slots (main and indexer in one
   buffer); backward reduce-scatters.
+* :class:`_OrderEnd`: identity on the layer output that starts the chain in backward.
 
 A collective that fails or times out (a peer raised inside the layer and never joined it)
 raises :class:`~hp_cp_core.HpCpError` naming the collective and this rank, chained from the
@@ -136,17 +141,48 @@ class TorchGroup:
         self.bytes_recv += int(recv)
         self.calls[kind] = self.calls.get(kind, 0) + 1
 
-    def exchange_rows(self, items: Sequence[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
-        plans = [plan for _, plan in items]
-        return list(_HaloExchange.apply(self, plans, *[_in_graph(t) for t, _ in items]))
+    def begin_order(self, anchor: torch.Tensor) -> torch.Tensor | None:
+        if not torch.is_grad_enabled():
+            return None
+        if anchor is not None and anchor.requires_grad:
+            return _OrderBegin.apply(anchor)
+        # nothing upstream to order against: a leaf still puts every exchange in the graph
+        return torch.empty(0, device=self.device, requires_grad=True)
 
-    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _AllGatherRows.apply(self, _in_graph(tensor))
+    def end_order(self, output: Any, token: torch.Tensor | None) -> Any:
+        if token is None or not token.requires_grad:
+            return output
+        if isinstance(output, torch.Tensor):
+            return _attach_token(output, token)
+        if isinstance(output, (tuple, list)):
+            parts = list(output)
+            for i, part in enumerate(parts):
+                if isinstance(part, torch.Tensor) and part.is_floating_point():
+                    parts[i] = _attach_token(part, token)
+                    return type(output)(parts) if isinstance(output, list) else tuple(parts)
+        raise HpCpError(
+            f"the CP attention hook returned a {type(output).__name__}; expected the layer "
+            "output tensor (or a tuple starting with it) so the backward order token can be "
+            "attached to it."
+        )
+
+    def exchange_rows(
+        self, items: Sequence[tuple[torch.Tensor, Any]], token: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        plans = [plan for _, plan in items]
+        token, *outs = _HaloExchange.apply(self, plans, token, *[t for t, _ in items])
+        return outs, _token_or_none(token)
+
+    def all_gather_rows(
+        self, tensor: torch.Tensor, token: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        token, out = _AllGatherRows.apply(self, token, tensor)
+        return out, _token_or_none(token)
 
     def all_gather_dim(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         rows = tensor.movedim(dim, 0)
         shape = rows.shape
-        out = self.all_gather_rows(rows.reshape(shape[0], -1))
+        out, _ = self.all_gather_rows(rows.reshape(shape[0], -1), None)
         return out.reshape(self.size * shape[0], *shape[1:]).movedim(0, dim)
 
     def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
@@ -194,17 +230,55 @@ def _all_gather_single(out: torch.Tensor, tensor: torch.Tensor, pg: Any) -> None
     gather(out, tensor, group=pg)
 
 
-def _in_graph(t: torch.Tensor) -> torch.Tensor:
-    """Keep every rank's exchange in the backward graph.
+def _new_token(device: torch.device) -> torch.Tensor:
+    """An order token: an empty tensor; a Function output, so it carries the graph edge."""
+    return torch.empty(0, device=device)
 
-    A rank may feed an exchange a tensor that does not require grad (it owns no slot, so its
-    compressor saw no rows) while its peers' inputs do. Its exchange node would then be left
-    out of backward and the peers would wait forever in the matching collective. A detached
-    leaf that requires grad keeps the node in the graph on every rank (symmetric backward).
-    """
-    if torch.is_grad_enabled() and not t.requires_grad and t.is_floating_point():
-        return t.detach().requires_grad_(True)
-    return t
+
+def _token_or_none(token: torch.Tensor | None) -> torch.Tensor | None:
+    return token if token is not None and token.requires_grad else None
+
+
+def _token_grad(ctx: Any, index: int, device: torch.device) -> torch.Tensor | None:
+    """The (empty) gradient of the token input ``index``; ``None`` when it had none."""
+    return torch.zeros(0, device=device) if ctx.needs_input_grad[index] else None
+
+
+def _attach_token(output: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and output.is_floating_point()):
+        return output
+    return _OrderEnd.apply(output, token)
+
+
+class _OrderBegin(torch.autograd.Function):
+    """The first token of a layer, from its input; backward: a zero gradient for the input
+    that exists only after the layer's first exchange ran its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor_meta = (anchor.shape, anchor.dtype, anchor.device)
+        return _new_token(anchor.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        shape, dtype, device = ctx.anchor_meta
+        return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+class _OrderEnd(torch.autograd.Function):
+    """Identity on the layer output; backward hands the last token its (empty) gradient, which
+    starts the layer's backward exchanges, last to first."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        ctx.token_device = token.device
+        # detach, not view_as: the result behaves like ``output`` itself (in-place ops on it
+        # are checked by the shared version counter, not refused as custom-Function views)
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad, torch.zeros(0, device=ctx.token_device)
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -227,7 +301,7 @@ class _HaloExchange(torch.autograd.Function):
     """``[received rows (source-rank order) ; local]`` per item, one message per peer."""
 
     @staticmethod
-    def forward(ctx: Any, group: TorchGroup, plans: list[Any], *tensors: torch.Tensor):
+    def forward(ctx: Any, group: TorchGroup, plans: list[Any], token: Any, *tensors: torch.Tensor):
         ctx.group, ctx.plans = group, plans
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
         sends, recv_sizes = {}, {}
@@ -258,10 +332,10 @@ class _HaloExchange(torch.autograd.Function):
                     offsets[peer] += nb
         for t, got in zip(tensors, pieces):
             outs.append(torch.cat([*got, t]) if got else t.clone())
-        return tuple(outs)
+        return (_new_token(group.device), *outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor):
+    def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
         group, plans = ctx.group, ctx.plans
         grads = [
             g
@@ -299,14 +373,14 @@ class _HaloExchange(torch.autograd.Function):
                     got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
                     out[i].index_add_(0, _index(rows, got.device), got)
                     off += nb
-        return (None, None, *out)
+        return (None, None, _token_grad(ctx, 2, group.device), *out)
 
 
 class _AllGatherRows(torch.autograd.Function):
     """``[cap, F]`` from every rank -> ``[size * cap, F]``; backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx: Any, group: TorchGroup, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, group: TorchGroup, token: Any, tensor: torch.Tensor):
         ctx.group = group
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0], *tensor.shape[1:]))
@@ -314,10 +388,10 @@ class _AllGatherRows(torch.autograd.Function):
             _all_gather_single(out, tensor, group.pg)
         nbytes = tensor.numel() * tensor.element_size()
         group.count("all_gather", nbytes, nbytes * (group.size - 1))
-        return out
+        return _new_token(group.device), out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
+    def backward(ctx: Any, _token_grad_out: torch.Tensor, grad: torch.Tensor):
         group = ctx.group
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
@@ -326,7 +400,7 @@ class _AllGatherRows(torch.autograd.Function):
             reduce_scatter(out, grad, group=group.pg)
         nbytes = out.numel() * out.element_size()
         group.count("reduce_scatter", nbytes * (group.size - 1), nbytes * (group.size - 1))
-        return None, out
+        return None, _token_grad(ctx, 1, group.device), out
 
 
 class TorchBackend(InstallingBackend):

@@ -75,7 +75,17 @@ class FakeGroup:
         with self.world.lock:
             self.world.log.append({"rank": self.rank, "kind": kind, "sent": sent, "recv": recv})
 
-    def exchange_rows(self, items: Sequence[tuple[np.ndarray, Any]]) -> list[np.ndarray]:
+    # numpy records no backward, so order tokens are placeholders passed through
+    # (Note [Backward order] in hp_cp_core.collectives)
+    def begin_order(self, anchor: np.ndarray) -> Any:
+        return None
+
+    def end_order(self, output: Any, token: Any) -> Any:
+        return output
+
+    def exchange_rows(
+        self, items: Sequence[tuple[np.ndarray, Any]], token: Any
+    ) -> tuple[list[np.ndarray], Any]:
         sent = recv = 0
         for dst in range(self.size):  # one message per peer, all items packed together
             msg = [t[plan.send_rows[dst]] for t, plan in items]
@@ -95,15 +105,15 @@ class FakeGroup:
         self.world.barrier.wait()
         self.world.box.pop(("p2p", self.rank, self.rank), None)
         self._count("exchange_rows", sent, recv)
-        return outs
+        return outs, token
 
-    def all_gather_rows(self, tensor: np.ndarray) -> np.ndarray:
+    def all_gather_rows(self, tensor: np.ndarray, token: Any) -> tuple[np.ndarray, Any]:
         self.world.box[("ag", self.rank)] = tensor
         self.world.barrier.wait()
         parts = [self.world.box[("ag", k)] for k in range(self.size)]
         self.world.barrier.wait()
         self._count("all_gather_rows", tensor.nbytes, tensor.nbytes * (self.size - 1))
-        return np.concatenate(parts)
+        return np.concatenate(parts), token
 
     def all_gather_dim(self, tensor: np.ndarray, dim: int) -> np.ndarray:
         self.world.box[("agd", self.rank)] = tensor
