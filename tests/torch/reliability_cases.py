@@ -154,7 +154,10 @@ def determinism_case(case: Case, repeats: int) -> dict:
 
 def _determinism_runs(case: Case, repeats: int, pg: Any) -> dict:
     config = DeepSeekV4CPConfig(
-        layout=case.layout, attention_kernel=case.kernel, query_chunk=case.query_chunk
+        layout=case.layout,
+        attention_kernel=case.kernel,
+        query_chunk=case.query_chunk,
+        single_rank_bypass=False,  # cp = 1 runs the CP path too
     )
     runs = []
     layer = build_layer(case)
@@ -178,8 +181,14 @@ def _determinism_runs(case: Case, repeats: int, pg: Any) -> dict:
         "block": dist.get_rank() // case.cp,
         "runs": runs,
     }
-    if case.cp == 1:
+    if case.cp == 1:  # the default bypass keeps the module's own forward: bitwise plain
         res["plain"] = plain_step(build_layer(case), case)
+        layer = build_layer(case)
+        handle = enable_cp(layer, pg, DeepSeekV4CPConfig(layout=case.layout))
+        try:
+            res["bypass"] = cp_step(layer, handle, case)
+        finally:
+            disable_cp(handle)
     return res
 
 

@@ -387,7 +387,7 @@ class _AllGatherRows(torch.autograd.Function):
         with _collective(group, "all_gather"):
             _all_gather_single(out, tensor, group.pg)
         nbytes = tensor.numel() * tensor.element_size()
-        group.count("all_gather", nbytes, nbytes * (group.size - 1))
+        group.count("all_gather", nbytes if group.size > 1 else 0, nbytes * (group.size - 1))
         return _new_token(group.device), out
 
     @staticmethod
