@@ -1,0 +1,71 @@
+"""Foreign modules under CP (issue 12): attention cores written from the DeepSeek V4
+semantics alone, patched through the public API only (see ``foreign_cases.py``), equal one
+device forward and backward (fp32, 1e-5) at cp 2, 3, 4, 8 and both layouts, including the
+shapes that once deadlocked backward: a rank that owns no slot and receives no halo
+(HCA, r = 128, W = 64, S = 384, cp = 4), L < r for r = 4 and 128, L < W - 1, an indexer whose
+queries on some ranks see no slot, compressors returning fresh / detached / ``new_zeros``
+tensors for empty input, and attention that never touches ``cmp_kv`` on such ranks.
+
+One spawned job per cp size runs all of its cases on a default process group whose
+collectives time out after ``PG_TIMEOUT_S`` seconds, under a wall limit: a hang fails the
+test in seconds, it does not stall CI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from cases import job
+from foreign_cases import PG_TIMEOUT_S, ForeignCase, check, foreign_cases
+
+from hp_cp_torch.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+SUITE = "foreign_cases:foreign_suite"
+WORLDS = (2, 3, 4, 8)
+WALL_S = {2: 90, 3: 120, 4: 150, 8: 240}
+"""Seconds a job may take before its ranks are killed as hung."""
+
+_JOBS: dict[int, Any] = {}
+
+
+def _result(world: int, name: str) -> list[dict]:
+    if world not in _JOBS:
+        try:
+            _JOBS[world] = run_ranks(
+                world, job, SUITE, timeout=WALL_S[world], pg_timeout=PG_TIMEOUT_S
+            )
+        except BaseException as exc:  # noqa: BLE001 - every test of the job reports it
+            _JOBS[world] = exc
+    got = _JOBS[world]
+    if isinstance(got, BaseException):
+        raise AssertionError(f"the foreign-module job on {world} ranks failed: {got}") from got
+    errors = [value for status, value in (r[name] for r in got) if status != "ok"]
+    if errors:
+        errors.sort(key=lambda e: "not run, case" in e)
+        raise AssertionError("\n".join(errors[:2]))
+    return [r[name][1] for r in got]
+
+
+PARAMS = [pytest.param(w, c, id=c.name) for w in WORLDS for c in foreign_cases(w)]
+
+
+@pytest.mark.parametrize(("world", "case"), PARAMS)
+def test_foreign_module_matches_single_device(world: int, case: ForeignCase) -> None:
+    per_rank = _result(world, case.name)
+    check(case, next(r for r in per_rank if r["cp_rank"] == 0))
+
+
+def test_the_suite_covers_the_issue() -> None:
+    cases = [c for w in WORLDS for c in foreign_cases(w)]
+    assert {c.cp for c in cases} == set(WORLDS)
+    assert {c.module for c in cases} == {"concat", "cmpfirst", "skipempty"}
+    assert {c.layout for c in cases} == {"contiguous", "load_balanced"}
+    # the reproducer, with every module
+    repro = {c.module for c in cases if (c.cp, c.r, c.window, c.S) == (4, 128, 64, 384)}
+    assert repro == {"concat", "cmpfirst", "skipempty"}
+    assert any(c.r == 4 and c.local < 4 for c in cases)
+    assert any(c.r == 128 and c.local < 128 for c in cases)
+    assert any(c.local < c.window - 1 for c in cases)
