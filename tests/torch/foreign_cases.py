@@ -206,7 +206,9 @@ class ConcatSeqMajor(_ForeignBase):
             )
             onehot = torch.zeros(batch, n, n_slots + 1).scatter(-1, ids % (n_slots + 1), 1.0)
             cmp_mask = onehot[..., :n_slots].bool()
-            cmp_bonus = torch.zeros(batch, n, n_slots + 1).scatter_add(-1, ids % (n_slots + 1), extra)
+            cmp_bonus = torch.zeros(batch, n, n_slots + 1).scatter_add(
+                -1, ids % (n_slots + 1), extra
+            )
             mask = torch.cat([mask, cmp_mask], dim=-1)
             bonus = torch.cat([bonus, cmp_bonus[..., :n_slots]], dim=-1)
             values = torch.cat([kv, cmp_kv_global])  # [E + N, B, D]
@@ -296,9 +298,10 @@ class SkipsEmptyCmp(_ForeignBase):
         sink = self.sink[None, :, None, None]
         m = torch.maximum(scores.amax(-1, keepdim=True), sink)
         p = torch.exp(scores - m)
-        out = torch.einsum("bhne,bxed->nbhd", p, values) / (
-            p.sum(-1) + torch.exp(sink - m)[..., 0]
-        ).permute(2, 0, 1)[..., None]
+        out = (
+            torch.einsum("bhne,bxed->nbhd", p, values)
+            / (p.sum(-1) + torch.exp(sink - m)[..., 0]).permute(2, 0, 1)[..., None]
+        )
         return self.wo(out)
 
 
@@ -410,8 +413,12 @@ def single_device(case: ForeignCase) -> dict:
     params = list(module.parameters())
     grads = torch.autograd.grad(_loss(out, g), [*inputs, *params], allow_unused=True)
     names = [n for n, _ in module.named_parameters()]
-    return {"out": out.detach(), "gin": grads[: len(inputs)], "pgrads": grads[len(inputs) :],
-            "names": names}
+    return {
+        "out": out.detach(),
+        "gin": grads[: len(inputs)],
+        "pgrads": grads[len(inputs) :],
+        "names": names,
+    }
 
 
 def foreign_cases(world: int) -> list[ForeignCase]:
@@ -479,4 +486,3 @@ def check(case: ForeignCase, got: dict, out_tol: float = 1e-5, grad_tol: float =
     for name, a, b in zip(want["names"], got["pgrads"], want["pgrads"]):
         b = _or_zeros(b, a)
         assert rel(a, b) <= grad_tol, f"gradient of {name}: error {rel(a, b):.3g}"
-

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
+
 import pytest
 
 from hp_cp_torch.cli import main
@@ -20,6 +24,81 @@ def test_demo_transformers_cp2(capsys):
     assert "PARITY OK" in out and "compressed_sparse_attention" in out
 
 
-def test_demo_rejects_bad_cp():
-    with pytest.raises(SystemExit):
-        main(["demo", "--cp", "0"])
+# ------------------------------------------------------------------ refusals (issue 12)
+# Each is one line on stderr and exit status 2, before any rank starts.
+
+
+def _refused(capsys, *argv: str) -> str:
+    assert main(["demo", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("hp-cp demo: error: ")
+    return lines[0]
+
+
+def test_demo_refuses_more_ranks_than_the_machine_hosts(capsys):
+    line = _refused(capsys, "--cp", "100000")
+    assert "--cp 100000 would start 100000 local processes" in line
+    assert "CPU core(s)" in line and "GiB of available memory" in line
+    assert "--allow-oversubscribe" in line and "--launcher torchrun" in line
+
+
+def test_capacity_counts_cores_and_memory():
+    from hp_cp_torch.cli import demo_refusal
+
+    def args(cp, oversubscribe=False):
+        return argparse.Namespace(
+            cp=cp,
+            launcher="local",
+            allow_oversubscribe=oversubscribe,
+            seq_len=None,
+            layout="contiguous",
+        )
+
+    gib = 2**30
+    assert demo_refusal(args(8), cores=2, memory_bytes=20 * gib) is None
+    line = demo_refusal(args(9), cores=2, memory_bytes=20 * gib)
+    assert "2 CPU core(s) and 20.0 GiB" in line and "hosts at most 8. Use --cp 8" in line
+    line = demo_refusal(args(8), cores=64, memory_bytes=2 * gib)  # memory-bound: 4 fit
+    assert "hosts at most 4" in line
+    assert demo_refusal(args(100, oversubscribe=True), cores=2, memory_bytes=gib) is None
+
+
+def test_demo_rejects_bad_cp(capsys):
+    assert _refused(capsys, "--cp", "0").endswith("--cp must be >= 1, got 0.")
+
+
+@pytest.mark.parametrize("length", ["0", "-5"])
+def test_demo_refuses_a_non_positive_seq_len(capsys, length):
+    line = _refused(capsys, "--cp", "2", "--seq-len", length)
+    assert f"--seq-len must be a positive number of tokens, got {length}" in line
+
+
+def test_demo_refuses_a_seq_len_the_layout_cannot_shard(capsys):
+    line = _refused(capsys, "--cp", "4", "--seq-len", "1001")
+    assert "needs the sequence length to be a multiple of 4; got 1001 rows" in line
+    assert line.endswith("For the demo: --seq-len 1000 or 1004.")
+    line = _refused(capsys, "--cp", "2", "--seq-len", "6", "--layout", "load_balanced")
+    assert "multiple of 4" in line and line.endswith("--seq-len 4 or 8.")
+
+
+def test_demo_refuses_torchrun_outside_torchrun(capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    line = _refused(capsys, "--launcher", "torchrun")
+    assert "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set" in line
+    assert "torchrun --nproc-per-node N -m hp_cp_torch.cli demo --launcher torchrun" in line
+
+
+def test_refusal_exit_status_from_the_command_line():
+    """The real entry point: exit status 2, one stderr line, no traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hp_cp_torch.cli", "demo", "--cp", "4", "--seq-len", "1001"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr

@@ -170,8 +170,21 @@ def comm_per_rank(
     docs = Documents.padded(seq)
     lay = SequenceLayout(layout, cp, seq)
     out: dict[str, list[int]] = {k: [] for k in ("ours", "lower", "allgather")}
-    out.update({k: [] for k in ("ours_window", "ours_x", "ours_gather", "lower_window",
-                                "lower_slots", "window_rows", "x_rows", "gather_cap")})
+    out.update(
+        {
+            k: []
+            for k in (
+                "ours_window",
+                "ours_x",
+                "ours_gather",
+                "lower_window",
+                "lower_slots",
+                "window_rows",
+                "x_rows",
+                "gather_cap",
+            )
+        }
+    )
     l_rows = seq // cp
     for k, plan in enumerate(plans):
         x_rows = plan.x.n_halo if plan.x is not None else 0
@@ -344,8 +357,7 @@ def saved_bytes(kernel: str, *, local_rows: int, heads: int, cp: int, device: st
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run_sparse_attention(q, ori, cmp, plan, sel, sink, q.shape[-1] ** -0.5,
-                                   kernel=kernel)
+        out = run_sparse_attention(q, ori, cmp, plan, sel, sink, q.shape[-1] ** -0.5, kernel=kernel)
     if device != "meta":
         out.float().square().sum().backward()
     return int(sum(seen.values()))
@@ -567,21 +579,51 @@ def _step_ratios(num: dict[str, list[float]], den: dict[str, list[float]], clock
 # ----------------------------------------------------------------------------- charts
 
 _FONT = {  # 3x5 glyphs, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
-    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
-    "6": "111100111101111", "7": "111001001001001", "8": "111101111101111",
-    "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111",
-    "F": "111100110100100", "G": "011100101101011", "H": "101101111101101",
-    "I": "111010010010111", "J": "001001001101010", "K": "101101110101101",
-    "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011",
-    "R": "110101110101101", "S": "011100010001110", "T": "111010010010010",
-    "U": "101101101101111", "V": "101101101101010", "W": "101101111111101",
-    "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    ".": "000000000000010", "_": "000000000000111", "/": "001001010100100",
-    "-": "000000111000000", "=": "000111000111000", ":": "000010000010000",
-    "<": "001010100010001", ">": "100010001010100", " ": "000000000000000",
+    "0": "111101101101111",
+    "1": "010110010010111",
+    "2": "111001111100111",
+    "3": "111001111001111",
+    "4": "101101111001001",
+    "5": "111100111001111",
+    "6": "111100111101111",
+    "7": "111001001001001",
+    "8": "111101111101111",
+    "9": "111101111001111",
+    "A": "010101111101101",
+    "B": "110101110101110",
+    "C": "011100100100011",
+    "D": "110101101101110",
+    "E": "111100110100111",
+    "F": "111100110100100",
+    "G": "011100101101011",
+    "H": "101101111101101",
+    "I": "111010010010111",
+    "J": "001001001101010",
+    "K": "101101110101101",
+    "L": "100100100100111",
+    "M": "101111111101101",
+    "N": "110101101101101",
+    "O": "010101101101010",
+    "P": "110101110100100",
+    "Q": "010101101110011",
+    "R": "110101110101101",
+    "S": "011100010001110",
+    "T": "111010010010010",
+    "U": "101101101101111",
+    "V": "101101101101010",
+    "W": "101101111111101",
+    "X": "101101010101101",
+    "Y": "101101010010010",
+    "Z": "111001010100111",
+    ".": "000000000000010",
+    "_": "000000000000111",
+    "/": "001001010100100",
+    "-": "000000111000000",
+    "=": "000111000111000",
+    ":": "000010000010000",
+    "<": "001010100010001",
+    ">": "100010001010100",
+    " ": "000000000000000",
 }
 
 
@@ -592,8 +634,12 @@ def _png_bytes(pixels: list[bytearray], width: int, height: int) -> bytes:
 
     raw = b"".join(b"\x00" + bytes(row) for row in pixels)
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _bars_png_fallback(rows: list[tuple[str, float, float | None]], path: str) -> None:
@@ -677,8 +723,7 @@ def write_png(rows: list[tuple[str, float, float | None]], path: str) -> str:
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.2))
     names = [r[0] for r in rows][::-1]
     values = [max(r[1], 1e-6) for r in rows][::-1]
-    colors = ["tab:blue" if t is None or v <= t else "tab:red"
-              for (_, v, t) in rows][::-1]
+    colors = ["tab:blue" if t is None or v <= t else "tab:red" for (_, v, t) in rows][::-1]
     ax.barh(names, values, color=colors)
     for i, (_, _, t) in enumerate(rows[::-1]):
         if t is not None:
@@ -742,8 +787,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         res[f"comm_total_over_lower_bound_r{r}"] = float(ours.sum() / max(low.sum(), 1))
         res[f"comm_allgather_strategy_over_ours_r{r}"] = float(ag.max() / max(ours.max(), 1))
-        for k in ("ours", "lower", "allgather", "ours_window", "ours_x", "ours_gather",
-                  "lower_window", "lower_slots"):
+        for k in (
+            "ours",
+            "lower",
+            "allgather",
+            "ours_window",
+            "ours_x",
+            "ours_gather",
+            "lower_window",
+            "lower_slots",
+        ):
             res[f"comm_{k}_bytes_per_rank_r{r}"] = c[k].tolist()
         res[f"comm_ours_max_rank_bytes_r{r}"] = int(ours.max())
         res[f"comm_lower_bound_max_rank_bytes_r{r}"] = int(low.max())
@@ -759,8 +812,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             w = work_per_rank(args.seq, args.cp, r, lay)
             res[f"work_max_over_mean_{name}_r{r}"] = _max_over_mean(w["plan"])
             res[f"work_impl_max_over_mean_{name}_r{r}"] = _max_over_mean(w["impl"])
-            res[f"work_impl_over_plan_max_rank_{name}_r{r}"] = float(w["impl"].max()
-                                                                    / w["plan"].max())
+            res[f"work_impl_over_plan_max_rank_{name}_r{r}"] = float(
+                w["impl"].max() / w["plan"].max()
+            )
             res[f"work_macs_per_rank_{name}_r{r}"] = w["plan"].tolist()
     res["time_exact_measures_s"] = time.perf_counter() - t_start
 
@@ -778,10 +832,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # saved activations (exact, counted by autograd hooks)
     heads = args.saved_heads
-    eff = saved_bytes("efficient", local_rows=args.saved_rows, heads=heads, cp=args.cp,
-                      device="meta")
-    small = saved_bytes("smallop", local_rows=args.saved_rows, heads=heads, cp=args.cp,
-                        device="meta")
+    eff = saved_bytes(
+        "efficient", local_rows=args.saved_rows, heads=heads, cp=args.cp, device="meta"
+    )
+    small = saved_bytes(
+        "smallop", local_rows=args.saved_rows, heads=heads, cp=args.cp, device="meta"
+    )
     res["saved_bytes_efficient"] = eff
     res["saved_bytes_smallop"] = small
     res["saved_bytes_efficient_over_smallop"] = eff / small
@@ -791,18 +847,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.check_rows:  # the meta count against a real run (forward and backward)
         for kernel in ("efficient", "smallop"):
-            meta = saved_bytes(kernel, local_rows=args.check_rows, heads=heads, cp=args.cp,
-                               device="meta")
-            real = saved_bytes(kernel, local_rows=args.check_rows, heads=heads, cp=args.cp,
-                               device="cpu")
+            meta = saved_bytes(
+                kernel, local_rows=args.check_rows, heads=heads, cp=args.cp, device="meta"
+            )
+            real = saved_bytes(
+                kernel, local_rows=args.check_rows, heads=heads, cp=args.cp, device="cpu"
+            )
             res[f"saved_bytes_{kernel}_real_over_meta_l{args.check_rows}"] = real / meta
 
     # peak memory of the attention call, forward + backward (measured on this machine)
     if args.peak_rows:
         peaks = {}
         for kernel in ("efficient", "smallop"):
-            peaks[kernel] = peak_memory_bytes(kernel, local_rows=args.peak_rows, heads=heads,
-                                              cp=args.cp)
+            peaks[kernel] = peak_memory_bytes(
+                kernel, local_rows=args.peak_rows, heads=heads, cp=args.cp
+            )
             if peaks[kernel] is not None:
                 res[f"peak_memory_bytes_{kernel}_l{args.peak_rows}"] = peaks[kernel]
         if peaks["efficient"] and peaks["smallop"]:
@@ -841,9 +900,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # headlines: CPU seconds (other jobs on a shared machine disturb them far less than
         # wall seconds), the median over rounds of the paired ratio; for cp = 2 the best
         # variant with the same kernel on both sides
-        best = min(
-            STEP_VARIANTS, key=lambda v: res["step_time_cp2_over_cp1_{}_{}_cpu".format(*v)]
-        )
+        best = min(STEP_VARIANTS, key=lambda v: res["step_time_cp2_over_cp1_{}_{}_cpu".format(*v)])
         res["step_time_cp2_over_cp1"] = res["step_time_cp2_over_cp1_{}_{}_cpu".format(*best)]
         res["step_time_cp2_best_variant"] = "_".join(best)
         res["cp_enabled_cp1_overhead"] = res["cp_enabled_cp1_overhead_cpu"]
@@ -863,8 +920,11 @@ def _table(res: dict[str, Any]) -> str:
         "comm_total_over_lower_bound_r4",
         "peak_memory_efficient_over_smallop",
         "step_time_cp2_best_variant",
-        *[f"step_time_cp2_over_cp1_{lay}_{ker}_{c}" for lay, ker in STEP_VARIANTS
-          for c in ("cpu", "wall")],
+        *[
+            f"step_time_cp2_over_cp1_{lay}_{ker}_{c}"
+            for lay, ker in STEP_VARIANTS
+            for c in ("cpu", "wall")
+        ],
         "efficient_over_smallop_single_step_cpu",
         "cp_enabled_cp1_overhead_wall",
         "cp_enabled_cp1_overhead_swa_cpu",
@@ -887,10 +947,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-docs", type=int, default=64)
     parser.add_argument("--saved-rows", type=int, default=4096)
     parser.add_argument("--saved-heads", type=int, default=8)
-    parser.add_argument("--check-rows", type=int, default=128,
-                        help="also run the saved-bytes count for real at this L (0: skip)")
-    parser.add_argument("--peak-rows", type=int, default=512,
-                        help="L of the peak-memory run of the attention call (0: skip)")
+    parser.add_argument(
+        "--check-rows",
+        type=int,
+        default=128,
+        help="also run the saved-bytes count for real at this L (0: skip)",
+    )
+    parser.add_argument(
+        "--peak-rows",
+        type=int,
+        default=512,
+        help="L of the peak-memory run of the attention call (0: skip)",
+    )
     parser.add_argument("--step-seq", type=int, default=8192, help="S of the step time (0: skip)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds of the step time")
     args = parser.parse_args(argv)

@@ -199,7 +199,8 @@ def main(
     if model == "transformers":
         from hp_cp_torch.integrations.transformers_demo import run_parity
 
-        results = [_transformers_rows(r) for r in run_ranks(cp, run_parity, layout)]
+        lengths = () if seq_len is None else (seq_len,)
+        results = [_transformers_rows(r) for r in run_ranks(cp, run_parity, layout, *lengths)]
         return 0 if report(results, f"transformers DeepseekV4ForCausalLM, cp={cp}, {layout}") else 1
     n = seq_len or 128 * 2 * cp
     results = run_ranks(cp, reference_parity, layout, n, 2)
