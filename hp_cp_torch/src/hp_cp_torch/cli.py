@@ -80,8 +80,9 @@ def demo_refusal(
             return (
                 f"--launcher torchrun runs inside a torchrun worker, but {', '.join(missing)} "
                 f"{'is' if len(missing) == 1 else 'are'} not set (torchrun sets RANK, "
-                "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT). Start it as `torchrun --nproc-per-node N -m hp_cp_torch.cli demo "
-                "--launcher torchrun`, or drop --launcher to spawn local ranks."
+                "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT). Start it as "
+                "`torchrun --nproc-per-node N -m hp_cp_torch.cli demo --launcher torchrun`, "
+                "or drop --launcher to spawn local ranks."
             )
         world = env["WORLD_SIZE"]
         cp = int(world) if world.isdigit() else 0
