@@ -15,7 +15,9 @@ what it received:
 
 A collective that fails or times out (a peer raised inside the layer and never joined it)
 raises :class:`~hp_cp_core.HpCpError` naming the collective and this rank, chained from the
-``torch.distributed`` error, within the process group's timeout.
+``torch.distributed`` error, within the process group's timeout, with the desync report:
+where this rank waits and what every peer last entered (Note [Desync report] in
+:mod:`hp_cp_torch.desync`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 
 from hp_cp_core import HpCpError
 from hp_cp_core.adapters import InstallingBackend
+from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
 
 __all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
 
@@ -97,26 +100,33 @@ def _mesh_group(mesh: Any, me: int) -> Any:
     return pg
 
 
-def _peer_failure(group: TorchGroup, name: str, exc: BaseException) -> HpCpError:
+def _peer_failure(group: TorchGroup, name: str, exc: BaseException, where: str) -> HpCpError:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     me = group.global_ranks[group.rank] if 0 <= group.rank < len(group.global_ranks) else "?"
     return HpCpError(
         f"CP collective {name} failed on rank {group.rank} of {group.size} (global rank {me}): "
-        f"a peer rank likely failed or skipped it ({type(exc).__name__}: {first}). Look for "
+        f"a peer rank likely failed or skipped it ({type(exc).__name__}: {first}). Desync "
+        f"report: {group.log.report(where)}. Look for "
         "the first error on the other ranks; every rank must run each CP layer's forward and "
         "backward the same number of times. The wait is bounded by the process group's "
         "timeout (init_process_group(timeout=...) / new_group(timeout=...))."
     )
 
 
+_CURRENT = -1
+"""``_collective(layer=...)``: the layer whose CP forward runs now."""
+
+
 @contextlib.contextmanager
-def _collective(group: TorchGroup, name: str) -> Iterator[None]:
-    """Turn a failed or timed-out collective into an :class:`HpCpError` naming it."""
+def _collective(group: TorchGroup, name: str, layer: int | None = _CURRENT) -> Iterator[None]:
+    """Record entering collective ``name`` (for the desync report), and turn its failure or
+    timeout into an :class:`HpCpError` naming it and where every rank is."""
+    where = group.log.enter(name, group.log.layer if layer == _CURRENT else layer)
     try:
         yield
     except RuntimeError as exc:  # gloo / NCCL timeouts, closed connections (DistError)
-        raise _peer_failure(group, name, exc) from exc
+        raise _peer_failure(group, name, exc, where) from exc
 
 
 class TorchGroup:
@@ -135,6 +145,8 @@ class TorchGroup:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.calls: dict[str, int] = {}
+        self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks))
+        self.n_layers = 0  # installed so far; a layer's index in the desync report
 
     def count(self, kind: str, sent: int, recv: int) -> None:
         self.bytes_sent += int(sent)
@@ -209,19 +221,25 @@ class TorchGroup:
 
     # -- point-to-point with byte payloads --------------------------------------------------
     def p2p(
-        self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int], name: str = "p2p"
+        self,
+        sends: dict[int, torch.Tensor],
+        recv_sizes: dict[int, int],
+        name: str = "p2p",
+        layer: int | None = _CURRENT,
     ) -> dict:
-        """Send ``sends[peer]`` (uint8) and receive ``recv_sizes[peer]`` bytes from each peer."""
+        """Send ``sends[peer]`` (uint8) and receive ``recv_sizes[peer]`` bytes from each peer.
+
+        Recorded as entered (desync report) on every rank, with or without messages, so the
+        ranks' collective numbers stay aligned."""
         ops, recvs = [], {}
         for peer, buf in sends.items():
             ops.append(dist.P2POp(dist.isend, buf, self.global_ranks[peer], self.pg))
         for peer, n in recv_sizes.items():
             recvs[peer] = torch.empty(n, dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(dist.irecv, recvs[peer], self.global_ranks[peer], self.pg))
-        if ops:
-            with _collective(self, name):
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+        with _collective(self, name, layer):
+            for req in dist.batch_isend_irecv(ops) if ops else ():
+                req.wait()
         return recvs
 
 
@@ -302,7 +320,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: TorchGroup, plans: list[Any], token: Any, *tensors: torch.Tensor):
-        ctx.group, ctx.plans = group, plans
+        ctx.group, ctx.plans, ctx.layer = group, plans, group.log.layer
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
         sends, recv_sizes = {}, {}
         for peer in range(group.size):
@@ -359,7 +377,7 @@ class _HaloExchange(torch.autograd.Function):
             n = sum(p.send_rows[peer].size * _row_bytes(t) for t, p in zip(like, plans))
             if n:
                 recv_sizes[peer] = n
-        recvs = group.p2p(sends, recv_sizes, "halo_exchange backward")
+        recvs = group.p2p(sends, recv_sizes, "halo_exchange backward", ctx.layer)
         group.count(
             "halo_exchange_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
         )
@@ -381,7 +399,7 @@ class _AllGatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: TorchGroup, token: Any, tensor: torch.Tensor):
-        ctx.group = group
+        ctx.group, ctx.layer = group, group.log.layer
         tensor = tensor.contiguous()
         out = tensor.new_empty((group.size * tensor.shape[0], *tensor.shape[1:]))
         with _collective(group, "all_gather"):
@@ -396,7 +414,7 @@ class _AllGatherRows(torch.autograd.Function):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        with _collective(group, "all_gather backward (reduce_scatter)"):
+        with _collective(group, "all_gather backward (reduce_scatter)", ctx.layer):
             reduce_scatter(out, grad, group=group.pg)
         nbytes = out.numel() * out.element_size()
         group.count("reduce_scatter", nbytes * (group.size - 1), nbytes * (group.size - 1))
@@ -410,6 +428,12 @@ class TorchBackend(InstallingBackend):
 
     def group(self, mesh: Any) -> TorchGroup:
         return TorchGroup(resolve_process_group(mesh))
+
+    def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
+        """Install ``layer`` with a CP forward that names it (by its index among the
+        handle's layers) in the collectives it enters: see :mod:`hp_cp_torch.desync`."""
+        group.n_layers += 1
+        return super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
 
     # ops (dim 0 = rows); index arrays arrive as numpy
     def cat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
