@@ -129,6 +129,8 @@ def test_bench_main_small(tmp_path, capsys):
         "saved_bytes_efficient_over_smallop",
         "step_time_cp2_over_cp1",
         "cp_enabled_cp1_overhead",
+        "desync_record_us",
+        "desync_record_over_small_all_gather",
     ]
     for key in required:
         assert isinstance(res[key], (int, float)) and np.isfinite(res[key]), key

@@ -771,6 +771,49 @@ def _lower_is_better_rows(res: dict[str, Any]) -> list[tuple[str, float, float |
     return rows
 
 
+def _desync_worker(rank: int, world: int, calls: int) -> dict[str, float]:
+    """Median seconds of one desync record (``CollectiveLog.enter``: one store write) and of
+    one small gloo all-gather (64 floats), interleaved in rounds of ``calls`` each."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from hp_cp_torch.desync import CollectiveLog, group_store
+
+    log = CollectiveLog(rank, world, group_store(list(range(world))))
+    small = torch.zeros(64)
+    out = torch.empty(64 * world)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    record, gather = [], []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            log.enter("all_gather backward (reduce_scatter)", 12)
+        record.append((time.perf_counter() - t0) / calls)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            all_gather(out, small)
+        gather.append((time.perf_counter() - t0) / calls)
+    return {"record_s": statistics.median(record), "gather_s": statistics.median(gather)}
+
+
+def desync_cost(calls: int = 200) -> dict[str, float]:
+    """The desync report's cost on 2 local gloo ranks (slower rank): seconds per record and
+    its ratio to a small all-gather."""
+    from hp_cp_torch.launch import run_ranks
+
+    ranks = run_ranks(2, _desync_worker, calls)
+    record = max(r["record_s"] for r in ranks)
+    gather = max(r["gather_s"] for r in ranks)
+    return {
+        "desync_record_us": record * 1e6,
+        "desync_record_over_small_all_gather": record / gather,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"seq": args.seq, "cp": args.cp}
     res.update({f"shapes_{k}": v for k, v in asdict(FLASH).items()})
@@ -905,6 +948,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["step_time_cp2_best_variant"] = "_".join(best)
         res["cp_enabled_cp1_overhead"] = res["cp_enabled_cp1_overhead_cpu"]
         res["time_step_measures_s"] = time.perf_counter() - t0
+    # the desync report (timed): one store write per collective entered
+    res.update(desync_cost())
+    step = res.get("step_cp2_{}_s".format(res.get("step_time_cp2_best_variant", "")))
+    if step:  # a cp = 2 layer step enters 5 collectives (3 forward, 2 backward)
+        res["desync_record_share_of_cp2_step"] = 5 * res["desync_record_us"] * 1e-6 / step
     res["time_total_s"] = time.perf_counter() - t_start
     return res
 
@@ -926,6 +974,9 @@ def _table(res: dict[str, Any]) -> str:
             for c in ("cpu", "wall")
         ],
         "efficient_over_smallop_single_step_cpu",
+        "desync_record_us",
+        "desync_record_over_small_all_gather",
+        "desync_record_share_of_cp2_step",
         "cp_enabled_cp1_overhead_wall",
         "cp_enabled_cp1_overhead_swa_cpu",
         "time_total_s",
