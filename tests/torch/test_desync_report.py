@@ -63,3 +63,28 @@ def test_two_waiting_ranks_see_each_other_ahead_of_the_skipper() -> None:
             report,
         )
         assert m, report
+
+
+def test_report_groups_peers_and_says_what_it_does_not_know() -> None:
+    """In-process, on a ``HashStore``: ranks with the same record are grouped; a peer that
+    entered nothing yet and one with no record at all are told apart."""
+    import torch.distributed as dist
+
+    from hp_cp_torch.desync import CollectiveLog
+
+    store = dist.HashStore()
+    logs = [CollectiveLog(k, 6, dist.PrefixStore("g/", store)) for k in range(5)]  # not rank 5
+    for k in (1, 3, 4):
+        logs[k].enter("halo_exchange", 0)
+        logs[k].enter("all_gather", 0)
+    where = logs[0].enter("all_gather_meta", 1)
+    assert where == "all_gather_meta #1 (layer 1)"
+    assert logs[0].report(where) == (
+        "rank 0 waits in all_gather_meta #1 (layer 1); ranks 1, 3-4 last entered "
+        "all_gather #2 (layer 0); rank 2 entered no CP collective of this group yet; rank 5: "
+        "unknown (no record: its CP group was never created, or the store cannot be reached)"
+    )
+    assert CollectiveLog(0, 2, None).report("x #1") == (
+        "rank 0 waits in x #1; rank 1: unknown (no record: its CP group was never created, or "
+        "the store cannot be reached)"
+    )

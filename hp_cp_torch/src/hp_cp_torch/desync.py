@@ -143,10 +143,16 @@ class InLayer:
 
 
 def _ranks(ranks: list[int]) -> str:
-    """``rank 2``, ``ranks 1-3``, ``ranks 1, 3``."""
+    """``rank 2``, ``ranks 1-3``, ``ranks 0, 3-5``."""
     ranks = sorted(ranks)
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
+    runs: list[list[int]] = []
+    for k in ranks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return "ranks " + ", ".join(
+        str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs
+    )
