@@ -144,7 +144,10 @@ def pick_slots(
     if indexer is None:
         ids = torch.where(slots < visible[:, None], slots, -1).expand(batch, -1, -1)
         return ids, torch.zeros(ids.shape)
-    score = indexer.scores(qr, x, keys, t).masked_fill(slots >= visible[:, None], float("-inf"))
+    score = indexer.scores(qr, x, keys, t)
+    # ReLU makes exact ties (scores of 0); prefer the earlier slot, so that the pick does not
+    # depend on how many slots the row holds (all of them on one device, fewer under CP)
+    score = (score - 1e-3 * slots).masked_fill(slots >= visible[:, None], float("-inf"))
     k = min(TOPK, n_slots)
     values, ids = torch.topk(score, k, dim=-1)
     ok = torch.isfinite(values)
@@ -273,7 +276,7 @@ class SkipsEmptyCmp(_ForeignBase):
     def attention_fn(
         self, *, query, ori_kv, x, qr, pos_offset, cmp_kv_global, ori_halo_len, cmp_idx_global
     ):
-        kv = ori_kv[:, :, 0]
+        kv = ori_kv.reshape(ori_kv.shape[0], ori_kv.shape[1], DIM)  # [E, B, 1, D] or [E, B, D]
         n, batch, e = query.shape[0], query.shape[1], kv.shape[0]
         t = pos_offset + torch.arange(n)
         key_pos = pos_offset - ori_halo_len + torch.arange(e)
@@ -305,10 +308,27 @@ class SkipsEmptyCmp(_ForeignBase):
         return self.wo(out)
 
 
-MODULES: dict[str, type[_ForeignBase]] = {
+class TwoLayers(nn.Module):
+    """:class:`ConcatSeqMajor`, then :class:`SkipsEmptyCmp` on its output: two modules,
+    each patched on its own (two handles), the second's backward feeding the first's."""
+
+    KEY_HEAD_DIM = True
+
+    def __init__(self, compress_ratio: int, window_size: int, seed: int) -> None:
+        super().__init__()
+        self.first = ConcatSeqMajor(compress_ratio, window_size, seed)
+        self.second = SkipsEmptyCmp(compress_ratio, window_size, seed + 1)
+
+    def forward(self, query, key, x, qr):
+        hidden = self.first(query, key, x, qr)
+        return self.second(hidden, hidden.mean(2, keepdim=True), x, qr)
+
+
+MODULES: dict[str, type[nn.Module]] = {
     "concat": ConcatSeqMajor,
     "cmpfirst": CompressedFirst,
     "skipempty": SkipsEmptyCmp,
+    "twolayers": TwoLayers,
 }
 
 
@@ -337,7 +357,7 @@ class ForeignCase:
         return self.S // self.cp
 
 
-def build_module(case: ForeignCase) -> _ForeignBase:
+def build_module(case: ForeignCase) -> nn.Module:
     return MODULES[case.module](case.r, case.window, case.seed)
 
 
@@ -350,12 +370,15 @@ def make_inputs(case: ForeignCase) -> tuple[list[torch.Tensor], torch.Tensor]:
     )
 
 
-def patch(module: _ForeignBase, case: ForeignCase) -> Any:
-    """Patch through the public API: attributes read from the module, or passed explicitly."""
+def patch(module: nn.Module, case: ForeignCase) -> list[Any]:
+    """Patch through the public API: attributes read from the module, or passed explicitly.
+    Returns the handles (one per patched module)."""
+    if isinstance(module, TwoLayers):
+        return [*patch(module.first, case), *patch(module.second, case)]
     config = DeepSeekV4CPConfig(layout=case.layout)
     if isinstance(module, CompressedFirst):
         r = case.r
-        return patch_torch_deepseek_v4_csa_forward(
+        handle = patch_torch_deepseek_v4_csa_forward(
             module,
             cp_mesh=None,
             config=config,
@@ -365,7 +388,8 @@ def patch(module: _ForeignBase, case: ForeignCase) -> Any:
             compress_ratio=r,
             window_size=case.window,
         )
-    return patch_torch_deepseek_v4_csa_forward(module, cp_mesh=None, config=config)
+        return [handle]
+    return [patch_torch_deepseek_v4_csa_forward(module, cp_mesh=None, config=config)]
 
 
 def _loss(out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -380,7 +404,8 @@ def run_cp(case: ForeignCase) -> dict:
     """This rank's rows under CP; rank 0 returns everything unsharded / summed."""
     module = build_module(case)
     inputs, g = make_inputs(case)
-    handle = patch(module, case)
+    handles = patch(module, case)
+    handle = handles[0]
     try:
         local = [handle.shard(t, 0).requires_grad_(True) for t in inputs]
         out = module(*local)
@@ -397,7 +422,8 @@ def run_cp(case: ForeignCase) -> dict:
             pgrads.append(total)
         rank = handle.cp_rank
     finally:
-        disable_cp(handle)
+        for h in handles:
+            disable_cp(h)
     if rank != 0:
         return {"cp_rank": rank}
     return {"cp_rank": rank, "out": full, "gin": gin, "pgrads": pgrads}
@@ -438,6 +464,8 @@ def foreign_cases(world: int) -> list[ForeignCase]:
             ForeignCase("cmpfirst", 4, 4, 24, window=8, layout="load_balanced"),
             # L < W - 1, window only
             ForeignCase("cmpfirst", 4, 0, 24, layout="load_balanced"),
+            # two patched modules in a row (two handles)
+            ForeignCase("twolayers", 4, 128, 384, window=64),
         ]
     if cp == 2:
         return [
@@ -447,6 +475,7 @@ def foreign_cases(world: int) -> list[ForeignCase]:
             ForeignCase("cmpfirst", 2, 4, 6),
             ForeignCase("concat", 2, 4, 12, layout="load_balanced"),
             ForeignCase("skipempty", 2, 0, 12, layout="load_balanced"),
+            ForeignCase("twolayers", 2, 4, 8, layout="load_balanced"),
         ]
     if cp == 3:
         return [
