@@ -7,6 +7,10 @@ queries on some ranks see no slot, compressors returning fresh / detached / ``ne
 tensors for empty input, attention that never touches ``cmp_kv`` on such ranks, and two
 patched modules in a row.
 
+Padded input only: the adapter API (``patch_torch_deepseek_v4_csa_forward``) takes padded
+sequence-major tensors and no ``cu_seqlens`` (packed input is the reference layer's and the
+MindSpore backend's).
+
 One spawned job per cp size runs all of its cases on a default process group whose
 collectives time out after ``PG_TIMEOUT_S`` seconds, under a wall limit: a hang fails the
 test in seconds, it does not stall CI.

@@ -126,6 +126,8 @@ class InLayer:
         self._cp_forward, self._log, self.layer_index = cp_forward, log, index
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (copy, unpickle): no recursion
+            raise AttributeError(name)
         return getattr(self._cp_forward, name)
 
     def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
