@@ -1,0 +1,211 @@
+"""Sparse attention with a sink as fused Triton kernels (``attention_kernel="triton"``).
+
+:func:`sparse_attention_triton` computes what
+:func:`hp_cp_torch.attention.sparse_attention_smallop` computes (same arguments, fp32
+softmax, ``-1`` columns, duplicates, all ``-1`` rows) without materialising the gathered
+rows: one program reads a query row's KV columns block by block and serves all heads of
+the row with them (MQA, one shared KV head). The programs are in
+:mod:`hp_cp_torch.triton_kernels`; see Note [Triton sparse attention] for the data flow.
+
+It needs ``pip install 'hp-cp-torch[triton]'`` and CUDA tensors, or CPU tensors with
+``TRITON_INTERPRET=1`` set before the kernels are first imported (Triton's interpreter:
+exact, slow, what the CPU tests use).
+
+Note [Triton sparse attention]
+------------------------------
+Forward saves only ``q``, the pool, the index list (int32) and the fp32 log-sum-exp; the
+backward recomputes the scores twice, once for the rows' gradient and once for the pool's::
+
+    forward   (row, head block) ──► for each block of K columns: gather kv [BK, D],
+                                    s = q kv^T, online softmax with the sink ──► o, lse
+    backward  dq kernel         ──► pass 1: delta = sum p (dO kv^T)   (= dO . o)
+                                    pass 2: dq = scale * sum p (dp - delta) kv
+              dkv kernel        ──► per column block: p^T dO + scale ds^T q
+                                    atomic add into d_pool[b, idx]  (fp32)
+              dsink             ──► -sum_{b,s} exp(sink - lse) delta        (torch)
+
+The fp32 pool gradient is summed with atomics, so on a GPU its rounding depends on the
+order the programs run in (not bitwise reproducible); the interpreter runs them in order.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.util import find_spec
+from typing import Any
+
+import torch
+
+from hp_cp_core import HpCpError
+
+__all__ = ["TRITON_EXTRA", "sparse_attention_triton", "triton_problem"]
+
+TRITON_EXTRA = "pip install 'hp-cp-torch[triton]'"
+"""How to install the kernel's dependency."""
+
+
+def triton_problem(device: torch.device | str) -> str | None:
+    """Why ``attention_kernel="triton"`` cannot run on ``device``, or ``None`` when it can.
+
+    It runs on CUDA devices, and on CPU only under Triton's interpreter
+    (``TRITON_INTERPRET=1``, set before the kernels are first imported).
+    """
+    device = torch.device(device)
+    if find_spec("triton") is None:
+        return f'attention_kernel="triton" needs Triton, which is not installed: {TRITON_EXTRA}.'
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return 'attention_kernel="triton" got CUDA tensors but CUDA is not available.'
+        return None
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1" or not _kernels_interpreted():
+            return (
+                'attention_kernel="triton" needs a CUDA GPU; the tensors are on the CPU, where '
+                "Triton kernels only run under its interpreter (set TRITON_INTERPRET=1 before "
+                "hp_cp_torch.triton_kernels is first imported; exact but slow, for tests). Use "
+                'attention_kernel="efficient" or "smallop" on the CPU.'
+            )
+        return None
+    return (
+        f'attention_kernel="triton" runs on CUDA devices, got tensors on {device}; use '
+        'attention_kernel="efficient" or "smallop" there.'
+    )
+
+
+def _kernels_interpreted() -> bool:
+    """Whether the (imported now, if not yet) kernels run in Triton's interpreter."""
+    from hp_cp_torch import triton_kernels
+
+    return type(triton_kernels.sparse_attention_fwd).__name__ == "InterpretedFunction"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _launch(dtype: torch.dtype, heads: int, dim: int, operands: int) -> dict[str, Any]:
+    """Block sizes of one kernel: ``operands`` row tiles ``[BLOCK_H, D]`` (q, and dO in
+    backward) take at most 64 KiB, a KV tile at most 32 KiB; no autotuning (compile once)."""
+    elem = torch.finfo(dtype).bits // 8
+    block_d = max(16, _next_pow2(dim))
+    block_h = min(64, max(16, _next_pow2(heads)))
+    while block_h > 16 and operands * block_h * block_d * elem > 64 << 10:
+        block_h //= 2
+    block_k = 32 if 32 * block_d * elem <= 32 << 10 else 16
+    return {
+        "BLOCK_H": block_h,
+        "BLOCK_K": block_k,
+        "BLOCK_D": block_d,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": 8 if block_d >= 256 else 4,
+        "num_stages": 2 if operands == 1 else 1,
+    }
+
+
+def _grid(batch: int, seq: int, heads: int, cfg: dict[str, Any]) -> tuple[int, int]:
+    return (batch * seq, -(-heads // cfg["BLOCK_H"]))
+
+
+class _TritonSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        kv_pool: torch.Tensor,
+        idx: torch.Tensor,
+        sink: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        from hp_cp_torch.triton_kernels import sparse_attention_fwd
+
+        batch, seq, heads, dim = q.shape
+        q = q.contiguous()
+        pool = kv_pool if kv_pool.shape[1] else kv_pool.new_zeros(batch, 1, dim)
+        pool = pool.contiguous()
+        small = pool.shape[1] < 2**31 - 1
+        idx = idx.expand(batch, -1, -1).to(torch.int32 if small else torch.int64).contiguous()
+        k = idx.shape[-1]
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
+        if q.numel():
+            cfg = _launch(q.dtype, heads, dim, operands=1)
+            sparse_attention_fwd[_grid(batch, seq, heads, cfg)](
+                q, pool, idx, sink.detach().float().contiguous(), out, lse,
+                float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
+            )  # fmt: skip
+        ctx.save_for_backward(q, pool, idx, sink, lse)
+        ctx.scale = float(scale)
+        ctx.n_pool = kv_pool.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        from hp_cp_torch.triton_kernels import sparse_attention_bwd_dkv, sparse_attention_bwd_dq
+
+        q, pool, idx, sink, lse = ctx.saved_tensors
+        batch, seq, heads, dim = q.shape
+        k = idx.shape[-1]
+        need_q, need_kv, _, need_sink, _ = ctx.needs_input_grad
+        grad_out = grad_out.to(q.dtype).contiguous()
+        d_q = torch.zeros_like(q)
+        delta = torch.zeros(batch, seq, heads, dtype=torch.float32, device=q.device)
+        d_pool = torch.zeros(pool.shape, dtype=torch.float32, device=pool.device)
+        args = (ctx.scale, seq, pool.shape[1], k, heads, dim)
+        if q.numel() and k:
+            cfg = _launch(q.dtype, heads, dim, operands=2)
+            grid = _grid(batch, seq, heads, cfg)
+            sparse_attention_bwd_dq[grid](q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg)
+            if need_kv:
+                sparse_attention_bwd_dkv[grid](
+                    q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
+                )
+        d_sink = -(torch.exp(sink.detach().float() - lse) * delta).sum(dim=(0, 1))
+        return (
+            d_q if need_q else None,
+            d_pool[:, : ctx.n_pool].to(pool.dtype) if need_kv else None,
+            None,
+            d_sink.to(sink.dtype) if need_sink else None,
+            None,
+        )
+
+
+def sparse_attention_triton(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
+
+    Same arguments, result and gradients as
+    :func:`hp_cp_torch.attention.sparse_attention_smallop`, as fused Triton kernels (see
+    Note [Triton sparse attention]). ``q`` and ``kv_pool`` share one floating dtype (fp32,
+    bf16 or fp16; the softmax runs in fp32 either way); any ``K`` (the kernels loop over
+    the columns in blocks), any ``D`` and ``H`` (tiled in powers of two).
+
+    Args:
+        q: Queries ``[B, S, H, D]``.
+        kv_pool: The shared KV rows ``[B, P, D]`` (keys and values are the same vectors).
+        idx: Column lists ``[B or 1, S, K]`` (int32 or int64) of rows of ``kv_pool``; ``-1``
+            marks an empty column.
+        sink: Per-head sink logits ``[H]`` (used in fp32).
+        scale: Softmax scale applied to ``q . kv``.
+
+    Returns:
+        The attention output ``[B, S, H, D]`` in ``q``'s dtype.
+
+    Raises:
+        HpCpError: Triton is missing, the tensors are on a device it cannot run on (see
+            :func:`triton_problem`), or ``q`` and ``kv_pool`` differ in dtype.
+    """
+    problem = triton_problem(q.device)
+    if problem is not None:
+        raise HpCpError(problem)
+    if q.dtype != kv_pool.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise HpCpError(
+            f'attention_kernel="triton" takes q and kv_pool of one dtype among float32, '
+            f"bfloat16 and float16; got q {q.dtype} and kv_pool {kv_pool.dtype}. Cast them "
+            "to one (the layer's dtype)."
+        )
+    return _TritonSparseAttention.apply(q, kv_pool, idx, sink, scale)
