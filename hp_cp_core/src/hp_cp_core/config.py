@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 LAYOUTS = ("contiguous", "load_balanced")
 GRIDS = ("per_document", "global")
-KERNELS = ("smallop", "efficient")
+KERNELS = ("smallop", "efficient", "triton")
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,10 @@ class DeepSeekV4CPConfig:
     Attributes:
         layout: ``"contiguous"`` (rank k holds rows ``[k*L, (k+1)*L)``) or ``"load_balanced"``
             (rank k holds chunks k and 2cp-1-k of 2cp equal chunks, so causal work is even).
-        attention_kernel: ``"smallop"`` (gather the selected rows; the exact reference) or
+        attention_kernel: ``"smallop"`` (gather the selected rows; the exact reference),
             ``"efficient"`` (chunked, recomputes in backward; memory does not grow with the
-            number of selected keys). Backends that have only one ignore the other.
+            number of selected keys) or ``"triton"`` (fused GPU kernels, torch backend with
+            ``hp-cp-torch[triton]``). Backends that have only one ignore the others.
         query_chunk: queries scored / attended per chunk by causal-aware kernels.
         check_inputs_across_ranks: all-gather a few integers (each rank's check verdict and
             digests of its rows, cu_seqlens, tensor shapes, layer spec and these options)

@@ -166,6 +166,8 @@ class ReferenceLayerAdapter:
             checks = check_reference_inputs(
                 m, getattr(group, "device", None), x, position_ids, loss_mask, packed
             )
+            if isinstance(x, torch.Tensor):
+                checks.kernel(cp_forward.config.attention_kernel, x.device)
             check = cp_forward.inspect(
                 rows_hint(x, -2),
                 _to_numpy(cu_seqlens),

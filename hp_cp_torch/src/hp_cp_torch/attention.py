@@ -202,7 +202,7 @@ def run_sparse_attention(
         selected: indexer picks ``[B, L, k]`` (global slot ids, -1 = none), or ``None``.
         sink: per-head sink logits ``[H]``.
         scale: softmax scale.
-        kernel: ``"smallop"`` or ``"efficient"``.
+        kernel: ``"smallop"``, ``"efficient"`` or ``"triton"``.
         query_chunk: queries per chunk.
 
     Returns:
@@ -211,6 +211,8 @@ def run_sparse_attention(
     attend = sparse_attention_smallop
     if kernel == "efficient":
         from hp_cp_torch.efficient import sparse_attention_efficient as attend
+    elif kernel == "triton":
+        from hp_cp_torch.triton_attention import sparse_attention_triton as attend
     pool = ori_ext if cmp_kv is None else torch.cat([ori_ext, cmp_kv], dim=1)
     columns = PlanColumns(plan, ori_ext.shape[1], cmp_kv is not None, q.shape[0], q.device)
     outs = []

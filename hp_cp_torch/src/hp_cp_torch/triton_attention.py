@@ -8,7 +8,7 @@ the row with them (MQA, one shared KV head). The programs are in
 :mod:`hp_cp_torch.triton_kernels`; see Note [Triton sparse attention] for the data flow.
 
 It needs ``pip install 'hp-cp-torch[triton]'`` and CUDA tensors, or CPU tensors with
-``TRITON_INTERPRET=1`` set before the kernels are first imported (Triton's interpreter:
+``TRITON_INTERPRET=1`` set before Triton is first imported (Triton's interpreter:
 exact, slow, what the CPU tests use).
 
 Note [Triton sparse attention]
@@ -48,7 +48,7 @@ def triton_problem(device: torch.device | str) -> str | None:
     """Why ``attention_kernel="triton"`` cannot run on ``device``, or ``None`` when it can.
 
     It runs on CUDA devices, and on CPU only under Triton's interpreter
-    (``TRITON_INTERPRET=1``, set before the kernels are first imported).
+    (``TRITON_INTERPRET=1``, set before Triton is first imported).
     """
     device = torch.device(device)
     if find_spec("triton") is None:
@@ -62,7 +62,7 @@ def triton_problem(device: torch.device | str) -> str | None:
             return (
                 'attention_kernel="triton" needs a CUDA GPU; the tensors are on the CPU, where '
                 "Triton kernels only run under its interpreter (set TRITON_INTERPRET=1 before "
-                "hp_cp_torch.triton_kernels is first imported; exact but slow, for tests). Use "
+                "triton is first imported; exact but slow, for tests). Use "
                 'attention_kernel="efficient" or "smallop" on the CPU.'
             )
         return None
@@ -73,10 +73,14 @@ def triton_problem(device: torch.device | str) -> str | None:
 
 
 def _kernels_interpreted() -> bool:
-    """Whether the (imported now, if not yet) kernels run in Triton's interpreter."""
+    """Whether the kernels (imported now, if not yet) and Triton's own ``triton.language``
+    helpers run in Triton's interpreter: both were defined with ``TRITON_INTERPRET=1``."""
+    import triton.language as tl
+
     from hp_cp_torch import triton_kernels
 
-    return type(triton_kernels.sparse_attention_fwd).__name__ == "InterpretedFunction"
+    ours = type(triton_kernels.sparse_attention_fwd).__name__ == "InterpretedFunction"
+    return ours and type(getattr(tl, "zeros", None)).__name__ != "JITFunction"
 
 
 def _next_pow2(n: int) -> int:
@@ -97,6 +101,7 @@ def _launch(dtype: torch.dtype, heads: int, dim: int, operands: int) -> dict[str
         "BLOCK_K": block_k,
         "BLOCK_D": block_d,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST": dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
         "num_warps": 8 if block_d >= 256 else 4,
         "num_stages": 2 if operands == 1 else 1,
     }

@@ -18,8 +18,10 @@ score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product, as in FlashMLA's spa
 
 Only ``tl.load`` / ``tl.store`` / ``tl.dot`` / ``tl.atomic_add`` and elementwise ops are used
 (no descriptors, no autotuning), which behave the same from Triton 3.0 on, and in the
-interpreter (``TRITON_INTERPRET=1``). The decorators read ``TRITON_INTERPRET`` when this
-module is imported.
+interpreter (``TRITON_INTERPRET=1``). The interpreter multiplies 16-bit floats wrongly (it
+stores bf16 as raw uint16), so there ``UPCAST`` turns q, dO and the KV rows to fp32 before
+the products; on a GPU they stay in their dtype (tensor cores, fp32 accumulation). The
+decorators read ``TRITON_INTERPRET`` when this module is imported.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def sparse_attention_fwd(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * S + s
     b = row // S
@@ -59,6 +62,8 @@ def sparse_attention_fwd(
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
     q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     l_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -68,6 +73,8 @@ def sparse_attention_fwd(
         ok = cols >= 0
         kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
         kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -100,6 +107,7 @@ def sparse_attention_bwd_dq(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -111,7 +119,11 @@ def sparse_attention_bwd_dq(
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
     q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     do = tl.load(DO + q_off, mask=hd_ok, other=0.0)
+    if UPCAST:
+        do = do.to(tl.float32)
     # padded heads get lse = +inf, so p = 0 there
     lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
     kv_base = KV + b * P * D
@@ -121,6 +133,8 @@ def sparse_attention_bwd_dq(
         ok = cols >= 0
         kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
         kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
@@ -131,6 +145,8 @@ def sparse_attention_bwd_dq(
         ok = cols >= 0
         kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
         kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
@@ -159,6 +175,7 @@ def sparse_attention_bwd_dkv(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -170,7 +187,11 @@ def sparse_attention_bwd_dkv(
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
     q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     do = tl.load(DO + q_off, mask=hd_ok, other=0.0)
+    if UPCAST:
+        do = do.to(tl.float32)
     lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
     delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
     kv_base = KV + b * P * D
@@ -181,6 +202,8 @@ def sparse_attention_bwd_dkv(
         kd_ok = ok[:, None] & d_ok[None, :]
         kv_off = cols.to(tl.int64)[:, None] * D + offs_d[None, :]
         kv = tl.load(kv_base + kv_off, mask=kd_ok, other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)

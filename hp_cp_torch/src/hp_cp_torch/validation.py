@@ -86,6 +86,17 @@ class TensorChecks:
             return False
         return True
 
+    def kernel(self, name: str, device: torch.device) -> None:
+        """The attention kernel ``name`` (``DeepSeekV4CPConfig.attention_kernel``) can run on
+        ``device`` (the Triton kernel needs Triton and a GPU, or its CPU interpreter)."""
+        if name != "triton":
+            return
+        from hp_cp_torch.triton_attention import triton_problem
+
+        problem = triton_problem(device)
+        if problem is not None:
+            self.fail(problem)
+
     def same(self, what: str, dim_of: dict[str, tuple[torch.Tensor, int]], fix: str = "") -> bool:
         """The named tensors have equal sizes at their given dims (``what`` names the size)."""
         sizes = {name: int(t.shape[d]) for name, (t, d) in dim_of.items()}

@@ -328,6 +328,7 @@ class DeepseekV4AttentionAdapter:
                     "model, not the layer, or pass the decoder layer's normalised input."
                 )
             checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
+            checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
         if position_embeddings is None:
             checks.fail(
                 "needs the position_embeddings the model computes; call the model, not the "

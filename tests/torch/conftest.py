@@ -1,0 +1,13 @@
+"""Without a GPU, Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``). Triton
+reads the variable when a kernel is defined, including its own ``triton.language`` helpers
+at ``import triton``, so it is set here, before any test module (or torch._dynamo) can import
+Triton; spawned ranks inherit it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,158 @@
+"""The Triton sparse-attention kernel (``attention_kernel="triton"``) against the small-op
+reference: outputs and gradients of q, the KV pool and the sink, then the reference layer
+and the HF model under CP at cp = 2, and the plugin seam (a ``tryfirst``
+``hp_cp_run_attention``). Without a GPU the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``, set by conftest.py), so the shapes are tiny.
+
+Skipped when Triton is not installed, unless ``HP_CP_REQUIRE_BACKEND`` contains ``triton``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+if "triton" in os.environ.get("HP_CP_REQUIRE_BACKEND", ""):
+    import triton  # noqa: F401 - must be importable: fail, not skip
+else:
+    pytest.importorskip("triton")
+
+import torch  # noqa: E402
+import triton_cases  # noqa: E402
+from cases import check_comm_counts, check_parity, result  # noqa: E402
+from test_efficient import assert_close, random_case, run  # noqa: E402
+
+import hp_cp_torch.triton_attention as triton_attention  # noqa: E402
+from hp_cp_core import HpCpError  # noqa: E402
+from hp_cp_torch.attention import sparse_attention_smallop  # noqa: E402
+from hp_cp_torch.triton_attention import sparse_attention_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SHAPES = [
+    dict(),  # -1 columns, an all -1 row, duplicates; K = 11
+    dict(batch=1, seq=6, heads=20, dim=40, pool=50, k=37),  # two head blocks, D and K padded
+    dict(batch=3, seq=5, heads=1, dim=8, pool=2, k=9),  # many duplicates, tiny D
+    dict(k=1),
+    dict(k=0),
+    dict(pool=0, k=4),  # an empty pool: every column -1
+    dict(seq=0),
+]
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
+def test_matches_smallop_fp32(shape):
+    q, kv, idx, sink = on_device(*random_case(**shape))
+    ref = run(sparse_attention_smallop, q, kv, idx, sink, 0.3)
+    got = run(sparse_attention_triton, q, kv, idx, sink, 0.3)
+    for name, a, b, tol in zip(("out", "dq", "dkv", "dsink"), got, ref, (1e-5, 1e-4, 1e-4, 1e-4)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.isfinite(a).all(), name
+        if b.numel():
+            assert_close(a, b, tol)
+
+
+def test_empty_rows_give_zero_output_and_finite_grads():
+    q, kv, idx, sink = on_device(*random_case())
+    out, dq, dkv, dsink = run(sparse_attention_triton, q, kv, idx, sink, 0.25)
+    assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2]))
+    assert torch.equal(dq[:, 2], torch.zeros_like(dq[:, 2]))
+    assert all(torch.isfinite(t).all() for t in (dq, dkv, dsink))
+
+
+def test_shared_int32_index_and_one_input_needing_grad():
+    q, kv, idx, sink = on_device(*random_case(batch=2))
+    shared = idx[:1].int()  # [1, S, K]: one column list for the whole batch
+    assert_close(
+        sparse_attention_triton(q, kv, shared, sink, 0.5),
+        sparse_attention_smallop(q, kv, shared, sink, 0.5),
+        1e-5,
+    )
+    kvg = kv.clone().requires_grad_(True)  # only the pool needs a gradient
+    (got,) = torch.autograd.grad(sparse_attention_triton(q, kvg, idx, sink, 0.5).sum(), [kvg])
+    (want,) = torch.autograd.grad(sparse_attention_smallop(q, kvg, idx, sink, 0.5).sum(), [kvg])
+    assert_close(got, want, 1e-4)
+
+
+def test_bf16_tracks_fp32():
+    q, kv, idx, sink = on_device(*random_case(seq=9, dim=32, pool=40, k=13, dtype=torch.bfloat16))
+    got = run(sparse_attention_triton, q, kv, idx, sink, 0.2)
+    ref32 = run(sparse_attention_smallop, q.float(), kv.float(), idx, sink, 0.2)
+    ref16 = run(sparse_attention_smallop, q, kv, idx, sink, 0.2)
+    assert [t.dtype for t in got] == [torch.bfloat16] * 3 + [torch.float32]
+    for a, b, c in zip(got, ref32, ref16):
+        err = (a.float() - b).abs().max().item()
+        assert err <= max(2 * (c.float() - b).abs().max().item(), 2e-2 * b.abs().max().item())
+
+
+def test_mixed_dtypes_are_a_clear_error():
+    q, kv, idx, sink = on_device(*random_case())
+    with pytest.raises(HpCpError, match="q and kv_pool of one dtype"):
+        sparse_attention_triton(q, kv.double(), idx, sink, 0.5)
+
+
+def test_missing_triton_or_gpu_is_a_clear_error(monkeypatch):
+    assert triton_attention.triton_problem(DEVICE) is None
+    assert "runs on CUDA devices" in triton_attention.triton_problem("meta")
+    monkeypatch.setattr(triton_attention, "find_spec", lambda name: None)
+    problem = triton_attention.triton_problem(DEVICE)
+    assert "pip install 'hp-cp-torch[triton]'" in problem
+    q, kv, idx, sink = on_device(*random_case())
+    with pytest.raises(HpCpError, match="not installed"):
+        sparse_attention_triton(q, kv, idx, sink, 0.5)
+
+
+def test_cpu_without_the_interpreter_is_a_clear_error():
+    """Without TRITON_INTERPRET=1 (a fresh process) CPU tensors raise, naming the fix."""
+    code = (
+        "import torch\n"
+        "from hp_cp_core import HpCpError\n"
+        "from hp_cp_torch.triton_attention import sparse_attention_triton\n"
+        "q = torch.zeros(1, 2, 1, 16); kv = torch.zeros(1, 3, 16)\n"
+        "try:\n"
+        "    sparse_attention_triton(q, kv, torch.zeros(1, 2, 1, dtype=torch.long),\n"
+        "                            torch.zeros(1), 1.0)\n"
+        "except HpCpError as e:\n"
+        "    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "needs a CUDA GPU" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out
+
+
+# ------------------------------------------------------------------ under CP (2 gloo ranks)
+
+SUITE = "triton_cases:triton_suite"
+
+
+@pytest.mark.parametrize("case", triton_cases.CONFIG_CASES, ids=lambda c: c.name)
+def test_reference_layer_cp2_matches_single_device(case):
+    """``DeepSeekV4CPConfig(attention_kernel="triton")`` against the single-device layer
+    (small-op kernel): the same outputs and gradients."""
+    per_rank = result(SUITE, 2, case.name)
+    check_parity(case, next(r for r in per_rank if r["cp_rank"] == 0))
+    check_comm_counts(case, per_rank)
+
+
+@pytest.mark.parametrize("case", triton_cases.PLUGIN_CASES, ids=lambda c: c.name)
+def test_plugin_takes_only_the_layers_it_supports(case):
+    per_rank = result(SUITE, 2, f"plugin-{case.name}")
+    check_parity(case, next(r for r in per_rank if r["cp_rank"] == 0))
+    # one call per rank for the HCA layer; the CSA layer (indexer) is left to the backend
+    assert [r["plugin_calls"] for r in per_rank] == [0 if case.r == 4 else 1] * 2
+
+
+def test_hf_model_cp2_matches_single_device():
+    for res in result(SUITE, 2, "hf"):
+        assert res["logits_rel_err"] <= 1e-5 and res["loss_rel_err"] <= 1e-6, res
+        assert all(err <= 1e-5 for err in res["attn_out_rel_err"].values()), res
+        assert res["grad_presence_mismatch"] == [] and res["grad_rel_err_max"] <= 1e-4, res
