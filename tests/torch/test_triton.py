@@ -147,7 +147,7 @@ def test_reference_layer_cp2_matches_single_device(case):
 def test_plugin_takes_only_the_layers_it_supports(case):
     per_rank = result(SUITE, 2, f"plugin-{case.name}")
     check_parity(case, next(r for r in per_rank if r["cp_rank"] == 0))
-    # one call per rank for the HCA layer; the CSA layer (indexer) is left to the backend
+    # one call per rank for the sliding-window layer; the CSA layer (indexer) is not taken
     assert [r["plugin_calls"] for r in per_rank] == [0 if case.r == 4 else 1] * 2
 
 
