@@ -51,9 +51,12 @@ def core(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def torch(session: nox.Session) -> None:
-    """hp-cp-torch on real gloo process groups, with transformers for the HF integration."""
+    """hp-cp-torch on real gloo process groups, with transformers for the HF integration and
+    Triton (its kernels run in Triton's CPU interpreter, tests/torch/conftest.py)."""
     session.install(TORCH)
-    session.install("./hp_cp_core", "./hp_cp_torch", "./tests/fakes", TRANSFORMERS, *TEST_DEPS)
+    session.install(
+        "./hp_cp_core", "./hp_cp_torch[triton]", "./tests/fakes", TRANSFORMERS, *TEST_DEPS
+    )
     out = session.run("python", "-m", "hp_cp_core", silent=True)
     if "torch" not in out or "ok" not in out:
         session.error(f"python -m hp_cp_core does not report `torch ok`:\n{out}")
@@ -62,7 +65,7 @@ def torch(session: nox.Session) -> None:
         "tests/torch",
         "tests/contract",
         *session.posargs,
-        env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers"},
+        env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers,triton"},
     )
 
 
@@ -134,6 +137,8 @@ def fuzz(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS, default=False)
 def device(session: nox.Session) -> None:
-    """Multi-GPU check with torchrun (NCCL); run on a machine with GPUs."""
-    session.install("./hp_cp_core", "./hp_cp_torch")
+    """GPU checks: the Triton kernel's parity and benchmark (scripts/device_triton.py, JSON to
+    ``$HP_CP_DEVICE_JSON`` or ./device-triton.json), then multi-GPU torchrun (NCCL)."""
+    session.install("./hp_cp_core", "./hp_cp_torch[triton]")
+    session.run("python", "scripts/device_triton.py", *session.posargs)
     session.run("bash", "scripts/device_check.sh", external=True)

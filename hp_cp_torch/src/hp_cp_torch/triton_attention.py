@@ -87,24 +87,38 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _launch(dtype: torch.dtype, heads: int, dim: int, operands: int) -> dict[str, Any]:
-    """Block sizes of one kernel: ``operands`` row tiles ``[BLOCK_H, D]`` (q, and dO in
-    backward) take at most 64 KiB, a KV tile at most 32 KiB; no autotuning (compile once)."""
+def _launch(
+    dtype: torch.dtype, heads: int, dim: int, phase: str, tuning: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Launch options of one kernel (``phase`` ``"fwd"`` or ``"bwd"``): the row tiles
+    ``[BLOCK_H, D]`` (q, and dO in backward) take at most 64 KiB, a KV tile at most 32 KiB;
+    no autotuning (one compile per shape class). ``tuning`` may override ``BLOCK_H``,
+    ``BLOCK_K``, ``num_warps`` and ``num_stages`` per phase, e.g. ``{"bwd": {"BLOCK_H": 64}}``.
+    """
     elem = torch.finfo(dtype).bits // 8
+    operands = 1 if phase == "fwd" else 2
     block_d = max(16, _next_pow2(dim))
     block_h = min(64, max(16, _next_pow2(heads)))
     while block_h > 16 and operands * block_h * block_d * elem > 64 << 10:
         block_h //= 2
     block_k = 32 if 32 * block_d * elem <= 32 << 10 else 16
-    return {
+    cfg = {
         "BLOCK_H": block_h,
         "BLOCK_K": block_k,
         "BLOCK_D": block_d,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "UPCAST": dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
         "num_warps": 8 if block_d >= 256 else 4,
-        "num_stages": 2 if operands == 1 else 1,
+        "num_stages": 2 if phase == "fwd" else 1,
     }
+    extra = dict((tuning or {}).get(phase, {}))
+    unknown = set(extra) - {"BLOCK_H", "BLOCK_K", "num_warps", "num_stages"}
+    if unknown:
+        raise HpCpError(
+            f"sparse_attention_triton tuning[{phase!r}] has unknown keys {sorted(unknown)}; "
+            "expected BLOCK_H, BLOCK_K, num_warps or num_stages."
+        )
+    return {**cfg, **extra}
 
 
 def _grid(batch: int, seq: int, heads: int, cfg: dict[str, Any]) -> tuple[int, int]:
@@ -120,6 +134,7 @@ class _TritonSparseAttention(torch.autograd.Function):
         idx: torch.Tensor,
         sink: torch.Tensor,
         scale: float,
+        tuning: dict[str, Any] | None,
     ) -> torch.Tensor:
         from hp_cp_torch.triton_kernels import sparse_attention_fwd
 
@@ -133,13 +148,14 @@ class _TritonSparseAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         if q.numel():
-            cfg = _launch(q.dtype, heads, dim, operands=1)
+            cfg = _launch(q.dtype, heads, dim, "fwd", tuning)
             sparse_attention_fwd[_grid(batch, seq, heads, cfg)](
                 q, pool, idx, sink.detach().float().contiguous(), out, lse,
                 float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
             )  # fmt: skip
         ctx.save_for_backward(q, pool, idx, sink, lse)
         ctx.scale = float(scale)
+        ctx.tuning = tuning
         ctx.n_pool = kv_pool.shape[1]
         return out
 
@@ -150,14 +166,14 @@ class _TritonSparseAttention(torch.autograd.Function):
         q, pool, idx, sink, lse = ctx.saved_tensors
         batch, seq, heads, dim = q.shape
         k = idx.shape[-1]
-        need_q, need_kv, _, need_sink, _ = ctx.needs_input_grad
+        need_q, need_kv, _, need_sink, _, _ = ctx.needs_input_grad
         grad_out = grad_out.to(q.dtype).contiguous()
         d_q = torch.zeros_like(q)
         delta = torch.zeros(batch, seq, heads, dtype=torch.float32, device=q.device)
         d_pool = torch.zeros(pool.shape, dtype=torch.float32, device=pool.device)
         args = (ctx.scale, seq, pool.shape[1], k, heads, dim)
         if q.numel() and k:
-            cfg = _launch(q.dtype, heads, dim, operands=2)
+            cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
             grid = _grid(batch, seq, heads, cfg)
             sparse_attention_bwd_dq[grid](q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg)
             if need_kv:
@@ -171,6 +187,7 @@ class _TritonSparseAttention(torch.autograd.Function):
             None,
             d_sink.to(sink.dtype) if need_sink else None,
             None,
+            None,
         )
 
 
@@ -180,6 +197,8 @@ def sparse_attention_triton(
     idx: torch.Tensor,
     sink: torch.Tensor,
     scale: float,
+    *,
+    tuning: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
 
@@ -196,6 +215,9 @@ def sparse_attention_triton(
             marks an empty column.
         sink: Per-head sink logits ``[H]`` (used in fp32).
         scale: Softmax scale applied to ``q . kv``.
+        tuning: block-size overrides per phase, ``{"fwd": {...}, "bwd": {...}}`` with keys
+            ``BLOCK_H``, ``BLOCK_K``, ``num_warps``, ``num_stages`` (benchmarks; the
+            defaults follow D, H and the dtype).
 
     Returns:
         The attention output ``[B, S, H, D]`` in ``q``'s dtype.
@@ -213,4 +235,4 @@ def sparse_attention_triton(
             f"bfloat16 and float16; got q {q.dtype} and kv_pool {kv_pool.dtype}. Cast them "
             "to one (the layer's dtype)."
         )
-    return _TritonSparseAttention.apply(q, kv_pool, idx, sink, scale)
+    return _TritonSparseAttention.apply(q, kv_pool, idx, sink, scale, tuning)

@@ -38,7 +38,7 @@ def sparse_attention_fwd(
     KV,
     IDX,
     SINK,
-    O,
+    OUT,
     LSE,
     scale,
     S,
@@ -84,7 +84,7 @@ def sparse_attention_fwd(
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
         m = m_new
     out = acc / l_sum[:, None]
-    tl.store(O + q_off, out.to(O.dtype.element_ty), mask=hd_ok)
+    tl.store(OUT + q_off, out.to(OUT.dtype.element_ty), mask=hd_ok)
     tl.store(LSE + row * H + offs_h, m + tl.log(l_sum), mask=h_ok)
 
 

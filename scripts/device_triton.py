@@ -1,0 +1,338 @@
+"""GPU check of ``attention_kernel="triton"``: parity with the small-op kernel, then a
+benchmark against the small-op and efficient kernels at Flash shapes.
+
+Run on a CUDA machine from the repository root (no installs needed: torch, triton, numpy
+and pluggy)::
+
+    PYTHONPATH=hp_cp_core/src:hp_cp_torch/src python scripts/device_triton.py [OUT.json]
+
+The JSON goes to the argument, else ``$HP_CP_DEVICE_JSON``, else ``$OUT/device-triton.json``,
+else ``./device-triton.json``; a table is printed. ``--smoke`` runs tiny shapes on the CPU
+under Triton's interpreter (sets ``TRITON_INTERPRET=1``), to check the script itself.
+
+What it measures, per sequence length S (B = 1, H = 64, D = 512, K = 640, bf16, random
+column lists into a pool of S + S // 4 rows):
+
+* fwd and fwd + bwd time (CUDA events, median of the timed runs after one warm-up run);
+* achieved TFLOP/s, counting ``4 B S H K D`` for the forward and 2.5 times that for the
+  backward;
+* peak memory of one fwd + bwd above the inputs (``torch.cuda.max_memory_allocated``);
+* a dense bf16 ``torch.matmul`` (8192^3) in the same run, for the throughput target:
+  Triton fwd + bwd >= 5x faster than the efficient kernel and >= 30% of dense matmul.
+
+Variants that would not fit or take too long are skipped and listed with the reason. The
+whole run stays under about 4 minutes on an H200 (the efficient kernel at S = 16384 is the
+longest part; Triton's compiles are a few seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+
+from hp_cp_torch.attention import sparse_attention_smallop  # noqa: E402
+from hp_cp_torch.efficient import sparse_attention_efficient  # noqa: E402
+from hp_cp_torch.triton_attention import sparse_attention_triton  # noqa: E402
+
+DEVICE = "cpu" if SMOKE else "cuda"
+START = time.perf_counter()
+DEADLINE_S = 200.0  # skip what is left after this (the lead's limit is 4 minutes)
+HEADS, DIM, TOPK = (64, 512, 640) if not SMOKE else (4, 32, 40)
+SEQS = (4096, 16384) if not SMOKE else (32, 64)
+# tuning variants of the Triton kernel (block sizes per phase); the default first
+TRITON_VARIANTS: dict[str, dict[str, Any] | None] = {
+    "triton": None,
+    "triton-bwd-h64": {"bwd": {"BLOCK_H": 64}},
+}
+
+
+def out_path() -> Path:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if args:
+        return Path(args[0])
+    if os.environ.get("HP_CP_DEVICE_JSON"):
+        return Path(os.environ["HP_CP_DEVICE_JSON"])
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "device-triton.json"
+    return Path("device-triton.json")
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def make_case(
+    batch: int, seq: int, heads: int, dim: int, pool: int, k: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """Random q, pool, column lists (with -1 columns, an all -1 row, duplicates) and sink."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(batch, seq, heads, dim, generator=g)
+    kv = torch.randn(batch, pool, dim, generator=g)
+    idx = torch.randint(0, pool, (batch, seq, k), generator=g)
+    idx = torch.where(torch.rand(batch, seq, k, generator=g) < 0.2, -1, idx)
+    if seq > 2 and k > 2:
+        idx[:, 2] = -1
+        idx[:, 1, 1] = idx[:, 1, 0] = 5 % pool
+    sink = torch.randn(heads, generator=g)
+    return tuple(t.to(DEVICE) for t in (q.to(dtype), kv.to(dtype), idx, sink))
+
+
+def fwd_bwd(fn, q, kv, idx, sink, scale, grad):
+    """Output and gradients of q, kv, sink for the cotangent ``grad``."""
+    q = q.detach().clone().requires_grad_(True)
+    kv = kv.detach().clone().requires_grad_(True)
+    sink = sink.detach().clone().requires_grad_(True)
+    out = fn(q, kv, idx, sink, scale)
+    dq, dkv, dsink = torch.autograd.grad(out, [q, kv, sink], grad)
+    return out, dq, dkv, dsink
+
+
+# ------------------------------------------------------------------------------ parity
+
+PARITY = [
+    # name, (batch, seq, heads, dim, pool, k), dtype
+    ("fp32 small, K not a power of 2", (2, 33, 3, 40, 50, 37), torch.float32),
+    ("fp32 H=128 D=512 (two head blocks)", (1, 8, 128, 512, 300, 100), torch.float32),
+    ("bf16 small", (2, 33, 3, 40, 50, 37), torch.bfloat16),
+    ("bf16 Flash shape, S=64", (1, 64, HEADS, DIM, 1000, TOPK), torch.bfloat16),
+    ("bf16 K=8192", (1, 4, 16, 128, 9000, 8192), torch.bfloat16),
+]
+if SMOKE:
+    PARITY = [(n, (b, min(s, 9), min(h, 20), min(d, 40), p, min(k, 45)), t)
+              for n, (b, s, h, d, p, k), t in PARITY]  # fmt: skip
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def parity() -> list[dict[str, Any]]:
+    rows = []
+    for name, shape, dtype in PARITY:
+        row: dict[str, Any] = {"name": name, "shape_B_S_H_D_P_K": list(shape), "dtype": str(dtype)}
+        try:
+            q, kv, idx, sink = make_case(*shape, dtype=dtype, seed=len(rows))
+            grad = torch.randn(q.shape, device=DEVICE).to(dtype)
+            scale = shape[3] ** -0.5
+            got = fwd_bwd(sparse_attention_triton, q, kv, idx, sink, scale, grad)
+            # the reference: small-op in fp32 on the same (rounded) inputs
+            ref = fwd_bwd(
+                sparse_attention_smallop, q.float(), kv.float(), idx, sink, scale, grad.float()
+            )
+            names = ("out", "dq", "dkv", "dsink")
+            row["rel_err"] = {n: rel(a, b) for n, a, b in zip(names, got, ref)}
+            if dtype == torch.float32:
+                tol = dict(zip(names, (1e-5, 1e-4, 1e-4, 1e-4)))
+            else:  # no worse than small-op run in bf16 itself (2x), or 2% of the largest entry
+                low = fwd_bwd(sparse_attention_smallop, q, kv, idx, sink, scale, grad)
+                row["rel_err_smallop_bf16"] = {n: rel(a, b) for n, a, b in zip(names, low, ref)}
+                tol = {n: max(2 * row["rel_err_smallop_bf16"][n], 2e-2) for n in names}
+            row["tol"] = tol
+            row["finite"] = all(bool(torch.isfinite(t).all()) for t in got)
+            row["ok"] = row["finite"] and all(row["rel_err"][n] <= tol[n] for n in names)
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON
+            row["ok"] = False
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        rows.append(row)
+        print(f"parity {name:38s} {'ok' if row['ok'] else 'FAIL'} {row.get('rel_err', '')}")
+    return rows
+
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+def timed(fn, min_s: float = 1.0, max_runs: int = 10) -> list[float]:
+    """Seconds of each run of ``fn`` after one warm-up run (at least 1, until ``min_s``)."""
+    fn()
+    sync()
+    times: list[float] = []
+    while len(times) < max_runs and (not times or sum(times) < min_s):
+        if DEVICE == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def dense_matmul_tflops() -> float:
+    n = 8192 if not SMOKE else 256
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    t = statistics.median(timed(lambda: a @ b, min_s=0.5, max_runs=50))
+    return 2 * n**3 / t / 1e12
+
+
+def smallop_skip_reason(seq: int) -> str | None:
+    """Small-op gathers fp32 ``[S, K, D]`` and keeps about three such tensors for backward."""
+    need = 3 * seq * TOPK * DIM * 4
+    if DEVICE == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        if need > 0.4 * total:
+            return f"needs about {need / 2**30:.0f} GiB (3 fp32 [S, K, D] tensors) > 40% of HBM"
+    return None
+
+
+def bench_one(kernel: str, fn, seq: int) -> dict[str, Any]:
+    pool = seq + seq // 4
+    q, kv, idx, sink = make_case(1, seq, HEADS, DIM, pool, TOPK, torch.bfloat16, seed=seq)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    sink.requires_grad_(True)
+    grad = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+    scale = DIM**-0.5
+
+    def forward():
+        with torch.no_grad():
+            fn(q, kv, idx, sink, scale)
+
+    def step():
+        out = fn(q, kv, idx, sink, scale)
+        torch.autograd.grad(out, [q, kv, sink], grad)
+
+    row: dict[str, Any] = {"S": seq, "kernel": kernel}
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        sync()
+        row["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    fwd = timed(forward)
+    both = timed(step)
+    flops_fwd = 4 * seq * HEADS * TOPK * DIM
+    row["fwd_ms"] = statistics.median(fwd) * 1e3
+    row["fwd_bwd_ms"] = statistics.median(both) * 1e3
+    row["runs"] = len(both)
+    row["tflops_fwd"] = flops_fwd / statistics.median(fwd) / 1e12
+    row["tflops_fwd_bwd"] = 3.5 * flops_fwd / statistics.median(both) / 1e12
+    return row
+
+
+def benchmark() -> list[dict[str, Any]]:
+    kernels: dict[str, Any] = {"smallop": sparse_attention_smallop}
+    kernels["efficient"] = sparse_attention_efficient
+    for name, tuning in TRITON_VARIANTS.items():
+        kernels[name] = lambda q, kv, i, s, sc, t=tuning: sparse_attention_triton(
+            q, kv, i, s, sc, tuning=t
+        )
+    rows = []
+    for seq in SEQS:
+        for kernel, fn in kernels.items():
+            reason = smallop_skip_reason(seq) if kernel == "smallop" else None
+            if reason is None and elapsed() > DEADLINE_S:
+                reason = f"time budget: {elapsed():.0f} s used of {DEADLINE_S:.0f}"
+            if reason is not None:
+                rows.append({"S": seq, "kernel": kernel, "skipped": reason})
+                print(f"bench S={seq:6d} {kernel:16s} skipped: {reason}")
+                continue
+            try:
+                row = bench_one(kernel, fn, seq)
+            except Exception as exc:  # noqa: BLE001 - OOM or a compile failure: reported
+                row = {"S": seq, "kernel": kernel, "skipped": f"{type(exc).__name__}: {exc}"[:500]}
+                traceback.print_exc()
+            finally:
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"bench S={seq:6d} {kernel:16s} {row.get('fwd_bwd_ms', row.get('skipped'))}")
+    return rows
+
+
+def targets(rows: list[dict[str, Any]], dense: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for seq in SEQS:
+        by = {r["kernel"]: r for r in rows if r["S"] == seq and "fwd_bwd_ms" in r}
+        tri = [r for k, r in by.items() if k.startswith("triton")]
+        if not tri:
+            out[str(seq)] = {"error": "no Triton variant ran"}
+            continue
+        best = min(tri, key=lambda r: r["fwd_bwd_ms"])
+        res: dict[str, Any] = {"best_triton_variant": best["kernel"]}
+        if "efficient" in by:
+            res["speedup_vs_efficient"] = by["efficient"]["fwd_bwd_ms"] / best["fwd_bwd_ms"]
+            res["meets_5x_vs_efficient"] = res["speedup_vs_efficient"] >= 5
+        res["fraction_of_dense_bf16"] = best["tflops_fwd_bwd"] / dense
+        res["meets_30pct_of_dense"] = res["fraction_of_dense_bf16"] >= 0.3
+        out[str(seq)] = res
+    return out
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print()
+    dense = report["dense_bf16_tflops"]
+    print(f"device: {report['device']}; dense bf16 matmul {dense:.0f} TFLOP/s")
+    print(f"{'S':>6} {'kernel':16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'peak GiB':>9}")
+    for r in report["bench"]:
+        if "skipped" in r:
+            print(f"{r['S']:>6} {r['kernel']:16} skipped: {r['skipped'][:90]}")
+            continue
+        peak = r.get("peak_mem_gib")
+        print(
+            f"{r['S']:>6} {r['kernel']:16} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} "
+            f"{r['tflops_fwd_bwd']:8.1f} {'' if peak is None else f'{peak:9.2f}'}"
+        )
+    for seq, t in report["targets"].items():
+        print(f"targets S={seq}: {t}")
+    print(f"parity: {sum(p['ok'] for p in report['parity'])}/{len(report['parity'])} ok; "
+          f"{report['seconds']:.0f} s")  # fmt: skip
+
+
+def main() -> int:
+    if not SMOKE and not torch.cuda.is_available():
+        print("device_triton.py needs a CUDA GPU (or --smoke for a CPU check of the script)")
+        return 2
+    import triton
+
+    report: dict[str, Any] = {
+        "device": "cpu (interpreter smoke run)" if SMOKE else torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "shape": {"B": 1, "H": HEADS, "D": DIM, "K": TOPK, "S": list(SEQS), "dtype": "bf16"},
+        "flops": "fwd 4*B*S*H*K*D, bwd 2.5x fwd",
+    }
+    report["parity"] = parity()
+    report["dense_bf16_tflops"] = dense_matmul_tflops()
+    report["bench"] = benchmark()
+    report["targets"] = targets(report["bench"], report["dense_bf16_tflops"])
+    report["seconds"] = elapsed()
+    path = out_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print_table(report)
+    print(f"wrote {path}")
+    return 0 if all(p["ok"] for p in report["parity"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
