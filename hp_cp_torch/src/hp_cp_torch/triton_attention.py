@@ -30,6 +30,7 @@ order the programs run in (not bitwise reproducible); the interpreter runs them 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib.util import find_spec
 from typing import Any
@@ -121,6 +122,11 @@ def _launch(
     return {**cfg, **extra}
 
 
+def _on(device: torch.device) -> Any:
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _grid(batch: int, seq: int, heads: int, cfg: dict[str, Any]) -> tuple[int, int]:
     return (batch * seq, -(-heads // cfg["BLOCK_H"]))
 
@@ -149,10 +155,11 @@ class _TritonSparseAttention(torch.autograd.Function):
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         if q.numel():
             cfg = _launch(q.dtype, heads, dim, "fwd", tuning)
-            sparse_attention_fwd[_grid(batch, seq, heads, cfg)](
-                q, pool, idx, sink.detach().float().contiguous(), out, lse,
-                float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
-            )  # fmt: skip
+            with _on(q.device):
+                sparse_attention_fwd[_grid(batch, seq, heads, cfg)](
+                    q, pool, idx, sink.detach().float().contiguous(), out, lse,
+                    float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
+                )  # fmt: skip
         ctx.save_for_backward(q, pool, idx, sink, lse)
         ctx.scale = float(scale)
         ctx.tuning = tuning
@@ -170,16 +177,17 @@ class _TritonSparseAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype).contiguous()
         d_q = torch.zeros_like(q)
         delta = torch.zeros(batch, seq, heads, dtype=torch.float32, device=q.device)
-        d_pool = torch.zeros(pool.shape, dtype=torch.float32, device=pool.device)
+        d_pool = torch.zeros(pool.shape if need_kv else 0, dtype=torch.float32, device=q.device)
         args = (ctx.scale, seq, pool.shape[1], k, heads, dim)
         if q.numel() and k:
             cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
             grid = _grid(batch, seq, heads, cfg)
-            sparse_attention_bwd_dq[grid](q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg)
-            if need_kv:
-                sparse_attention_bwd_dkv[grid](
-                    q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
-                )
+            with _on(q.device):
+                sparse_attention_bwd_dq[grid](q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg)
+                if need_kv:
+                    sparse_attention_bwd_dkv[grid](
+                        q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
+                    )
         d_sink = -(torch.exp(sink.detach().float() - lse) * delta).sum(dim=(0, 1))
         return (
             d_q if need_q else None,
