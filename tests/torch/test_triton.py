@@ -109,24 +109,44 @@ def test_missing_triton_or_gpu_is_a_clear_error(monkeypatch):
         sparse_attention_triton(q, kv, idx, sink, 0.5)
 
 
+CPU_WITHOUT_INTERPRETER = """
+import torch, torch.distributed as dist
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError, enable_cp
+from hp_cp_torch.reference import DeepSeekV4Attention, DeepSeekV4AttentionConfig
+from hp_cp_torch.triton_attention import sparse_attention_triton
+q = torch.zeros(1, 2, 1, 16); kv = torch.zeros(1, 3, 16); idx = torch.zeros(1, 2, 1).long()
+try:
+    sparse_attention_triton(q, kv, idx, torch.zeros(1), 1.0)
+except HpCpError as e:
+    print("kernel:", e)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+layer = DeepSeekV4Attention(DeepSeekV4AttentionConfig(compress_ratio=4))
+config = DeepSeekV4CPConfig(attention_kernel="triton", single_rank_bypass=False)
+enable_cp(layer, dist.group.WORLD, config)
+try:
+    layer(torch.randn(1, 8, 64))
+except HpCpError as e:
+    print("layer:", e)
+"""
+
+
 def test_cpu_without_the_interpreter_is_a_clear_error():
-    """Without TRITON_INTERPRET=1 (a fresh process) CPU tensors raise, naming the fix."""
-    code = (
-        "import torch\n"
-        "from hp_cp_core import HpCpError\n"
-        "from hp_cp_torch.triton_attention import sparse_attention_triton\n"
-        "q = torch.zeros(1, 2, 1, 16); kv = torch.zeros(1, 3, 16)\n"
-        "try:\n"
-        "    sparse_attention_triton(q, kv, torch.zeros(1, 2, 1, dtype=torch.long),\n"
-        "                            torch.zeros(1), 1.0)\n"
-        "except HpCpError as e:\n"
-        "    print(e)\n"
-    )
+    """Without TRITON_INTERPRET=1 (a fresh process) CPU tensors raise HpCpError naming the
+    fix, from the kernel and from a layer under CP (in its input checks, before any
+    exchange)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CPU_WITHOUT_INTERPRETER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert "needs a CUDA GPU" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out
+    lines = out.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["kernel", "layer"], out
+    for line in lines:
+        assert "needs a CUDA GPU" in line and "TRITON_INTERPRET=1" in line, line
+    assert "DeepSeekV4Attention under CP" in lines[1]
 
 
 # ------------------------------------------------------------------ under CP (2 gloo ranks)
