@@ -154,6 +154,7 @@ def test_cpu_without_the_interpreter_is_a_clear_error():
 SUITE = "triton_cases:triton_suite"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", triton_cases.CONFIG_CASES, ids=lambda c: c.name)
 def test_reference_layer_cp2_matches_single_device(case):
     """``DeepSeekV4CPConfig(attention_kernel="triton")`` against the single-device layer
@@ -163,6 +164,7 @@ def test_reference_layer_cp2_matches_single_device(case):
     check_comm_counts(case, per_rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", triton_cases.PLUGIN_CASES, ids=lambda c: c.name)
 def test_plugin_takes_only_the_layers_it_supports(case):
     per_rank = result(SUITE, 2, f"plugin-{case.name}")
@@ -171,6 +173,7 @@ def test_plugin_takes_only_the_layers_it_supports(case):
     assert [r["plugin_calls"] for r in per_rank] == [0 if case.r == 4 else 1] * 2
 
 
+@pytest.mark.slow
 def test_hf_model_cp2_matches_single_device():
     for res in result(SUITE, 2, "hf"):
         assert res["logits_rel_err"] <= 1e-5 and res["loss_rel_err"] <= 1e-6, res
