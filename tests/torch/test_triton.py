@@ -81,12 +81,13 @@ def test_shared_int32_index_and_one_input_needing_grad():
     assert_close(got, want, 1e-4)
 
 
-def test_bf16_tracks_fp32():
-    q, kv, idx, sink = on_device(*random_case(seq=9, dim=32, pool=40, k=13, dtype=torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_tracks_fp32(dtype):
+    q, kv, idx, sink = on_device(*random_case(seq=9, dim=32, pool=40, k=13, dtype=dtype))
     got = run(sparse_attention_triton, q, kv, idx, sink, 0.2)
     ref32 = run(sparse_attention_smallop, q.float(), kv.float(), idx, sink, 0.2)
     ref16 = run(sparse_attention_smallop, q, kv, idx, sink, 0.2)
-    assert [t.dtype for t in got] == [torch.bfloat16] * 3 + [torch.float32]
+    assert [t.dtype for t in got] == [dtype] * 3 + [torch.float32]
     for a, b, c in zip(got, ref32, ref16):
         err = (a.float() - b).abs().max().item()
         assert err <= max(2 * (c.float() - b).abs().max().item(), 2e-2 * b.abs().max().item())
