@@ -22,6 +22,8 @@ backward recomputes the scores twice, once for the rows' gradient and once for t
                                     pass 2: dq = scale * sum p (dp - delta) kv
               dkv kernel        ──► per column block: p^T dO + scale ds^T q
                                     atomic add into d_pool[b, idx]  (fp32)
+                                    (tuning FUSED: also dq here, the dq kernel
+                                    runs pass 1 only)
               dsink             ──► -sum_{b,s} exp(sink - lse) delta        (torch)
 
 The fp32 pool gradient is summed with atomics, so on a GPU its rounding depends on the
@@ -39,7 +41,7 @@ import torch
 
 from hp_cp_core import HpCpError
 
-__all__ = ["TRITON_EXTRA", "sparse_attention_triton", "triton_problem"]
+__all__ = ["TRITON_EXTRA", "TUNABLE", "sparse_attention_triton", "triton_problem"]
 
 TRITON_EXTRA = "pip install 'hp-cp-torch[triton]'"
 """How to install the kernel's dependency."""
@@ -88,13 +90,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+TUNABLE = {
+    "fwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
+    "bwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "FUSED"),
+}
+"""Launch options ``sparse_attention_triton(tuning=...)`` may override per phase."""
+
+
 def _launch(
     dtype: torch.dtype, heads: int, dim: int, phase: str, tuning: dict[str, Any] | None
 ) -> dict[str, Any]:
     """Launch options of one kernel (``phase`` ``"fwd"`` or ``"bwd"``): the row tiles
     ``[BLOCK_H, D]`` (q, and dO in backward) take at most 64 KiB, a KV tile at most 32 KiB;
-    no autotuning (one compile per shape class). ``tuning`` may override ``BLOCK_H``,
-    ``BLOCK_K``, ``num_warps`` and ``num_stages`` per phase, e.g. ``{"bwd": {"BLOCK_H": 64}}``.
+    no autotuning (one compile per shape class). ``tuning`` may override :data:`TUNABLE`
+    per phase, e.g. ``{"bwd": {"BLOCK_H": 64}}``; ``"FUSED": True`` computes dq inside the
+    dKV kernel (one pass over the columns fewer).
     """
     elem = torch.finfo(dtype).bits // 8
     operands = 1 if phase == "fwd" else 2
@@ -112,12 +122,14 @@ def _launch(
         "num_warps": 8 if block_d >= 256 else 4,
         "num_stages": 2 if phase == "fwd" else 1,
     }
+    if phase == "bwd":
+        cfg["FUSED"] = False
     extra = dict((tuning or {}).get(phase, {}))
-    unknown = set(extra) - {"BLOCK_H", "BLOCK_K", "num_warps", "num_stages"}
+    unknown = set(extra) - set(TUNABLE[phase])
     if unknown:
         raise HpCpError(
             f"sparse_attention_triton tuning[{phase!r}] has unknown keys {sorted(unknown)}; "
-            "expected BLOCK_H, BLOCK_K, num_warps or num_stages."
+            f"expected some of {TUNABLE[phase]}."
         )
     return {**cfg, **extra}
 
@@ -181,13 +193,17 @@ class _TritonSparseAttention(torch.autograd.Function):
         args = (ctx.scale, seq, pool.shape[1], k, heads, dim)
         if q.numel() and k:
             cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
+            fused = bool(cfg.pop("FUSED")) and need_kv
             grid = _grid(batch, seq, heads, cfg)
             with _on(q.device):
-                sparse_attention_bwd_dq[grid](q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg)
+                sparse_attention_bwd_dq[grid](
+                    q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg, DQ_PASS=not fused
+                )
                 if need_kv:
                     sparse_attention_bwd_dkv[grid](
-                        q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
-                    )
+                        q, pool, idx, grad_out, lse, delta, d_pool, d_q, *args, **cfg,
+                        WITH_DQ=fused,
+                    )  # fmt: skip
         d_sink = -(torch.exp(sink.detach().float() - lse) * delta).sum(dim=(0, 1))
         return (
             d_q if need_q else None,
@@ -223,9 +239,8 @@ def sparse_attention_triton(
             marks an empty column.
         sink: Per-head sink logits ``[H]`` (used in fp32).
         scale: Softmax scale applied to ``q . kv``.
-        tuning: block-size overrides per phase, ``{"fwd": {...}, "bwd": {...}}`` with keys
-            ``BLOCK_H``, ``BLOCK_K``, ``num_warps``, ``num_stages`` (benchmarks; the
-            defaults follow D, H and the dtype).
+        tuning: launch overrides per phase, ``{"fwd": {...}, "bwd": {...}}``, keys in
+            :data:`TUNABLE` (benchmarks; the defaults follow D, H and the dtype).
 
     Returns:
         The attention output ``[B, S, H, D]`` in ``q``'s dtype.

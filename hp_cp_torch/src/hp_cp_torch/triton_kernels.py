@@ -14,7 +14,8 @@ score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product, as in FlashMLA's spa
 * ``sparse_attention_bwd_dkv``: per column block
   ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block) and an atomic add
   into the fp32 pool gradient at the block's rows; duplicates add up, ``-1`` columns are
-  masked out.
+  masked out. With ``WITH_DQ`` it also accumulates ``dq`` (then the dq kernel runs only its
+  ``delta`` pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers.
 
 Only ``tl.load`` / ``tl.store`` / ``tl.dot`` / ``tl.atomic_add`` and elementwise ops are used
 (no descriptors, no autotuning), which behave the same from Triton 3.0 on, and in the
@@ -108,6 +109,7 @@ def sparse_attention_bwd_dq(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    DQ_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -139,21 +141,22 @@ def sparse_attention_bwd_dq(
         p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
         delta += tl.sum(p * dp, 1)
-    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-        ok = cols >= 0
-        kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-        kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
-        p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
-        dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
-    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=hd_ok)
     tl.store(DELTA + row * H + offs_h, delta, mask=h_ok)
+    if DQ_PASS:  # else the fused dKV kernel computes dq
+        dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
+            ok = cols >= 0
+            kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
+            kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                kv = kv.to(tl.float32)
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
+            p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
+            dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
+        tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=hd_ok)
 
 
 @triton.jit
@@ -165,6 +168,7 @@ def sparse_attention_bwd_dkv(
     LSE,
     DELTA,
     DKV,
+    DQ,
     scale,
     S,
     P,
@@ -176,6 +180,7 @@ def sparse_attention_bwd_dkv(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WITH_DQ: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -196,6 +201,7 @@ def sparse_attention_bwd_dkv(
     delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
     kv_base = KV + b * P * D
     dkv_base = DKV + b * P * D
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
         ok = cols >= 0
@@ -211,3 +217,7 @@ def sparse_attention_bwd_dkv(
         dkv = tl.dot(tl.trans(p.to(kv.dtype)), do, input_precision=PRECISION)
         dkv += tl.dot(tl.trans((ds * scale).to(kv.dtype)), q, input_precision=PRECISION)
         tl.atomic_add(dkv_base + kv_off, dkv, mask=kd_ok, sem="relaxed")
+        if WITH_DQ:
+            dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
+    if WITH_DQ:
+        tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=hd_ok)
