@@ -16,6 +16,7 @@ import numpy as np
 
 from hp_cp_core import HpCpError, LayerSpec, hookimpl, stage1_compress_with_halo
 from hp_cp_core.indices import compressed_index_dense, window_index_dense
+from hp_cp_core.testing import ThreadGroup, ThreadMesh
 
 # --------------------------------------------------------------------------------------------
 # the world: N ranks in one process
@@ -253,7 +254,9 @@ class FakeBackend:
 
     name = "fake"
 
-    def group(self, mesh: Any) -> FakeGroup:
+    def group(self, mesh: Any) -> Any:
+        if isinstance(mesh, ThreadMesh):  # the kit's world (the contract driver)
+            return ThreadGroup(mesh)
         if not isinstance(mesh, FakeMesh):
             raise HpCpError(f"the fake backend needs a FakeMesh, got {type(mesh).__name__}.")
         return FakeGroup(mesh.world, mesh.rank)
@@ -263,7 +266,7 @@ class FakeBackend:
 
     def install(self, layer: ToyAttention, cp_forward: Callable[..., Any], group: Any) -> Any:
         previous = layer.cp_forward
-        if group.size > 1:
+        if group.size > 1 or not cp_forward.config.single_rank_bypass:
             layer.cp_forward = cp_forward
         return previous
 
