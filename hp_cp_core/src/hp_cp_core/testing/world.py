@@ -57,7 +57,7 @@ class ThreadWorld:
             raise HpCpError(f"ThreadWorld(size={size!r}): expected a positive number of ranks.")
         self.size = int(size)
         self.timeout = float(timeout)
-        self._barrier = threading.Barrier(self.size)
+        self._barrier = _Barrier(self.size)
         self._slots: list[tuple[str, Any]] = [("", None)] * self.size
         self._traces: list[list[str]] = [[] for _ in range(self.size)]
         self._failed: list[str] = []
@@ -72,7 +72,7 @@ class ThreadWorld:
         (with the rank noted), unless ``return_exceptions``: then each failed rank's exception
         takes its place in the list.
         """
-        self._barrier = threading.Barrier(self.size)
+        self._barrier = _Barrier(self.size)
         self._slots = [("", None)] * self.size
         self._failed = []
         results: list[Any] = [None] * self.size
@@ -159,7 +159,7 @@ class ThreadWorld:
     def _wait(self, rank: int, kind: str, seq: int) -> None:
         try:
             self._barrier.wait(self.timeout)
-        except threading.BrokenBarrierError as exc:
+        except _Broken as exc:
             with self._lock:
                 failed = list(self._failed)
             peers = "; ".join(
@@ -175,6 +175,46 @@ class ThreadWorld:
                     f"this collective or hangs); {peers}"
                 )
             raise PeerFailedError(f"rank {rank} left {kind!r} #{seq}: {why}") from exc
+
+
+class _Broken(Exception):
+    pass
+
+
+class _Barrier:
+    """A reusable barrier whose completed rounds stay completed: :meth:`abort` (a rank
+    raised) or a timeout releases only the ranks still waiting in an unfinished round, so a
+    rank that was already let through never sees a later failure of a peer."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._round = 0
+        self._broken = False
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            if self._broken:
+                raise _Broken()
+            this = self._round
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived = 0
+                self._round += 1
+                self._cond.notify_all()
+                return
+            done = self._cond.wait_for(lambda: self._round != this or self._broken, timeout)
+            if self._round != this:
+                return
+            self._broken = True  # a timeout breaks the world for every rank still waiting
+            self._cond.notify_all()
+            raise _Broken("timeout" if not done else "aborted")
+
+    def abort(self) -> None:
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
 
 
 class ThreadMesh:
