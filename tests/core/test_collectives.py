@@ -98,7 +98,7 @@ def test_one_forward_collectives_and_bytes(host, counted, cp, total, r, window, 
 
         assert res.stats["bytes_sent"] == sum(e["sent"] for e in res.log)
         assert res.stats["bytes_recv"] == sum(e["recv"] for e in res.log)
-        assert res.stats["calls"] == {k: kinds.count(k) for k in set(kinds)}
+        assert res.stats["collectives"] == {fb.STATS_KIND[k]: kinds.count(k) for k in set(kinds)}
 
 
 def test_symmetric_exchange_even_when_a_rank_needs_nothing(host) -> None:

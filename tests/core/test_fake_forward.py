@@ -40,7 +40,7 @@ def _check(host, *, cp, total, r, window, layout, docs, topk=3) -> None:
     for rank, res in enumerate(results):
         np.testing.assert_allclose(res.full, ref, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
     if cp > 1:  # the CP path really ran: every rank exchanged halos
-        assert all(res.stats["calls"].get("exchange_rows") == 1 for res in results)
+        assert all(res.stats["collectives"].get("halo_exchange") == 1 for res in results)
 
 
 @pytest.mark.parametrize("docs", ["padded", "packed-per_document", "packed-global"])

@@ -430,7 +430,7 @@ def check_comm_counts(case: Case, results: list[dict]) -> None:
         assert fwd == {"halo_exchange": 1, **({"all_gather": 1} if gathers else {})}, fwd
         want = {"halo_exchange": 1, "halo_exchange_bwd": 1}
         if gathers:
-            want.update(all_gather=1, reduce_scatter=1)
+            want.update(all_gather=1, all_gather_bwd=1)
         assert bwd == want, bwd
 
 

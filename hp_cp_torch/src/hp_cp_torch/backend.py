@@ -417,7 +417,7 @@ class _AllGatherRows(torch.autograd.Function):
         with _collective(group, "all_gather backward (reduce_scatter)", ctx.layer):
             reduce_scatter(out, grad, group=group.pg)
         nbytes = out.numel() * out.element_size()
-        group.count("reduce_scatter", nbytes * (group.size - 1), nbytes * (group.size - 1))
+        group.count("all_gather_bwd", nbytes * (group.size - 1), nbytes * (group.size - 1))
         return None, _token_grad(ctx, 1, group.device), out
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from hp_cp_core import HpCpError, LayerSpec, hookimpl, stage1_compress_with_halo
 from hp_cp_core.indices import compressed_index_dense, window_index_dense
+from hp_cp_core.stats import ALL_GATHER, HALO_EXCHANGE
 from hp_cp_core.testing import ThreadGroup, ThreadMesh
 
 # --------------------------------------------------------------------------------------------
@@ -58,6 +59,10 @@ class FakeWorld:
         return results
 
 
+STATS_KIND = {"exchange_rows": HALO_EXCHANGE, "all_gather_rows": ALL_GATHER}
+"""The stats name (:mod:`hp_cp_core.stats`) of each collective in the world's log."""
+
+
 class FakeGroup:
     """One rank's view of the world; implements the core's ``Group`` protocol."""
 
@@ -72,7 +77,8 @@ class FakeGroup:
     def _count(self, kind: str, sent: int, recv: int) -> None:
         self.bytes_sent += sent
         self.bytes_recv += recv
-        self.calls[kind] = self.calls.get(kind, 0) + 1
+        name = STATS_KIND.get(kind, kind)
+        self.calls[name] = self.calls.get(name, 0) + 1
         with self.world.lock:
             self.world.log.append({"rank": self.rank, "kind": kind, "sent": sent, "recv": recv})
 
@@ -131,7 +137,12 @@ class FakeGroup:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv, "calls": self.calls}
+        """The one schema of :mod:`hp_cp_core.stats`."""
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_recv": self.bytes_recv,
+            "collectives": dict(self.calls),
+        }
 
 
 class FakeMesh:
