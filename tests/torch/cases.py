@@ -228,21 +228,32 @@ def _loss(out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (out.float() * g.float()).sum()
 
 
-def run_reference_layer_cp(case: Case, mesh: Any = None, *, plugins: Any = None) -> dict:
+def run_reference_layer_cp(
+    case: Case,
+    mesh: Any = None,
+    *,
+    plugins: Any = None,
+    config: DeepSeekV4CPConfig | None = None,
+    cu_override: Any = None,
+) -> dict:
     """Forward and backward of the reference layer under CP on this rank's rows.
 
     Returns, on group rank 0, the unsharded output, input gradient, summed parameter
     gradients and indexer picks; on every rank the traffic counters after forward and
-    after backward.
+    after backward. ``config`` replaces the case's options; ``cu_override`` is the
+    ``cu_seqlens`` this rank passes instead of the case's (a bad input on one rank).
     """
     layer = build_layer(case)
     x, cu, g = make_inputs(case)
-    config = DeepSeekV4CPConfig(
-        layout=case.layout,
-        attention_kernel=case.kernel,
-        query_chunk=case.query_chunk,
-        single_rank_bypass=False,  # cp = 1 runs the CP path, not the module's own forward
-    )
+    if cu_override is not None:
+        cu = torch.as_tensor(cu_override)
+    if config is None:
+        config = DeepSeekV4CPConfig(
+            layout=case.layout,
+            attention_kernel=case.kernel,
+            query_chunk=case.query_chunk,
+            single_rank_bypass=False,  # cp = 1 runs the CP path, not the module's own forward
+        )
     handle = enable_cp(layer, mesh, config, plugins=plugins)
     group = handle.group
     try:

@@ -4,9 +4,9 @@ Note [The thread world]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Every collective is one *step* that all ranks enter with the same kind::
 
-    rank 0: post(kind, payload) --+                          +-- read peers' payloads --+
-    rank 1: post(kind, payload) --+-- barrier 1 --> check ---+-- read peers' payloads --+-- barrier 2
-    rank 2: post(kind, payload) --+   (all posted)  kinds    +-- read peers' payloads --+   (all read)
+    rank 0: post(kind, data) --+                         +-- read peers' data --+
+    rank 1: post(kind, data) --+-- barrier 1 --> check --+-- read peers' data --+-- barrier 2
+    rank 2: post(kind, data) --+  (all posted)   kinds   +-- read peers' data --+  (all read)
 
 The first barrier says every rank has posted, the second that every rank has read, so the
 slots can be reused by the next step. After the first barrier each rank compares the kinds

@@ -1,4 +1,4 @@
-"""msrun worker of the mindformers contract driver (``contract_drivers.MindformersDriver``).
+"""msrun worker of the mindformers contract driver (``mindformers_driver.MindformersDriver``).
 
 Started on 3 MindSpore CPU ranks: cp = 3 cases on the world group (every rank), cp = 2 on the
 communication sub-group of ranks 0 and 1, cp = 1 on rank 2 alone (a 1-rank mesh), so ranks 0-1
@@ -7,8 +7,8 @@ and rank 2 work side by side. Per case every rank of the CP group builds the ref
 runs one forward under CP on its rows, records ``handle.stats()``, gathers the output with
 ``handle.unshard`` and compares it with the single-device cell (every rank: the 2-core machine
 can afford it); then ``disable_cp`` and checks the cell is restored. Writes
-``<outdir>/rank<r>.json`` after each case. Usage: ``msrun ... mf_contract_worker.py OUTDIR
-CASES-JSON`` where CASES-JSON is a list of ``[cp, r, layout, packed]``.
+``<outdir>/rank<r>.json`` after each case. Usage: ``msrun ... mf_worker.py OUTDIR CASES-JSON``
+where CASES-JSON is a list of :class:`~hp_cp_core.testing.cases.ContractCase` fields.
 
 Helpers (``init()``, RoPE, the mesh object, relative error) come from
 ``tests/mindformers/mf_msrun_worker.py``.
@@ -22,7 +22,9 @@ import sys
 import time
 import traceback
 
-MF_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mindformers")
+MF_TESTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "mindformers"
+)
 sys.path.insert(0, MF_TESTS)
 
 import mf_msrun_worker as w  # noqa: E402  (sets the CPU context and calls init())
@@ -30,21 +32,9 @@ import numpy as np  # noqa: E402
 from mindspore import Tensor  # noqa: E402
 from mindspore.communication import GlobalComm, create_group  # noqa: E402
 
-from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp  # noqa: E402
+from hp_cp_core import HpCpError, disable_cp, enable_cp  # noqa: E402
+from hp_cp_core.testing.cases import ContractCase  # noqa: E402
 from hp_cp_mindformers import reference as ref  # noqa: E402
-
-
-def sizes(r: int) -> tuple[int, tuple[int, ...]]:
-    """Global rows (a multiple of 2 * cp for cp 1..3) and packed document ends (padded)."""
-    if r == 128:  # a document longer than r, two shorter ones; L < r for cp > 1
-        return 300, (5, 100, 300, 300)
-    # documents shorter than r, one spanning ranks; L = 4 < W - 1 for cp = 3
-    return 24, (2, 9, 11, 24, 24)
-
-
-def case_name(cp: int, r: int, layout: str, packed: bool) -> str:
-    lay = "lb" if layout == "load_balanced" else "contig"
-    return f"cp{cp}-r{r}-{lay}-{'packed' if packed else 'padded'}"
 
 
 class OneRankMesh:
@@ -75,23 +65,27 @@ def mesh_for(cp: int):
     return SUB2 if rank < cp else None
 
 
-def run_case(cp: int, r: int, layout: str, packed: bool) -> dict:
+def run_case(case: ContractCase) -> dict:
     t0 = time.time()
-    cfg = ref.ReferenceCSAConfig(seed=7)
+    cp, r = case.cp, case.r
+    cfg = ref.ReferenceCSAConfig(seed=7 + case.seed, csa_window_size=case.window)
     cell = ref.CompressedSparseAttention(cfg, None, 1, compress_ratio=r)
     cell.set_train(False)
-    s, ends = sizes(r)
+    s, packed = case.rows, case.packed
     b = 1 if packed else 2
     rng = np.random.default_rng([r, s, b])
     q_pre = rng.standard_normal((s, b, 4, 32)).astype(np.float32)
     k_pre = rng.standard_normal((s, b, 1, 32)).astype(np.float32)
     x = rng.standard_normal((s, b, 64)).astype(np.float32)
     qr = rng.standard_normal((s, b, 48)).astype(np.float32)
-    asl = Tensor(np.array(ends, np.int32)) if packed else None
+    asl = Tensor(np.array(case.cu_seqlens[1:], np.int32)) if packed else None
     inputs_full = (w.rope(q_pre, np.arange(s)), w.rope(k_pre, np.arange(s)), Tensor(x), Tensor(qr))
     want = cell(*inputs_full, asl).asnumpy()
+    mine = case.cu_for_rank(_group_rank(cp))
+    if case.bad_rank is not None and mine is not None:
+        asl = Tensor(np.array(mine[1:], np.int32))
 
-    handle = enable_cp(cell, mesh_for(cp), DeepSeekV4CPConfig(layout=layout, query_chunk=8))
+    handle = enable_cp(cell, mesh_for(cp), case.config(query_chunk=8))
     try:
         installed = "construct" in cell.__dict__
         pos = handle.shard(np.arange(s), 0)
@@ -129,21 +123,38 @@ def main() -> None:
     path = os.path.join(out_dir, f"rank{w.WORLD_RANK}.json")
     if w.WORLD > 2 and w.WORLD_RANK < 2:
         create_group(SUB2, [0, 1])
-    for cp, r, layout, packed in sorted(cases, key=lambda c: -c[0]):  # world group first
-        if cp > w.WORLD or mesh_for(cp) is None:
+    cases = [ContractCase(**{**c, "cu_seqlens": _tuple(c["cu_seqlens"])}) for c in cases]
+    for case in sorted(cases, key=lambda c: -c.cp):  # world group first
+        if case.cp > w.WORLD or mesh_for(case.cp) is None:
             continue
-        name = case_name(cp, r, layout, packed)
+        name = case.name
         try:
-            report["cases"][name] = run_case(cp, r, layout, packed)
+            report["cases"][name] = run_case(case)
         except Exception as exc:  # noqa: BLE001 - reported per case to the pytest side
-            report["cases"][name] = {
-                "error": f"rank {w.WORLD_RANK}: {type(exc).__name__}: {exc}"[:2000],
-                "traceback": traceback.format_exc()[-4000:],
-            }
+            if case.bad_rank is not None and isinstance(exc, HpCpError):
+                report["cases"][name] = {
+                    "cp_rank": _group_rank(case.cp),
+                    "error": f"{type(exc).__name__}: {exc}"[:2000],
+                    "error_types": [c.__name__ for c in type(exc).__mro__],
+                }
+            else:
+                report["cases"][name] = {
+                    "failure": f"rank {w.WORLD_RANK}: {type(exc).__name__}: {exc}"[:2000]
+                    + "\n"
+                    + traceback.format_exc()[-4000:]
+                }
         with open(path, "w") as fh:
             json.dump(report, fh, indent=1)
     with open(path, "w") as fh:
         json.dump(report, fh, indent=1)
+
+
+def _tuple(cu):
+    return None if cu is None else tuple(cu)
+
+
+def _group_rank(cp: int) -> int:
+    return 0 if cp == 1 else w.WORLD_RANK
 
 
 if __name__ == "__main__":
