@@ -1,4 +1,5 @@
-"""``python -m hp_cp_core`` (and ``--json``): name, distribution, version, ok / error."""
+"""``python -m hp_cp_core`` (and ``--json``): the core version, the active discovery switches,
+and per backend name, distribution, version, ok / error."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from hp_cp_core import __main__ as cli
+from hp_cp_core import __version__
 
 
 def run_cli(*args: str, **env: str) -> str:
@@ -36,15 +38,33 @@ FAKE_ROW = {
 
 
 def test_json_lists_the_installed_fake() -> None:
-    assert json.loads(run_cli("--json", HP_CP_PLUGINS="fake")) == [FAKE_ROW]
-    assert FAKE_ROW in json.loads(run_cli("--json"))  # with every installed backend
+    got = json.loads(run_cli("--json", HP_CP_PLUGINS="fake"))
+    assert got == {
+        "core": __version__,
+        "switches": {"HP_CP_PLUGINS": "fake"},
+        "backends": [FAKE_ROW],
+    }
+    got = json.loads(run_cli("--json"))  # with every installed backend
+    assert FAKE_ROW in got["backends"] and got["switches"] == {}
 
 
 def test_table_lists_the_installed_fake() -> None:
     lines = run_cli(HP_CP_PLUGINS="fake").splitlines()
-    assert lines[0].split() == ["backend", "distribution", "version", "status"]
-    assert lines[1].split() == ["fake", "hp-cp-fake", "0.1.0", "ok"]
-    assert len(lines) == 2
+    assert lines[0] == f"hp-cp-core {__version__}; discovery switches: HP_CP_PLUGINS=fake"
+    assert lines[1].split() == ["backend", "distribution", "version", "status"]
+    assert lines[2].split() == ["fake", "hp-cp-fake", "0.1.0", "ok"]
+    assert len(lines) == 3
+
+
+def test_disabled_autoload_lists_nothing() -> None:
+    """HP_CP_DISABLE_PLUGIN_AUTOLOAD=1 turns discovery off here too (the allow-list still loads)."""
+    lines = run_cli(HP_CP_DISABLE_PLUGIN_AUTOLOAD="1").splitlines()
+    assert lines == [
+        f"hp-cp-core {__version__}; discovery switches: HP_CP_DISABLE_PLUGIN_AUTOLOAD=1",
+        "no hp_cp backends loaded: the switches above turned discovery off",
+    ]
+    got = json.loads(run_cli("--json", HP_CP_DISABLE_PLUGIN_AUTOLOAD="1", HP_CP_PLUGINS="fake"))
+    assert got["backends"] == [FAKE_ROW]
 
 
 def test_broken_backends_are_listed_with_their_error(
@@ -60,7 +80,7 @@ def test_broken_backends_are_listed_with_their_error(
     monkeypatch.setattr(md, "entry_points", entry_points)
     monkeypatch.setenv("HP_CP_PLUGINS", "fake,broken")
     assert cli.main(["--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["backends"]
     assert rows == [
         FAKE_ROW,
         {
@@ -72,7 +92,7 @@ def test_broken_backends_are_listed_with_their_error(
         },
     ]
     assert cli.main([]) == 0
-    table = capsys.readouterr().out.splitlines()
+    table = capsys.readouterr().out.splitlines()[1:]
     assert table[1].split() == ["fake", "hp-cp-fake", "0.1.0", "ok"]
     assert table[2].split()[:4] == ["broken", "-", "-", "error:"]
     assert table[2].endswith("No module named 'hp_cp_framework_that_does_not_exist'")
@@ -81,8 +101,18 @@ def test_broken_backends_are_listed_with_their_error(
 def test_nothing_installed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("HP_CP_PLUGINS", "")
     assert cli.main([]) == 0
-    assert capsys.readouterr().out == (
-        "no hp_cp backends installed; try `pip install hp-cp-torch`\n"
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "no hp_cp backends loaded: the switches above turned discovery off"
     )
     assert cli.main(["--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == []
+    assert json.loads(capsys.readouterr().out)["backends"] == []
+
+
+def test_nothing_installed_points_to_the_backends_and_the_guide(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(md, "entry_points", lambda **kwargs: [])
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("no hp_cp backends installed; try `pip install hp-cp-torch`")
+    assert "docs/writing-a-backend.md" in out[1]

@@ -28,7 +28,7 @@ from hp_cp_core.plugins import PluginHost
 from hp_cp_fake import fake_backend as fb
 
 MISSING = "No module named 'hp_cp_framework_that_does_not_exist'"
-INSTALL = "Install one with `pip install hp-cp-torch` or `pip install hp-cp-mindformers`."
+GUIDE = "see docs/writing-a-backend.md in the hp_cp repository."
 
 
 def ep(name: str, value: str) -> md.EntryPoint:
@@ -147,18 +147,47 @@ def test_not_found_lists_installed_broken_and_install_hints() -> None:
     with pytest.raises(BackendNotFoundError) as err:
         enable_cp(object(), mesh(), plugins=host)
     assert str(err.value) == (
-        "no hp_cp backend accepts a `builtins.object`; installed: fake (in-process); "
-        f"broken: broken (ModuleNotFoundError: {MISSING}). {INSTALL}"
+        "no hp_cp backend accepts a `builtins.object` (framework: builtins); installed: fake "
+        f"(in-process); broken: broken (ModuleNotFoundError: {MISSING}). No installed backend "
+        f"runs `builtins` modules; a backend for another framework or layer is a plugin: {GUIDE}"
     )
 
 
 def test_not_found_with_nothing_installed(empty_host: PluginHost) -> None:
     with pytest.raises(BackendNotFoundError) as err:
         enable_cp(fb.ToyAttention(), mesh(), plugins=empty_host)
-    assert str(err.value) == (
-        "no hp_cp backend accepts a `hp_cp_fake.fake_backend.ToyAttention`; installed: none; "
-        f"broken: none. {INSTALL}"
+    assert str(err.value).startswith(
+        "no hp_cp backend accepts a `hp_cp_fake.fake_backend.ToyAttention` (framework: "
+        "hp_cp_fake); installed: none; broken: none. No installed backend runs `hp_cp_fake`"
     )
+
+
+def _module_of(framework: str) -> object:
+    cls = type("Attention", (), {"__module__": f"{framework}.nn.attention"})
+    return cls()
+
+
+@pytest.mark.parametrize(
+    ("framework", "fix"),
+    [
+        ("torch", "Install the torch backend with `pip install hp-cp-torch`."),
+        ("mindspore", "Install the mindspore backend with `pip install hp-cp-mindformers`."),
+        (
+            "jax",
+            f"No installed backend runs `jax` modules; a backend for another framework "
+            f"or layer is a plugin: {GUIDE}",
+        ),
+    ],
+)
+def test_not_found_names_the_framework_and_the_fix(
+    empty_host: PluginHost, framework: str, fix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HP_CP_PLUGINS", "fake")
+    with pytest.raises(BackendNotFoundError) as err:
+        enable_cp(_module_of(framework), mesh(), plugins=empty_host)
+    text = str(err.value)
+    assert f"`{framework}.nn.attention.Attention` (framework: {framework})" in text
+    assert text.endswith(f"{fix} Discovery switches: HP_CP_PLUGINS=fake."), text
 
 
 def test_named_backend_that_is_not_installed(host: PluginHost) -> None:
@@ -182,7 +211,8 @@ def test_named_backend_that_declines_the_module(host: PluginHost) -> None:
         enable_cp(object(), mesh(), backend="fake", plugins=host)
     assert str(err.value).startswith(
         "backend 'fake' does not accept a `object`; expected a module it recognises. "
-        "no hp_cp backend accepts a `builtins.object`; installed: fake (in-process)"
+        "no hp_cp backend accepts a `builtins.object` (framework: builtins); installed: fake "
+        "(in-process)"
     )
 
 

@@ -1,4 +1,5 @@
-"""``python -m hp_cp_core``: the installed backends as a table (``--json`` for JSON)."""
+"""``python -m hp_cp_core``: the core version, the active discovery switches and the
+backends discovery loaded, as a table (``--json`` for JSON)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,29 @@ import argparse
 import json
 import sys
 
-from hp_cp_core.plugins import PluginHost
+from hp_cp_core import __version__
+from hp_cp_core.plugins import GUIDE, PluginHost, active_switches
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hp_cp_core", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    rows = PluginHost(autoload=True).report()
+    switches = active_switches()
+    rows = PluginHost().report()  # honours HP_CP_PLUGINS / HP_CP_DISABLE_PLUGIN_AUTOLOAD
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"core": __version__, "switches": switches, "backends": rows}, indent=2))
         return 0
+    shown = ", ".join(f"{k}={v}" for k, v in switches.items()) or "none"
+    print(f"hp-cp-core {__version__}; discovery switches: {shown}")
     if not rows:
-        print("no hp_cp backends installed; try `pip install hp-cp-torch`")
+        if "HP_CP_DISABLE_PLUGIN_AUTOLOAD" in switches or "HP_CP_PLUGINS" in switches:
+            print("no hp_cp backends loaded: the switches above turned discovery off")
+        else:
+            print(
+                "no hp_cp backends installed; try `pip install hp-cp-torch` or "
+                f"`pip install hp-cp-mindformers`, or write one ({GUIDE})"
+            )
         return 0
     print(f"{'backend':<14}{'distribution':<22}{'version':<10}status")
     for r in rows:

@@ -33,6 +33,15 @@ from hp_cp_core.errors import (
 
 ENTRY_POINT_GROUP = "hp_cp"
 PROJECT = "hp_cp"
+SWITCHES = ("HP_CP_PLUGINS", "HP_CP_DISABLE_PLUGIN_AUTOLOAD", "HP_CP_TRACE_PLUGINS")
+GUIDE = "docs/writing-a-backend.md in the hp_cp repository"
+FRAMEWORK_BACKENDS = {"torch": "torch", "mindspore": "mindformers", "mindformers": "mindformers"}
+"""The backend of this project for modules of each framework (top-level module name)."""
+
+
+def active_switches() -> dict[str, str]:
+    """The discovery switches set in the environment, and their values."""
+    return {k: os.environ[k] for k in SWITCHES if k in os.environ}
 
 
 @dataclass
@@ -165,7 +174,8 @@ class PluginHost:
         return rows
 
     def choose_backend(self, module: Any, backend: str | None = None) -> tuple[str, Any]:
-        """The one backend that owns ``module`` (see DESIGN.md section 3 for the rules)."""
+        """The one backend that owns ``module``: the only one answering ``hp_cp_backend``, or
+        the one named by ``backend``; none or several is an error (docs/design.md, "Plugins")."""
         if backend is not None:
             return backend, self._named_backend(module, backend)
         answers = []
@@ -233,13 +243,27 @@ class PluginHost:
     def _not_found_message(self, module: Any) -> str:
         installed = ", ".join(s.describe() for s in self.installed()) or "none"
         broken = "; ".join(f"{s.name} ({s.error})" for s in self.broken()) or "none"
-        hints = " or ".join(
-            f"`{cmd}`" for n, cmd in INSTALL_HINTS.items() if n not in self.statuses
-        )
-        fix = f" Install one with {hints}." if hints else ""
+        framework = (type(module).__module__ or "").split(".")[0]
+        known = FRAMEWORK_BACKENDS.get(framework)
+        if known is not None and known not in self.statuses:
+            fix = f" Install the {framework} backend with `{INSTALL_HINTS[known]}`."
+        elif known is not None:
+            fix = (
+                f" The {known!r} backend does not recognise this module (it runs the attention "
+                f"layers it has adapters for); for another layer add hooks: see {GUIDE}."
+            )
+        else:
+            fix = (
+                f" No installed backend runs `{framework}` modules; a backend for another "
+                f"framework or layer is a plugin: see {GUIDE}."
+            )
+        off = active_switches()
+        if off:
+            fix += " Discovery switches: " + ", ".join(f"{k}={v}" for k, v in off.items()) + "."
         return (
-            f"no hp_cp backend accepts a `{type(module).__module__}.{type(module).__name__}`; "
-            f"installed: {installed}; broken: {broken}.{fix}"
+            f"no hp_cp backend accepts a `{type(module).__module__}.{type(module).__name__}` "
+            f"(framework: {framework or 'unknown'}); installed: {installed}; broken: {broken}."
+            f"{fix}"
         )
 
     # -- hooks ---------------------------------------------------------------------------------
