@@ -276,7 +276,7 @@ class MindSporeGroup:
         """``[n, ...]`` from every rank -> ``[size * n, ...]`` (rank-major), no autograd."""
         n = int(np.prod(t.shape, dtype=np.int64)) * _itemsize(t.dtype)
         if self.caps.all_gather:
-            self.count(kind, n, n * (self.size - 1))
+            self.count(kind, n if self.size > 1 else 0, n * (self.size - 1))
             return self._prim("ag")(t)
         rows, rest = _rows(t), tuple(t.shape[1:])
         parts = []
