@@ -1,11 +1,14 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, bench, dist, device, fuzz.
+"""Sessions: lint, core (no framework), torch, mindformers, example_jax, bench, dist, device,
+fuzz.
 
-`nox` runs lint, core, torch and mindformers; each installs its own distributions into a
-fresh virtualenv, so the core is proven framework-free and every backend is tested with its
-framework for real.
+`nox` runs lint, core, torch, mindformers and example_jax; each installs its own distributions
+into a fresh virtualenv, so the core is proven framework-free and every backend is tested with
+its framework for real. Every backend passes the same installed contract suite
+(`pytest -p hp_cp_core.testing.contract`), through the driver it registers under the entry-point
+group `hp_cp.contract`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import nox
 
 nox.needs_version = ">=2024.3"
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "torch", "mindformers"]
+nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11"]
@@ -25,6 +28,8 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
 TORCH = "torch==2.13.0"  # the CPU build (a local wheel on the dev machines)
 TRANSFORMERS = "transformers==5.23.0"
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]
+JAX = "jax==0.10.2"  # CPU
+CONTRACT = ("pytest", "-p", "hp_cp_core.testing.contract")
 
 
 @nox.session(python=PYTHONS)
@@ -37,16 +42,16 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHONS)
 def core(session: nox.Session) -> None:
     """hp-cp-core alone (pluggy + numpy) with the numpy fake backend: no framework."""
-    session.install("./hp_cp_core", "./tests/fakes", *TEST_DEPS)
+    session.install("./hp_cp_core[testing]", "./tests/fakes", *TEST_DEPS)
     session.run(
         "pytest",
         "tests/core",
         "tests/test_hooks_documented.py",
         "tests/test_no_framework_imports.py",
-        "tests/contract",
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake"},
     )
+    session.run(*CONTRACT, "--hp-cp-backend=fake", "--hp-cp-require=fake", *session.posargs)
 
 
 @nox.session(python=PYTHONS)
@@ -55,25 +60,33 @@ def torch(session: nox.Session) -> None:
     Triton (its kernels run in Triton's CPU interpreter, tests/torch/conftest.py)."""
     session.install(TORCH)
     session.install(
-        "./hp_cp_core", "./hp_cp_torch[triton]", "./tests/fakes", TRANSFORMERS, *TEST_DEPS
+        "./hp_cp_core[testing]",
+        "./hp_cp_torch[triton]",
+        "./tests/fakes",
+        TRANSFORMERS,
+        *TEST_DEPS,
     )
+    session.install("-e", "./tests/contract")  # the torch driver runs tests/torch helpers
     out = session.run("python", "-m", "hp_cp_core", silent=True)
     if "torch" not in out or "ok" not in out:
         session.error(f"python -m hp_cp_core does not report `torch ok`:\n{out}")
     session.run(
         "pytest",
         "tests/torch",
-        "tests/contract",
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers,triton"},
     )
+    session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
 
 
 @nox.session(python=PYTHONS)
 def mindformers(session: nox.Session) -> None:
     """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun."""
     session.install(*MINDSPORE)
-    session.install("./hp_cp_core", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS, "numpy<2")
+    session.install(
+        "./hp_cp_core[testing]", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS, "numpy<2"
+    )
+    session.install("-e", "./tests/contract")  # the mindformers driver runs msrun workers
     # mindformers' own dependencies are not all on PyPI; these three let the real
     # CompressedSparseAttention class import (the rest are stubbed by the test).
     session.install("--no-deps", "mindformers==2.1.0")
@@ -81,9 +94,32 @@ def mindformers(session: nox.Session) -> None:
     session.run(
         "pytest",
         "tests/mindformers",
-        "tests/contract",
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake,mindformers", "HP_CP_MSRUN_BIN": session.bin},
+    )
+    session.run(
+        *CONTRACT,
+        "--hp-cp-backend=mindformers",
+        "--hp-cp-require=mindformers",
+        *session.posargs,
+        env={"HP_CP_MSRUN_BIN": session.bin},
+    )
+
+
+@nox.session(python=PYTHONS)
+def example_jax(session: nox.Session) -> None:
+    """A third-party backend as a user would ship it: examples/hp-cp-jax (JAX on CPU, its own
+    layer) and hp-cp-core[testing], installed (not editable) into a fresh virtualenv, pass the
+    installed contract suite at cp 1..4, run outside the repository (no file from tests/)."""
+    session.install(JAX)
+    session.install("./hp_cp_core[testing]", "./examples/hp-cp-jax")
+    session.chdir(session.create_tmp())
+    session.run(
+        *CONTRACT,
+        "--hp-cp-require=jax",
+        "--hp-cp-max-cp=4",
+        *session.posargs,
+        env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},  # JAX compiles every op shape
     )
 
 

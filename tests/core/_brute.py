@@ -1,7 +1,7 @@
 """Brute-force, per-token definitions of what CP must compute (Python loops, no core code).
 
-Every function here is written from the prose definitions in DESIGN.md and
-``reference/csa-semantics.md``, token by token, so the planner tests compare the core's
+Every function here is written from the prose definitions in docs/design.md and
+docs/semantics.md, token by token, so the planner tests compare the core's
 vectorised plan against an independent statement of the same rules.
 """
 

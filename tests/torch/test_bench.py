@@ -52,7 +52,7 @@ def test_lower_bound_matches_per_token_definition(seq, cp, ratio, layout):
 
 
 def test_flash_traffic_against_the_worked_example():
-    """prior-art.md section 2: S = 131072, cp = 8, bf16."""
+    """MindFormers' CP: S = 131072, cp = 8, bf16."""
     c = comm_per_rank(131072, 8, 4)
     # MF: window tails 7*127*D + compressor tails 7*4*H + 7*4097*(D + Di)
     assert c["allgather"].max() == (7 * 127 * 512 + 7 * 4 * 4096 + 7 * 4097 * 640) * 2

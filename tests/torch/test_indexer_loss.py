@@ -1,6 +1,6 @@
 """The CSA indexer's KL loss: the single-device definition, and CP equal to it.
 
-Single device: the loss equals a per-token loop over the formula of csa-semantics.md 4.1
+Single device: the loss equals a per-token loop over the formula of docs/semantics.md section 7
 (teacher with the window + sink mass in the denominator, summed over heads, L1-normalised,
 sparse over the picks; student log-softmax over the same picks); it trains the indexer only;
 coefficient 0 still gives every indexer parameter a (zero) gradient; a loss mask drops rows.

@@ -43,7 +43,7 @@ def make_layer(ratio: int, seed: int = 0, **overrides: object) -> DeepSeekV4Atte
 
 
 def naive_layer(layer: DeepSeekV4Attention, x: torch.Tensor) -> torch.Tensor:
-    """Per-token loop over the key set of csa-semantics.md section 5 (one sequence)."""
+    """Per-token loop over the key set of docs/semantics.md section 5 (one sequence)."""
     seq = x.shape[0]
     pos = torch.arange(seq)[None]
     q, kv, qr = layer.project(x[None], pos)
@@ -217,7 +217,7 @@ def test_compressor_segment_property(ratio: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_compressor_matches_slot_formula(ratio: int) -> None:
-    """Slot j from csa-semantics.md section 3.1, one slot at a time."""
+    """Slot j from docs/semantics.md section 3, one slot at a time."""
     layer = make_layer(ratio)
     comp, d = layer.compressor, 32
     x = torch.randn(2 * 128 + 5, HIDDEN)

@@ -2,7 +2,7 @@
 
 Note [Indexer loss under CP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The loss is a mean over query rows of a per-row KL (``reference/csa-semantics.md`` 4.1).
+The loss is a mean over query rows of a per-row KL (docs/semantics.md, section 7).
 Each row's KL is local once the window halo and the gathered compressed KV are present (the
 teacher's window + sink mass reads only the row's window). So every rank sums its own rows
 and divides by the number of rows that count on *all* ranks::

@@ -30,7 +30,7 @@ so that an adapter written against this cell also drives the real one:
   ``compressor.linear_wkv.weight``, ``indexer.compressor.norm.weight`` ...).
 
 Packed input (``actual_seq_len`` given) follows MindFormers' *global grid* convention
-(csa-semantics.md section 6, "[MF] TND naive path"): the compressor runs over the whole
+(docs/semantics.md section 6, the "global" grid): the compressor runs over the whole
 packed stream (blocks ``[g*r, g*r+r)``, slot ``g`` RoPE'd at ``g*r``), a block is valid only if
 it lies inside one document (END-based rule), a query sees the valid same-document blocks
 with ``(g+1)*r <= p+1``, and the window is clipped at the document start.

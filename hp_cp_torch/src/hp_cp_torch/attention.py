@@ -3,7 +3,7 @@
 Every query row attends to an explicit list of rows of a shared KV pool (one KV head,
 K == V), plus a per-head *sink*: a virtual key with logit ``sink[h]`` and value 0, so it
 only enters the softmax denominator. This is the DeepSeek V4 attention core, see
-``reference/csa-semantics.md`` section 5.
+docs/semantics.md section 5.
 
 The kernel here gathers the selected rows and runs the softmax in fp32. It is the exact
 reference that other kernels are checked against; its memory grows with the number of

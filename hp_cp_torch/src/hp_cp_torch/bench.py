@@ -159,7 +159,7 @@ def comm_per_rank(
     seq: int, cp: int, ratio: int, layout: str = "contiguous", shapes: Shapes = FLASH
 ) -> dict[str, np.ndarray]:
     """Forward bytes each rank receives: ours (from the plan), the lower bound, and the
-    prior-art all-gather-every-tail strategy (MindFormers; ``reference/prior-art.md`` §2).
+    prior-art all-gather-every-tail strategy (MindFormers' CP).
 
     Ours: window halo rows x D + x halo rows x hidden (one point-to-point message per peer)
     + the compressed all-gather ``(cp - 1) * gather_cap * (D [+ Di])``. Backward mirrors it.
@@ -752,7 +752,7 @@ TARGETS = {
     "step_time_cp2_over_cp1": 0.6,
     "cp_enabled_cp1_overhead": 1.02,
 }
-"""Upper targets of the headline measures (DESIGN.md section 8 and the bench issue)."""
+"""Upper targets of the headline measures (the README's measures)."""
 
 
 def _lower_is_better_rows(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:

@@ -4,7 +4,7 @@ reference layer and the CP path so both compute it with the same code.
 See Note [Indexer loss under CP] in :mod:`hp_cp_core.indexer_loss` for how the per-row sums of
 the ranks become the one global token-weighted mean.
 
-Per query row ``t`` (``reference/csa-semantics.md`` section 4.1, sparse variant):
+Per query row ``t`` (docs/semantics.md section 7, sparse variant):
 
 * teacher: for each main head ``h``, ``a[t,h,j] = scale * q[t,h] . ckv[j]`` over the picked
   (visible) slots, normalised with the window and sink mass in the denominator,

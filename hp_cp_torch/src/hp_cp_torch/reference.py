@@ -1,6 +1,6 @@
 """Single-device reference of the DeepSeek V4 attention layer (SWA, CSA and HCA).
 
-This follows DeepSeek's released inference code ([DS] in ``reference/csa-semantics.md``)
+This follows DeepSeek's released inference code (docs/semantics.md)
 for prefill / training, without the fp8/fp4 quantisation simulation and without the
 indexer's Hadamard rotation (an orthogonal map applied to both the indexer queries and keys,
 so it leaves every score unchanged up to rounding). Packed sequences follow Megatron's
@@ -56,7 +56,7 @@ class DeepSeekV4AttentionConfig:
 
     The defaults build a tiny layer for tests; the released models use hidden 4096/7168,
     64/128 heads of 512 (rope 64), q_lora 1024/1536, 8/16 output groups of rank 1024,
-    window 128, 64 indexer heads of 128 and top-k 512/1024 (csa-semantics.md section 1).
+    window 128, 64 indexer heads of 128 and top-k 512/1024 (the released configs).
 
     Attributes:
         hidden_size: Model width (``dim`` in [DS]).
@@ -265,7 +265,7 @@ class Compressor(nn.Module):
     ``2d`` projected channels play the previous-block role, the last ``d`` the current-block
     role. The gate is a softmax over the rows of the (8- or 128-row) window, separately per
     channel. Pooling runs in fp32; the pooled vector is cast to the input dtype, RMS-normed
-    and rotated at the position of its block's first row (csa-semantics.md section 3.1).
+    and rotated at the position of its block's first row (docs/semantics.md section 3).
 
     Segment property: ``forward`` only needs a contiguous run of rows. Called on rows
     ``[a, b)`` (``a`` a multiple of ``ratio``) with ``rope_pos_offset=a``, its slots equal the
@@ -444,7 +444,7 @@ class DeepSeekV4Attention(nn.Module):
     def project(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token-local projections (csa-semantics.md section 2).
+        """Token-local projections (docs/semantics.md section 1).
 
         Args:
             x: Layer input ``[B, S, hidden]``.
