@@ -1,4 +1,4 @@
-"""``DeepSeekV4CPForward``: one layer forward under CP, as the stages of docs/design.md, section 4."""
+"""``DeepSeekV4CPForward``: one layer forward under CP (the stages of docs/design.md, 4)."""
 
 from __future__ import annotations
 
