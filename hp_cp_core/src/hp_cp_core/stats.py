@@ -27,10 +27,22 @@ ALL_GATHER = "all_gather"
 """``Group.all_gather_rows`` forward (one per layer forward with r > 0)."""
 ALL_GATHER_BWD = "all_gather_bwd"
 """``Group.all_gather_rows`` backward (a reduce-scatter, or an all-reduce and a slice)."""
+SLOT_EXCHANGE = "slot_exchange"
+"""A point-to-point exchange of compressed slots, where a backend sends each rank only the
+slots it reads instead of all-gathering them (counts in place of ``all_gather``)."""
+SLOT_EXCHANGE_BWD = "slot_exchange_bwd"
+"""Its backward."""
 META = "meta"
 """``Group.all_gather_meta`` (the agreement before any exchange; optional to count)."""
 
-LAYER_KINDS = (HALO_EXCHANGE, HALO_EXCHANGE_BWD, ALL_GATHER, ALL_GATHER_BWD)
+LAYER_KINDS = (
+    HALO_EXCHANGE,
+    HALO_EXCHANGE_BWD,
+    ALL_GATHER,
+    ALL_GATHER_BWD,
+    SLOT_EXCHANGE,
+    SLOT_EXCHANGE_BWD,
+)
 
 
 class GroupStats(TypedDict):

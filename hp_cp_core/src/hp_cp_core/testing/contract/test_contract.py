@@ -24,6 +24,8 @@ from hp_cp_core.stats import (
     ALL_GATHER_BWD,
     HALO_EXCHANGE,
     HALO_EXCHANGE_BWD,
+    SLOT_EXCHANGE,
+    SLOT_EXCHANGE_BWD,
     check_stats,
 )
 from hp_cp_core.testing import rel_err
@@ -71,12 +73,14 @@ def test_stats_schema_and_counts(contract_drivers, contract_backend, contract_ca
             assert stats["backend"] == contract_backend, (who, stats)
             assert stats["cp_size"] == contract_case.cp, (who, stats)
         calls = fwd["collectives"]
+        slots = calls.get(ALL_GATHER, 0) + calls.get(SLOT_EXCHANGE, 0)
         assert calls.get(HALO_EXCHANGE) == 1, (who, "one halo exchange per forward", calls)
-        assert calls.get(ALL_GATHER, 0) == gathers, (who, "all-gathers per forward", calls)
+        assert slots == gathers, (who, "one slot collective per forward with r > 0", calls)
         if driver.differentiable:
             calls = last["collectives"]
+            slots = calls.get(ALL_GATHER_BWD, 0) + calls.get(SLOT_EXCHANGE_BWD, 0)
             assert calls.get(HALO_EXCHANGE_BWD) == 1, (who, "halo backward on every rank", calls)
-            assert calls.get(ALL_GATHER_BWD, 0) == gathers, (who, "all-gather backward", calls)
+            assert slots == gathers, (who, "slot collective backward on every rank", calls)
         if contract_case.cp == 1:
             assert fwd["bytes_sent"] == fwd["bytes_recv"] == 0, (who, fwd)
         assert rep["restored"], f"{who}: disable_cp did not restore the module"
