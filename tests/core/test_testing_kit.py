@@ -136,3 +136,17 @@ def test_rel_err() -> None:
     assert rel_err(np.zeros(0), np.zeros(0)) == 0.0
     with pytest.raises(ValueError, match="shapes differ"):
         rel_err([1.0], [1.0, 2.0])
+
+
+def test_the_kit_imports_no_framework_and_no_pytest() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hp_cp_core.testing, hp_cp_core.testing.cases; "
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'pytest', 'torch', 'mindspore', "
+        "'jax'}); print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
