@@ -71,7 +71,7 @@ def contract_job(rank: int, world: int, cases: tuple[ContractCase, ...]) -> dict
                 break  # peers may wait in this case's collectives: leave
             err = {"error": f"{type(exc).__name__}: {exc}"}
             err["error_types"] = [c.__name__ for c in type(exc).__mro__]
-            err["cp_rank"] = dist.get_rank(mesh) if mesh is not None else 0
+            err["cp_rank"] = dist.get_rank(mesh) if mesh is not None else rank
             out[case.name] = ("ok", err)
         except Exception:  # noqa: BLE001 - reported by the test of this case
             out[case.name] = ("error", f"rank {rank}:\n{traceback.format_exc()}")
