@@ -89,7 +89,9 @@ class CPHandle:
         return self.backend.take(gathered, inverse, seq_dim)
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank traffic and plan-cache counters."""
+        """This rank's traffic (the group's ``stats()``, in the one schema of
+        :mod:`hp_cp_core.stats`: ``bytes_sent``, ``bytes_recv``, ``collectives``) with the
+        backend, CP rank and size, layout, layer count and plan-cache counters."""
         out = {
             "backend": self.backend_name,
             "cp_rank": self.cp_rank,

@@ -73,7 +73,8 @@ class Group(Protocol):
         """All-gather a small int64 vector (no autograd): ``[n]`` -> ``[size, n]``."""
 
     def stats(self) -> dict[str, Any]:
-        """Bytes sent / received and collective counts since the group was made."""
+        """Bytes sent / received and calls per collective kind since the group was made, in the
+        one schema of :mod:`hp_cp_core.stats` (``GroupStats``; ``check_stats`` validates it)."""
 
 
 @runtime_checkable
