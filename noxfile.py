@@ -113,7 +113,10 @@ def example_jax(session: nox.Session) -> None:
     installed contract suite at cp 1..4, run outside the repository (no file from tests/)."""
     session.install(JAX)
     session.install("./hp_cp_core[testing]", "./examples/hp-cp-jax")
-    session.chdir(session.create_tmp())
+    tmp = session.create_tmp()
+    with open(os.path.join(tmp, "pytest.ini"), "w") as fh:  # not the repository's config
+        fh.write("[pytest]\n")
+    session.chdir(tmp)
     session.run(
         *CONTRACT,
         "--hp-cp-require=jax",
