@@ -363,10 +363,19 @@ class MindFormersDeepSeekV4CSAAdapter:
                     "a CompressedSparseAttention under CP takes (query, key, x, qr, "
                     f"actual_seq_len=None); got {sorted(kwargs)}."
                 )
-            cu = self.cu_seqlens(actual_seq_len, query, group.size)
+            # Note [Validate, agree, then communicate]: a bad actual_seq_len on one rank must
+            # raise on every rank, so it is a problem for agree(), not an error raised here
+            problems, cu = [], None
+            try:
+                cu = self.cu_seqlens(actual_seq_len, query, group.size)
+            except HpCpError as exc:
+                problems.append(str(exc))
             # every row counts in the indexer loss's global mean (no loss mask on this cell)
             rows = int(query.shape[0]) * int(query.shape[1]) if self._loss_wanted() else None
-            return cp_forward(query, key, x, qr, cu_seqlens=cu, loss_rows=rows)
+            shapes = " ".join(str(list(t.shape[1:])) for t in (query, key, x, qr) if t is not None)
+            check = cp_forward.inspect(int(x.shape[0]), cu, problems=problems, signature=shapes)
+            call = cp_forward.agree(check, None if rows is None else {"loss_rows": rows})
+            return cp_forward(query, key, x, qr, call=call)
 
         return construct
 

@@ -74,15 +74,17 @@ def test_stats_schema_and_counts(contract_drivers, contract_backend, contract_ca
             assert stats["cp_size"] == contract_case.cp, (who, stats)
         calls = fwd["collectives"]
         slots = calls.get(ALL_GATHER, 0) + calls.get(SLOT_EXCHANGE, 0)
-        assert calls.get(HALO_EXCHANGE) == 1, (who, "one halo exchange per forward", calls)
-        assert slots == gathers, (who, "one slot collective per forward with r > 0", calls)
-        if driver.differentiable:
+        if contract_case.cp == 1:  # a group of one may skip (and not count) its exchanges
+            assert calls.get(HALO_EXCHANGE, 0) <= 1 and slots <= gathers, (who, calls)
+            assert fwd["bytes_sent"] == fwd["bytes_recv"] == 0, (who, "a group of one", fwd)
+        else:
+            assert calls.get(HALO_EXCHANGE) == 1, (who, "one halo exchange per forward", calls)
+            assert slots == gathers, (who, "one slot collective per forward with r > 0", calls)
+        if driver.differentiable and contract_case.cp > 1:
             calls = last["collectives"]
             slots = calls.get(ALL_GATHER_BWD, 0) + calls.get(SLOT_EXCHANGE_BWD, 0)
             assert calls.get(HALO_EXCHANGE_BWD) == 1, (who, "halo backward on every rank", calls)
             assert slots == gathers, (who, "slot collective backward on every rank", calls)
-        if contract_case.cp == 1:
-            assert fwd["bytes_sent"] == fwd["bytes_recv"] == 0, (who, fwd)
         assert rep["restored"], f"{who}: disable_cp did not restore the module"
     if contract_case.cp > 1:
         assert sum(r["stats_forward"]["bytes_recv"] for r in reports) > 0
