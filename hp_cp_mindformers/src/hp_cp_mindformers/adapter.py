@@ -371,7 +371,8 @@ class MindFormersDeepSeekV4CSAAdapter:
             except HpCpError as exc:
                 problems.append(str(exc))
             # every row counts in the indexer loss's global mean (no loss mask on this cell)
-            rows = int(query.shape[0]) * int(query.shape[1]) if self._loss_wanted() else None
+            wanted = self._loss_wanted() or cp_forward.spec.has_indexer
+            rows = int(query.shape[0]) * int(query.shape[1]) if wanted else None
             shapes = " ".join(str(list(t.shape[1:])) for t in (query, key, x, qr) if t is not None)
             check = cp_forward.inspect(int(x.shape[0]), cu, problems=problems, signature=shapes)
             call = cp_forward.agree(check, None if rows is None else {"loss_rows": rows})
