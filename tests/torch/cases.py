@@ -275,6 +275,7 @@ def run_reference_layer_cp(
             loss.backward()
             grads = [xl.grad, *(p.grad for p in params)]
         stats_bwd = handle.stats()
+        trace = list(group.log.recent) if hasattr(group, "log") else None
         forward_installed = "forward" in layer.__dict__
         full = handle.unshard(out.detach(), dim)
         gx = handle.unshard(grads[0].detach(), dim)
@@ -290,6 +291,7 @@ def run_reference_layer_cp(
         "cp_rank": group.rank,
         "cp_size": group.size,
         "forward_installed": forward_installed,
+        "trace": trace,
         "n_picks": len(picks),
     }
     if group.rank == 0:

@@ -43,6 +43,10 @@ class DeepSeekV4CPConfig:
         single_rank_bypass: with a CP group of one, keep each layer's original forward
             (the default: nothing to exchange). ``False`` runs the full CP path on a group of
             one (plan, agreement, exchanges): what tests and benchmarks of the CP path use.
+        desync_report: publish each collective a rank enters to a store its peers can read,
+            so that a timed-out collective names where every rank is (the torch backend:
+            one ``store.set`` per collective; ``False`` keeps only this rank's own record,
+            for very large jobs where the store's host would be a bottleneck).
     """
 
     layout: str = "contiguous"
@@ -51,6 +55,7 @@ class DeepSeekV4CPConfig:
     check_inputs_across_ranks: bool = True
     plan_cache_size: int = 64
     single_rank_bypass: bool = True
+    desync_report: bool = True
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

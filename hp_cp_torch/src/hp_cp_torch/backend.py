@@ -433,6 +433,9 @@ class TorchBackend(InstallingBackend):
         """Install ``layer`` with a CP forward that names it (by its index among the
         handle's layers) in the collectives it enters: see :mod:`hp_cp_torch.desync`."""
         group.n_layers += 1
+        config = getattr(cp_forward, "config", None)
+        if config is not None and not config.desync_report:
+            group.log.store = None  # keep only this rank's own record
         return super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
 
     # ops (dim 0 = rows); index arrays arrive as numpy

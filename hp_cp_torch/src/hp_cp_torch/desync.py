@@ -30,6 +30,7 @@ entered; ``hp-cp bench`` measures it (``desync_record_us``).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,10 @@ def group_store(global_ranks: Sequence[int]) -> Any:
     return dist.PrefixStore(f"{KEY_PREFIX}/{'-'.join(map(str, global_ranks))}/", store)
 
 
+RECENT = 1024
+"""How many entered collectives :attr:`CollectiveLog.recent` keeps."""
+
+
 class CollectiveLog:
     """This rank's numbered collectives in one CP group, published for the desync report.
 
@@ -62,6 +67,8 @@ class CollectiveLog:
         self.seq = 0
         self.layer: int | None = None
         """The layer whose CP forward runs now (set by :class:`InLayer`)."""
+        self.recent: collections.deque[str] = collections.deque(maxlen=RECENT)
+        """The last collectives entered, oldest first (the contract suite compares ranks)."""
         self._publish("")  # a new group: nothing entered yet (clears an older handle's record)
 
     def _publish(self, where: str) -> None:
@@ -76,6 +83,7 @@ class CollectiveLog:
         self.seq += 1
         where = f"{name} #{self.seq}" + ("" if layer is None else f" (layer {layer})")
         self._publish(where)
+        self.recent.append(where)
         return where
 
     def peers(self) -> dict[int, str | None]:

@@ -125,7 +125,16 @@ def _report(res: dict) -> dict:
         "stats_forward": res["stats_fwd"],
         "stats": res["stats_bwd"],
         "restored": res["restored"],
+        "trace": [_kind(where) for where in res["trace"]],
     }
+
+
+def _kind(where: str) -> str:
+    """A desync-log entry (``"all_gather backward (reduce_scatter) #4 (layer 0)"``) as the
+    stats schema's collective kind (``"all_gather_bwd"``), so ranks' traces compare."""
+    name = where.split(" #")[0]
+    base, _, rest = name.partition(" backward")
+    return f"{base}_bwd" if rest or name.endswith(" backward") else base
 
 
 def _compare(got: dict, want: dict) -> dict:
