@@ -64,9 +64,10 @@ def test_matches_smallop_fp32(shape):
     [
         {"bwd": {"FUSED": False}},
         {"bwd": {"FUSED": False, "DELTA_FROM_OUT": True}},
+        {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True, "DELTA_FROM_OUT": True}},
         {"fwd": {"BLOCK_K": 16}, "bwd": {"BLOCK_H": 16, "BLOCK_K": 16, "DELTA_FROM_OUT": True}},
     ],
-    ids=["unfused-backward", "unfused-delta-from-out", "small-blocks-delta-from-out"],
+    ids=["unfused-backward", "unfused-delta-from-out", "all-heads", "small-blocks-delta-from-out"],
 )
 def test_tuning_variants_match_smallop(tuning):
     """The launch overrides the GPU benchmark tries compute the same (K = 37: three blocks

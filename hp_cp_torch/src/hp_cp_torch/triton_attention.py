@@ -23,7 +23,9 @@ backward recomputes the scores twice, once for ``delta`` and once for the gradie
                                      dq = scale * sum p (dp - delta) kv)
               dkv kernel        ──► per column block: p^T dO + scale ds^T q
                                     atomic add into d_pool[b, idx]  (fp32),
-                                    and dq (FUSED, the default)
+                                    and dq (FUSED, the default); tuning
+                                    ALL_HEADS: one program per row sums
+                                    all head blocks before its atomic add
               dsink             ──► -sum_{b,s} exp(sink - lse) delta        (torch)
 
 The fp32 pool gradient is summed with atomics, so on a GPU its rounding depends on the
@@ -92,7 +94,15 @@ def _next_pow2(n: int) -> int:
 
 TUNABLE = {
     "fwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
-    "bwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "FUSED", "DELTA_FROM_OUT"),
+    "bwd": (
+        "BLOCK_H",
+        "BLOCK_K",
+        "num_warps",
+        "num_stages",
+        "FUSED",
+        "DELTA_FROM_OUT",
+        "ALL_HEADS",
+    ),
 }
 """Launch options ``sparse_attention_triton(tuning=...)`` may override per phase."""
 
@@ -124,7 +134,9 @@ def _launch(
     one pass over the columns fewer). ``tuning`` may override :data:`TUNABLE` per phase,
     e.g. ``{"bwd": {"FUSED": False}}``; ``"DELTA_FROM_OUT": True`` saves the output for
     the backward and takes ``delta = dO . o`` from it (no delta pass; memory of one more
-    ``[B, S, H, D]`` tensor). An override whose estimate does not fit is an error.
+    ``[B, S, H, D]`` tensor); ``"ALL_HEADS": True`` sums the pool gradient of all head
+    blocks of a row before one atomic add (dq then comes from the dq kernel, not fused).
+    An override whose estimate does not fit is an error.
     """
     elem = torch.finfo(dtype).bits // 8
     operands = 1 if phase == "fwd" else 2
@@ -150,6 +162,7 @@ def _launch(
     if phase == "bwd":
         cfg["FUSED"] = True
         cfg["DELTA_FROM_OUT"] = False
+        cfg["ALL_HEADS"] = False
     extra = dict((tuning or {}).get(phase, {}))
     unknown = set(extra) - set(TUNABLE[phase])
     if unknown:
@@ -216,7 +229,11 @@ class _TritonSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        from hp_cp_torch.triton_kernels import sparse_attention_bwd_dkv, sparse_attention_bwd_dq
+        from hp_cp_torch.triton_kernels import (
+            sparse_attention_bwd_dkv,
+            sparse_attention_bwd_dkv_all_heads,
+            sparse_attention_bwd_dq,
+        )
 
         q, pool, idx, sink, lse, out = ctx.saved_tensors
         batch, seq, heads, dim = q.shape
@@ -229,7 +246,8 @@ class _TritonSparseAttention(torch.autograd.Function):
         args = (ctx.scale, seq, pool.shape[1], k, heads, dim)
         if q.numel() and k:
             cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
-            fused = bool(cfg.pop("FUSED")) and need_kv
+            all_heads = bool(cfg.pop("ALL_HEADS"))
+            fused = bool(cfg.pop("FUSED")) and need_kv and not all_heads
             delta_pass = not cfg.pop("DELTA_FROM_OUT")
             if not delta_pass:  # delta = dO . o, as the first pass would compute it
                 delta = (grad_out.float() * out.float()).sum(-1)
@@ -240,7 +258,11 @@ class _TritonSparseAttention(torch.autograd.Function):
                         q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg,
                         DELTA_PASS=delta_pass, DQ_PASS=not fused,
                     )  # fmt: skip
-                if need_kv:
+                if need_kv and all_heads:
+                    sparse_attention_bwd_dkv_all_heads[(batch * seq,)](
+                        q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
+                    )
+                elif need_kv:
                     sparse_attention_bwd_dkv[grid](
                         q, pool, idx, grad_out, lse, delta, d_pool, d_q, *args, **cfg,
                         WITH_DQ=fused,
