@@ -3,7 +3,8 @@
 Three programs (and a variant of the third), each over a grid ``(B * S, ceil(H / BLOCK_H))``:
 one program takes one query row and a block of its heads, and walks that row's column list
 ``idx[b, s, :]`` in blocks of ``BLOCK_K`` columns. Every head of the row reads the same
-gathered KV rows (MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product, as in FlashMLA's sparse kernel:
+gathered KV rows (MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product,
+as in FlashMLA's sparse kernel:
 
 * ``sparse_attention_fwd``: online softmax whose running max starts at the sink logit
   (``m = sink``, ``l = exp(sink - m) = 1``), so the max includes the sink and an all ``-1``
