@@ -63,11 +63,10 @@ def test_matches_smallop_fp32(shape):
     "tuning",
     [
         {"bwd": {"FUSED": False}},
-        {"bwd": {"FUSED": False, "DELTA_FROM_OUT": True}},
-        {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True, "DELTA_FROM_OUT": True}},
-        {"fwd": {"BLOCK_K": 16}, "bwd": {"BLOCK_H": 16, "BLOCK_K": 16, "DELTA_FROM_OUT": True}},
+        {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True}},
+        {"fwd": {"BLOCK_K": 16}, "bwd": {"BLOCK_H": 16, "BLOCK_K": 16}, "delta": {"BLOCK_H": 32}},
     ],
-    ids=["unfused-backward", "unfused-delta-from-out", "all-heads", "small-blocks-delta-from-out"],
+    ids=["unfused-backward", "all-heads", "small-blocks-own-delta-tiles"],
 )
 def test_tuning_variants_match_smallop(tuning):
     """The launch overrides the GPU benchmark tries compute the same (K = 37: three blocks
@@ -86,7 +85,7 @@ def test_tuning_variants_match_smallop(tuning):
 def test_launch_fits_the_shared_memory_budget(dtype, heads):
     """At D = 512 (Flash) the default tiles fit 200 KiB of shared memory; an override
     that would not (Triton 3.6 asked 288 KiB for a backward BLOCK_H of 64) is refused."""
-    for phase in ("fwd", "bwd"):
+    for phase in ("fwd", "bwd", "delta"):
         cfg = triton_attention._launch(dtype, heads, 512, phase, None)
         elem = torch.finfo(dtype).bits // 8
         assert triton_attention._shared_bytes(cfg, phase, elem) <= 200 << 10, (phase, cfg)

@@ -19,6 +19,7 @@ backward recomputes the scores twice, once for ``delta`` and once for the gradie
     forward   (row, head block) ──► for each block of K columns: gather kv [BK, D],
                                     s = q kv^T, online softmax with the sink ──► o, lse
     backward  dq kernel         ──► pass 1: delta = sum p (dO kv^T)   (= dO . o)
+                                    (tiles of tuning "delta")
                                     (pass 2 only with FUSED off:
                                      dq = scale * sum p (dp - delta) kv)
               dkv kernel        ──► per column block: p^T dO + scale ds^T q
@@ -94,17 +95,12 @@ def _next_pow2(n: int) -> int:
 
 TUNABLE = {
     "fwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
-    "bwd": (
-        "BLOCK_H",
-        "BLOCK_K",
-        "num_warps",
-        "num_stages",
-        "FUSED",
-        "DELTA_FROM_OUT",
-        "ALL_HEADS",
-    ),
+    "bwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "FUSED", "ALL_HEADS"),
+    "delta": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
 }
-"""Launch options ``sparse_attention_triton(tuning=...)`` may override per phase."""
+"""Launch options ``sparse_attention_triton(tuning=...)`` may override per phase: the
+forward, the backward's gradient kernels, and the backward's ``delta`` pass when it runs
+alone (``FUSED``; by default it takes the ``"bwd"`` tiles)."""
 
 SHARED_MEMORY_BUDGET = 200 << 10
 """Bytes of shared memory a launch may plan for (an H100/H200 SM has 227 KiB)."""
@@ -112,39 +108,38 @@ SHARED_MEMORY_BUDGET = 200 << 10
 
 def _shared_bytes(cfg: dict[str, Any], phase: str, elem: int) -> int:
     """Shared memory one program needs, estimated from its tiles: the forward stages its
-    ``[BLOCK_K, D]`` KV tile ``num_stages`` times next to the q tile; the dKV kernel holds
-    q and dO twice each (once per operand role of the products) and the KV tile twice when
-    fused (``kv^T`` and ``kv``). Matches what Triton 3.6 asked for on an H200 (294912 bytes
-    at ``BLOCK_H=64, BLOCK_K=32, D=512``, bf16, unfused)."""
+    ``[BLOCK_K, D]`` KV tile ``num_stages`` times next to the q tile; the delta pass holds
+    q and dO; the dKV kernel holds q and dO twice each (once per operand role of the
+    products) and the KV tile twice when fused (``kv^T`` and ``kv``). Matches what
+    Triton 3.6 asked for on an H200 (294912 bytes at ``BLOCK_H=64, BLOCK_K=32, D=512``,
+    bf16, unfused)."""
     rows, cols, dim = cfg["BLOCK_H"], cfg["BLOCK_K"], cfg["BLOCK_D"]
     stages = max(1, cfg["num_stages"])
-    if phase == "fwd":
-        return (rows + stages * cols) * dim * elem
-    return (4 * rows + 2 * stages * cols) * dim * elem
+    row_tiles, col_tiles = {"fwd": (1, 1), "delta": (2, 1), "bwd": (4, 2)}[phase]
+    return (row_tiles * rows + col_tiles * stages * cols) * dim * elem
 
 
 def _launch(
     dtype: torch.dtype, heads: int, dim: int, phase: str, tuning: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """Launch options of one kernel (``phase`` ``"fwd"`` or ``"bwd"``): the row tiles
+    """Launch options of one kernel (``phase`` one of :data:`TUNABLE`): the row tiles
     ``[BLOCK_H, D]`` (q, and dO in backward) take at most 64 KiB, a KV tile at most 64 KiB
     in the forward and 32 KiB in the backward, then stages, column and head blocks shrink
     until the estimated shared memory fits :data:`SHARED_MEMORY_BUDGET`. No autotuning (one
     compile per shape class). The backward computes dq inside the dKV kernel (``FUSED``,
     one pass over the columns fewer). ``tuning`` may override :data:`TUNABLE` per phase,
-    e.g. ``{"bwd": {"FUSED": False}}``; ``"DELTA_FROM_OUT": True`` saves the output for
-    the backward and takes ``delta = dO . o`` from it (no delta pass; memory of one more
-    ``[B, S, H, D]`` tensor); ``"ALL_HEADS": True`` sums the pool gradient of all head
-    blocks of a row before one atomic add (dq then comes from the dq kernel, not fused).
-    An override whose estimate does not fit is an error.
+    e.g. ``{"bwd": {"FUSED": False}}``; ``"ALL_HEADS": True`` sums the pool gradient of
+    all head blocks of a row before one atomic add (dq then comes from the dq kernel, not
+    fused). An override whose estimate does not fit is an error.
     """
     elem = torch.finfo(dtype).bits // 8
-    operands = 1 if phase == "fwd" else 2
+    tiles = "fwd" if phase == "fwd" else "bwd"  # the delta pass starts from the bwd tiles
+    operands = 1 if tiles == "fwd" else 2
     block_d = max(16, _next_pow2(dim))
     block_h = min(64, max(16, _next_pow2(heads)))
     while block_h > 16 and operands * block_h * block_d * elem > 64 << 10:
         block_h //= 2
-    block_k, kv_tile = (64, 64 << 10) if phase == "fwd" else (32, 32 << 10)
+    block_k, kv_tile = (64, 64 << 10) if tiles == "fwd" else (32, 32 << 10)
     while block_k > 16 and block_k * block_d * elem > kv_tile:
         block_k //= 2
     cfg = {
@@ -154,14 +149,13 @@ def _launch(
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "UPCAST": dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
         "num_warps": 8 if block_d >= 256 else 4,
-        "num_stages": 2 if phase == "fwd" else 1,
+        "num_stages": 2 if tiles == "fwd" else 1,
     }
     for key, floor in (("num_stages", 1), ("BLOCK_K", 16), ("BLOCK_H", 16)):
-        while cfg[key] > floor and _shared_bytes(cfg, phase, elem) > SHARED_MEMORY_BUDGET:
+        while cfg[key] > floor and _shared_bytes(cfg, tiles, elem) > SHARED_MEMORY_BUDGET:
             cfg[key] = cfg[key] - 1 if key == "num_stages" else cfg[key] // 2
     if phase == "bwd":
         cfg["FUSED"] = True
-        cfg["DELTA_FROM_OUT"] = False
         cfg["ALL_HEADS"] = False
     extra = dict((tuning or {}).get(phase, {}))
     unknown = set(extra) - set(TUNABLE[phase])
@@ -219,9 +213,7 @@ class _TritonSparseAttention(torch.autograd.Function):
                     q, pool, idx, sink.detach().float().contiguous(), out, lse,
                     float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
                 )  # fmt: skip
-        # tuning DELTA_FROM_OUT: keep o, so the backward skips the delta pass
-        keep_out = bool(_launch(q.dtype, heads, dim, "bwd", tuning)["DELTA_FROM_OUT"])
-        ctx.save_for_backward(q, pool, idx, sink, lse, out if keep_out else None)
+        ctx.save_for_backward(q, pool, idx, sink, lse)
         ctx.scale = float(scale)
         ctx.tuning = tuning
         ctx.n_pool = kv_pool.shape[1]
@@ -235,7 +227,7 @@ class _TritonSparseAttention(torch.autograd.Function):
             sparse_attention_bwd_dq,
         )
 
-        q, pool, idx, sink, lse, out = ctx.saved_tensors
+        q, pool, idx, sink, lse = ctx.saved_tensors
         batch, seq, heads, dim = q.shape
         k = idx.shape[-1]
         need_q, need_kv, _, need_sink, _, _ = ctx.needs_input_grad
@@ -248,16 +240,13 @@ class _TritonSparseAttention(torch.autograd.Function):
             cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
             all_heads = bool(cfg.pop("ALL_HEADS"))
             fused = bool(cfg.pop("FUSED")) and need_kv and not all_heads
-            delta_pass = not cfg.pop("DELTA_FROM_OUT")
-            if not delta_pass:  # delta = dO . o, as the first pass would compute it
-                delta = (grad_out.float() * out.float()).sum(-1)
             grid = _grid(batch, seq, heads, cfg)
+            # the delta pass alone (fused) has tiles of its own
+            dcfg = _launch(q.dtype, heads, dim, "delta", ctx.tuning) if fused else cfg
             with _on(q.device):
-                if delta_pass or not fused:
-                    sparse_attention_bwd_dq[grid](
-                        q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg,
-                        DELTA_PASS=delta_pass, DQ_PASS=not fused,
-                    )  # fmt: skip
+                sparse_attention_bwd_dq[_grid(batch, seq, heads, dcfg)](
+                    q, pool, idx, grad_out, lse, d_q, delta, *args, **dcfg, DQ_PASS=not fused
+                )
                 if need_kv and all_heads:
                     sparse_attention_bwd_dkv_all_heads[(batch * seq,)](
                         q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg

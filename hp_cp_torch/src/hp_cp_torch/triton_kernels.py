@@ -9,10 +9,9 @@ as in FlashMLA's sparse kernel:
 * ``sparse_attention_fwd``: online softmax whose running max starts at the sink logit
   (``m = sink``, ``l = exp(sink - m) = 1``), so the max includes the sink and an all ``-1``
   row gives 0; writes ``o`` and ``lse = m + log(l)``;
-* ``sparse_attention_bwd_dq``: up to two passes over the columns, the first
-  (``DELTA_PASS``) for ``delta = sum_i p_i dp_i`` (``= dO . o``, recomputed instead of
-  saving ``o``), the second (``DQ_PASS``) for ``dq = scale * sum_i ds_i kv_i``; writes
-  ``dq`` and ``delta``;
+* ``sparse_attention_bwd_dq``: two passes over the columns, the first for
+  ``delta = sum_i p_i dp_i`` (``= dO . o``, recomputed instead of saving ``o``), the second
+  (``DQ_PASS``) for ``dq = scale * sum_i ds_i kv_i``; writes ``dq`` and ``delta``;
 * ``sparse_attention_bwd_dkv``: per column block
   ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block) and an atomic add
   into the fp32 pool gradient at the block's rows; duplicates add up, ``-1`` columns are
@@ -119,7 +118,6 @@ def sparse_attention_bwd_dq(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    DELTA_PASS: tl.constexpr,
     DQ_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -140,22 +138,19 @@ def sparse_attention_bwd_dq(
     # padded heads get lse = +inf, so p = 0 there
     lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
     kv_base = KV + b * P * D
-    if DELTA_PASS:
-        delta = tl.zeros([BLOCK_H], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-            ok = cols >= 0
-            kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-            kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                kv = kv.to(tl.float32)
-            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
-            p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
-            dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
-            delta += tl.sum(p * dp, 1)
-        tl.store(DELTA + row * H + offs_h, delta, mask=h_ok)
-    else:  # given (dO . o from the saved output)
-        delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
+    delta = tl.zeros([BLOCK_H], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
+        ok = cols >= 0
+        kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
+        kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
+        p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
+        dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+        delta += tl.sum(p * dp, 1)
+    tl.store(DELTA + row * H + offs_h, delta, mask=h_ok)
     if DQ_PASS:  # else the fused dKV kernel computes dq
         dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for k0 in range(0, K, BLOCK_K):
