@@ -61,8 +61,12 @@ def test_matches_smallop_fp32(shape):
 
 @pytest.mark.parametrize(
     "tuning",
-    [{"bwd": {"FUSED": True}}, {"fwd": {"BLOCK_K": 16}, "bwd": {"BLOCK_H": 16, "BLOCK_K": 16}}],
-    ids=["fused-backward", "small-blocks"],
+    [
+        {"bwd": {"FUSED": False}},
+        {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True}},
+        {"fwd": {"BLOCK_K": 16}, "bwd": {"BLOCK_H": 16, "BLOCK_K": 16}, "delta": {"BLOCK_H": 32}},
+    ],
+    ids=["unfused-backward", "all-heads", "small-blocks-own-delta-tiles"],
 )
 def test_tuning_variants_match_smallop(tuning):
     """The launch overrides the GPU benchmark tries compute the same (K = 37: three blocks
@@ -74,6 +78,19 @@ def test_tuning_variants_match_smallop(tuning):
         assert_close(a, b, tol)
     with pytest.raises(HpCpError, match="unknown keys"):
         sparse_attention_triton(q, kv, idx, sink, 0.3, tuning={"fwd": {"FUSED": True}})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_launch_fits_the_shared_memory_budget(dtype, heads):
+    """At D = 512 (Flash) the default tiles fit 200 KiB of shared memory; an override
+    that would not (Triton 3.6 asked 288 KiB for a backward BLOCK_H of 64) is refused."""
+    for phase in ("fwd", "bwd", "delta"):
+        cfg = triton_attention._launch(dtype, heads, 512, phase, None)
+        elem = torch.finfo(dtype).bits // 8
+        assert triton_attention._shared_bytes(cfg, phase, elem) <= 200 << 10, (phase, cfg)
+    with pytest.raises(HpCpError, match="shared memory"):
+        triton_attention._launch(dtype, heads, 512, "bwd", {"bwd": {"BLOCK_H": 64}})
 
 
 def test_empty_rows_give_zero_output_and_finite_grads():

@@ -14,16 +14,19 @@ exact, slow, what the CPU tests use).
 Note [Triton sparse attention]
 ------------------------------
 Forward saves only ``q``, the pool, the index list (int32) and the fp32 log-sum-exp; the
-backward recomputes the scores twice, once for the rows' gradient and once for the pool's::
+backward recomputes the scores twice, once for ``delta`` and once for the gradients::
 
     forward   (row, head block) ──► for each block of K columns: gather kv [BK, D],
                                     s = q kv^T, online softmax with the sink ──► o, lse
     backward  dq kernel         ──► pass 1: delta = sum p (dO kv^T)   (= dO . o)
-                                    pass 2: dq = scale * sum p (dp - delta) kv
+                                    (tiles of tuning "delta")
+                                    (pass 2 only with FUSED off:
+                                     dq = scale * sum p (dp - delta) kv)
               dkv kernel        ──► per column block: p^T dO + scale ds^T q
-                                    atomic add into d_pool[b, idx]  (fp32)
-                                    (tuning FUSED: also dq here, the dq kernel
-                                    runs pass 1 only)
+                                    atomic add into d_pool[b, idx]  (fp32),
+                                    and dq (FUSED, the default); tuning
+                                    ALL_HEADS: one program per row sums
+                                    all head blocks before its atomic add
               dsink             ──► -sum_{b,s} exp(sink - lse) delta        (torch)
 
 The fp32 pool gradient is summed with atomics, so on a GPU its rounding depends on the
@@ -92,27 +95,53 @@ def _next_pow2(n: int) -> int:
 
 TUNABLE = {
     "fwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
-    "bwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "FUSED"),
+    "bwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "FUSED", "ALL_HEADS"),
+    "delta": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
 }
-"""Launch options ``sparse_attention_triton(tuning=...)`` may override per phase."""
+"""Launch options ``sparse_attention_triton(tuning=...)`` may override per phase: the
+forward, the backward's gradient kernels, and the backward's ``delta`` pass when it runs
+alone (``FUSED``; by default it takes the ``"bwd"`` tiles)."""
+
+SHARED_MEMORY_BUDGET = 200 << 10
+"""Bytes of shared memory a launch may plan for (an H100/H200 SM has 227 KiB)."""
+
+
+def _shared_bytes(cfg: dict[str, Any], phase: str, elem: int) -> int:
+    """Shared memory one program needs, estimated from its tiles: the forward stages its
+    ``[BLOCK_K, D]`` KV tile ``num_stages`` times next to the q tile; the delta pass holds
+    q and dO; the dKV kernel holds q and dO twice each (once per operand role of the
+    products) and the KV tile twice when fused (``kv^T`` and ``kv``). Matches what
+    Triton 3.6 asked for on an H200 (294912 bytes at ``BLOCK_H=64, BLOCK_K=32, D=512``,
+    bf16, unfused)."""
+    rows, cols, dim = cfg["BLOCK_H"], cfg["BLOCK_K"], cfg["BLOCK_D"]
+    stages = max(1, cfg["num_stages"])
+    row_tiles, col_tiles = {"fwd": (1, 1), "delta": (2, 1), "bwd": (4, 2)}[phase]
+    return (row_tiles * rows + col_tiles * stages * cols) * dim * elem
 
 
 def _launch(
     dtype: torch.dtype, heads: int, dim: int, phase: str, tuning: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """Launch options of one kernel (``phase`` ``"fwd"`` or ``"bwd"``): the row tiles
-    ``[BLOCK_H, D]`` (q, and dO in backward) take at most 64 KiB, a KV tile at most 32 KiB;
-    no autotuning (one compile per shape class). ``tuning`` may override :data:`TUNABLE`
-    per phase, e.g. ``{"bwd": {"BLOCK_H": 64}}``; ``"FUSED": True`` computes dq inside the
-    dKV kernel (one pass over the columns fewer).
+    """Launch options of one kernel (``phase`` one of :data:`TUNABLE`): the row tiles
+    ``[BLOCK_H, D]`` (q, and dO in backward) take at most 64 KiB, a KV tile at most 64 KiB
+    in the forward and 32 KiB in the backward, then stages, column and head blocks shrink
+    until the estimated shared memory fits :data:`SHARED_MEMORY_BUDGET`. No autotuning (one
+    compile per shape class). The backward computes dq inside the dKV kernel (``FUSED``,
+    one pass over the columns fewer). ``tuning`` may override :data:`TUNABLE` per phase,
+    e.g. ``{"bwd": {"FUSED": False}}``; ``"ALL_HEADS": True`` sums the pool gradient of
+    all head blocks of a row before one atomic add (dq then comes from the dq kernel, not
+    fused). An override whose estimate does not fit is an error.
     """
     elem = torch.finfo(dtype).bits // 8
-    operands = 1 if phase == "fwd" else 2
+    tiles = "fwd" if phase == "fwd" else "bwd"  # the delta pass starts from the bwd tiles
+    operands = 1 if tiles == "fwd" else 2
     block_d = max(16, _next_pow2(dim))
     block_h = min(64, max(16, _next_pow2(heads)))
     while block_h > 16 and operands * block_h * block_d * elem > 64 << 10:
         block_h //= 2
-    block_k = 32 if 32 * block_d * elem <= 32 << 10 else 16
+    block_k, kv_tile = (64, 64 << 10) if tiles == "fwd" else (32, 32 << 10)
+    while block_k > 16 and block_k * block_d * elem > kv_tile:
+        block_k //= 2
     cfg = {
         "BLOCK_H": block_h,
         "BLOCK_K": block_k,
@@ -120,10 +149,14 @@ def _launch(
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "UPCAST": dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
         "num_warps": 8 if block_d >= 256 else 4,
-        "num_stages": 2 if phase == "fwd" else 1,
+        "num_stages": 2 if tiles == "fwd" else 1,
     }
+    for key, floor in (("num_stages", 1), ("BLOCK_K", 16), ("BLOCK_H", 16)):
+        while cfg[key] > floor and _shared_bytes(cfg, tiles, elem) > SHARED_MEMORY_BUDGET:
+            cfg[key] = cfg[key] - 1 if key == "num_stages" else cfg[key] // 2
     if phase == "bwd":
-        cfg["FUSED"] = False
+        cfg["FUSED"] = True
+        cfg["ALL_HEADS"] = False
     extra = dict((tuning or {}).get(phase, {}))
     unknown = set(extra) - set(TUNABLE[phase])
     if unknown:
@@ -131,7 +164,15 @@ def _launch(
             f"sparse_attention_triton tuning[{phase!r}] has unknown keys {sorted(unknown)}; "
             f"expected some of {TUNABLE[phase]}."
         )
-    return {**cfg, **extra}
+    tuned = {**cfg, **extra}
+    need = _shared_bytes(tuned, phase, elem)
+    if extra and need > max(SHARED_MEMORY_BUDGET, _shared_bytes(cfg, phase, elem)):
+        raise HpCpError(
+            f"sparse_attention_triton tuning[{phase!r}] = {extra} needs about {need >> 10} KiB "
+            f"of shared memory at D = {dim} ({dtype}), over the {SHARED_MEMORY_BUDGET >> 10} "
+            "KiB budget; use a smaller BLOCK_H, BLOCK_K or num_stages."
+        )
+    return tuned
 
 
 def _on(device: torch.device) -> Any:
@@ -180,7 +221,11 @@ class _TritonSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        from hp_cp_torch.triton_kernels import sparse_attention_bwd_dkv, sparse_attention_bwd_dq
+        from hp_cp_torch.triton_kernels import (
+            sparse_attention_bwd_dkv,
+            sparse_attention_bwd_dkv_all_heads,
+            sparse_attention_bwd_dq,
+        )
 
         q, pool, idx, sink, lse = ctx.saved_tensors
         batch, seq, heads, dim = q.shape
@@ -193,13 +238,20 @@ class _TritonSparseAttention(torch.autograd.Function):
         args = (ctx.scale, seq, pool.shape[1], k, heads, dim)
         if q.numel() and k:
             cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
-            fused = bool(cfg.pop("FUSED")) and need_kv
+            all_heads = bool(cfg.pop("ALL_HEADS"))
+            fused = bool(cfg.pop("FUSED")) and need_kv and not all_heads
             grid = _grid(batch, seq, heads, cfg)
+            # the delta pass alone (fused) has tiles of its own
+            dcfg = _launch(q.dtype, heads, dim, "delta", ctx.tuning) if fused else cfg
             with _on(q.device):
-                sparse_attention_bwd_dq[grid](
-                    q, pool, idx, grad_out, lse, d_q, delta, *args, **cfg, DQ_PASS=not fused
+                sparse_attention_bwd_dq[_grid(batch, seq, heads, dcfg)](
+                    q, pool, idx, grad_out, lse, d_q, delta, *args, **dcfg, DQ_PASS=not fused
                 )
-                if need_kv:
+                if need_kv and all_heads:
+                    sparse_attention_bwd_dkv_all_heads[(batch * seq,)](
+                        q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
+                    )
+                elif need_kv:
                     sparse_attention_bwd_dkv[grid](
                         q, pool, idx, grad_out, lse, delta, d_pool, d_q, *args, **cfg,
                         WITH_DQ=fused,

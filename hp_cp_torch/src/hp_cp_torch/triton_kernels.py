@@ -1,21 +1,25 @@
 """The Triton programs of :mod:`hp_cp_torch.triton_attention` (imports ``triton``).
 
-Three programs, each over a grid ``(B * S, ceil(H / BLOCK_H))``: one program takes one query
-row and a block of its heads, and walks that row's column list ``idx[b, s, :]`` in blocks of
-``BLOCK_K`` columns. Every head of the row reads the same gathered KV rows (MQA), so the
-score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product, as in FlashMLA's sparse kernel:
+Three programs (and a variant of the third), each over a grid ``(B * S, ceil(H / BLOCK_H))``:
+one program takes one query row and a block of its heads, and walks that row's column list
+``idx[b, s, :]`` in blocks of ``BLOCK_K`` columns. Every head of the row reads the same
+gathered KV rows (MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product,
+as in FlashMLA's sparse kernel:
 
 * ``sparse_attention_fwd``: online softmax whose running max starts at the sink logit
   (``m = sink``, ``l = exp(sink - m) = 1``), so the max includes the sink and an all ``-1``
   row gives 0; writes ``o`` and ``lse = m + log(l)``;
 * ``sparse_attention_bwd_dq``: two passes over the columns, the first for
   ``delta = sum_i p_i dp_i`` (``= dO . o``, recomputed instead of saving ``o``), the second
-  for ``dq = scale * sum_i ds_i kv_i``; writes ``dq`` and ``delta``;
+  (``DQ_PASS``) for ``dq = scale * sum_i ds_i kv_i``; writes ``dq`` and ``delta``;
 * ``sparse_attention_bwd_dkv``: per column block
   ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block) and an atomic add
   into the fp32 pool gradient at the block's rows; duplicates add up, ``-1`` columns are
   masked out. With ``WITH_DQ`` it also accumulates ``dq`` (then the dq kernel runs only its
-  ``delta`` pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers.
+  ``delta`` pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers;
+* ``sparse_attention_bwd_dkv_all_heads`` (tuning ``ALL_HEADS``): the same pool gradient
+  from one program per row that sums every head block before its atomic add, so
+  ``ceil(H / BLOCK_H)`` times fewer atomics (no dq; the dq kernel makes it).
 
 Only ``tl.load`` / ``tl.store`` / ``tl.dot`` / ``tl.atomic_add`` and elementwise ops are used
 (no descriptors, no autotuning), which behave the same from Triton 3.0 on, and in the
@@ -30,7 +34,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_attention_bwd_dkv", "sparse_attention_bwd_dq", "sparse_attention_fwd"]
+__all__ = [
+    "sparse_attention_bwd_dkv",
+    "sparse_attention_bwd_dkv_all_heads",
+    "sparse_attention_bwd_dq",
+    "sparse_attention_fwd",
+]
 
 
 @triton.jit
@@ -221,3 +230,64 @@ def sparse_attention_bwd_dkv(
             dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
     if WITH_DQ:
         tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=hd_ok)
+
+
+@triton.jit
+def sparse_attention_bwd_dkv_all_heads(
+    Q,
+    KV,
+    IDX,
+    DO,
+    LSE,
+    DELTA,
+    DKV,
+    scale,
+    S,
+    P,
+    K,
+    H,
+    D,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The dKV kernel over a grid ``(B * S,)``: per column block, the heads are walked in
+    blocks of ``BLOCK_H`` (their q and dO rows reloaded, from cache) and summed in registers
+    before one atomic add per pool element, instead of one per head block."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // S
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kv_base = KV + b * P * D
+    dkv_base = DKV + b * P * D
+    for k0 in range(0, K, BLOCK_K):
+        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
+        ok = cols >= 0
+        kd_ok = ok[:, None] & d_ok[None, :]
+        kv_off = cols.to(tl.int64)[:, None] * D + offs_d[None, :]
+        kv = tl.load(kv_base + kv_off, mask=kd_ok, other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+        dkv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            hd_ok = h_ok[:, None] & d_ok[None, :]
+            q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
+            q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
+            do = tl.load(DO + q_off, mask=hd_ok, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
+            delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
+            p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
+            dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dkv += tl.dot(tl.trans(p.to(kv.dtype)), do, input_precision=PRECISION)
+            dkv += tl.dot(tl.trans((ds * scale).to(kv.dtype)), q, input_precision=PRECISION)
+        tl.atomic_add(dkv_base + kv_off, dkv, mask=kd_ok, sem="relaxed")
