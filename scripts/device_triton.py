@@ -54,16 +54,15 @@ DEADLINE_S = 70.0  # past this, skip all but TARGETS (the whole run must stay un
 HEADS, DIM, TOPK = (64, 512, 640) if not SMOKE else (4, 32, 40)
 SEQS = (4096, 16384) if not SMOKE else (32, 64)
 TARGETS = ("triton", "efficient")  # always run: the targets compare these two
-# tuning variants of the Triton kernel (backward options); the default first (forward
-# BLOCK_K 64, dq fused into the dKV kernel: the fastest of run 2)
+# tuning variants of the Triton kernel; the default first (forward BLOCK_K 64, dq fused
+# into the dKV kernel, delta pass with 64 heads x 64 columns: the fastest of runs 2 and 3)
 TRITON_VARIANTS: dict[str, dict[str, Any] | None] = {
     "triton": None,
     # one program per row sums both head blocks before its atomic add: half the atomics
     # (dq from the dq kernel's second pass instead of the fused one)
     "triton-all-heads": {"bwd": {"ALL_HEADS": True}},
-    # the delta pass (2 of the backward's 7 products) with all 64 heads per program
-    "triton-delta-h64": {"delta": {"BLOCK_H": 64}},
-    "triton-delta-h64-k64": {"delta": {"BLOCK_H": 64, "BLOCK_K": 64}},
+    # the delta pass with the backward's own tiles (the default before run 3)
+    "triton-delta-bwd-tiles": {"delta": {"BLOCK_H": 32, "BLOCK_K": 32}},
 }
 
 

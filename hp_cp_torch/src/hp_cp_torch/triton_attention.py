@@ -100,7 +100,7 @@ TUNABLE = {
 }
 """Launch options ``sparse_attention_triton(tuning=...)`` may override per phase: the
 forward, the backward's gradient kernels, and the backward's ``delta`` pass when it runs
-alone (``FUSED``; by default it takes the ``"bwd"`` tiles)."""
+alone (``FUSED``; by default up to 64 heads x 64 columns, shrunk to fit)."""
 
 SHARED_MEMORY_BUDGET = 200 << 10
 """Bytes of shared memory a launch may plan for (an H100/H200 SM has 227 KiB)."""
@@ -151,6 +151,9 @@ def _launch(
         "num_warps": 8 if block_d >= 256 else 4,
         "num_stages": 2 if tiles == "fwd" else 1,
     }
+    if phase == "delta":  # q and dO only, no KV tile kept: the widest tiles that fit
+        # (measured on an H200 at D = 512 bf16: 25% faster fwd + bwd than the bwd tiles)
+        cfg["BLOCK_H"], cfg["BLOCK_K"], tiles = min(64, max(16, _next_pow2(heads))), 64, "delta"
     for key, floor in (("num_stages", 1), ("BLOCK_K", 16), ("BLOCK_H", 16)):
         while cfg[key] > floor and _shared_bytes(cfg, tiles, elem) > SHARED_MEMORY_BUDGET:
             cfg[key] = cfg[key] - 1 if key == "num_stages" else cfg[key] // 2
