@@ -36,6 +36,9 @@ class Case:
         mesh: ``"name"`` (a group name) or ``"object"`` (a HyperParallel-style mesh).
         emulate: force the AllReduce form of the all-gather.
         subgroup: run two CP groups of ``cp`` ranks on communication sub-groups.
+        part: with ``subgroup``, only sub-group ``part`` (world ranks ``part * cp ..``) runs
+            the case (``-1``: every sub-group), so two sub-groups share a job's cases.
+        real: the real mindformers 2.1.0 cell (else the project's copy of it).
     """
 
     cp: int
@@ -48,6 +51,8 @@ class Case:
     mesh: str = "name"
     emulate: bool = False
     subgroup: bool = False
+    part: int = -1
+    real: bool = False
 
     @property
     def name(self) -> str:
@@ -60,7 +65,8 @@ class Case:
                 "-subgroup" if self.subgroup else "",
             ]
         )
-        return f"cp{self.cp}-r{self.r}-{self.layout}-{kind}-S{self.seq}{extra}"
+        real = "real-" if self.real else ""
+        return f"{real}cp{self.cp}-r{self.r}-{self.layout}-{kind}-S{self.seq}{extra}"
 
 
 def _sizes(world: int, r: int) -> tuple[int, tuple[int, ...]]:
@@ -85,6 +91,45 @@ def parity_cases(world: int) -> list[Case]:
         # last: two CP groups of 2 ranks on communication sub-groups (AllGather exists only on
         # the world group on CPU, so these use the AllReduce form by themselves)
         cases.append(Case(2, 4, "load_balanced", True, 40, _sizes(2, 4)[1], subgroup=True))
+    return cases
+
+
+def _real_sizes(cp: int, r: int) -> tuple[int, tuple[int, ...]]:
+    """Local rows L with L % r != 0 (r = 4, 128), L < W - 1 (cp = 4, r <= 4), L < r (cp = 4,
+    r = 128); documents shorter than r and documents spanning ranks."""
+    if r == 128:
+        return (320, (100, 300, 320, 320)) if cp == 2 else (256, (5, 60, 256, 256))
+    return (44, (3, 5, 17, 30, 44, 44)) if cp == 2 else (24, (2, 9, 11, 24, 24))
+
+
+def real_cases() -> list[Case]:
+    """The REAL cell's msrun job of 4 ranks, training mode (the indexer KL loss for r = 4):
+    cp = 4 on the world group, then cp = 2 on two communication sub-groups that split the cases
+    between them (both at work at once). r in {0, 4, 128} x {contiguous, load_balanced} x
+    {padded (b = 2), packed (b = 1 + actual_seq_len)} at each cp."""
+    cases = []
+    for cp in (4, 2):
+        k = 0
+        for r in (0, 4, 128):
+            seq, ends = _real_sizes(cp, r)
+            for layout in ("contiguous", "load_balanced"):
+                for packed in (False, True):
+                    sub = cp == 2
+                    cases.append(
+                        Case(
+                            cp,
+                            r,
+                            layout,
+                            packed,
+                            seq,
+                            ends if packed else (),
+                            train=True,
+                            subgroup=sub,
+                            part=k % 2 if sub else -1,
+                            real=True,
+                        )
+                    )
+                    k += 1
     return cases
 
 

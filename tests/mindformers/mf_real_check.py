@@ -18,12 +18,12 @@ output and gradients, padded and packed, r = 0, 4, 128.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
+import os
 import sys
-import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mf_real_env as env  # noqa: E402  (stubs, CPU stand-ins, the real classes)
 
 REPORT: dict = {}
 
@@ -32,136 +32,14 @@ def emit() -> None:
     print(json.dumps(REPORT))
 
 
-for need in ("yaml", "regex", "deprecated"):
-    if importlib.util.find_spec(need) is None:
-        REPORT["skip"] = (
-            f"mindformers 2.1.0 cannot be imported without `{need}` (install pyyaml, regex and "
-            "deprecated next to `mindformers==2.1.0 --no-deps`)"
-        )
-        emit()
-        sys.exit(0)
-
-ALWAYS_STUB = ["hyper_parallel"]
-STUB_IF_MISSING = [
-    "requests",
-    "jieba",
-    "rouge_chinese",
-    "datasets",
-    "tokenizers",
-    "tqdm",
-    "sentencepiece",
-    "tiktoken",
-    "mindpet",
-    "urllib3",
-    "pyarrow",
-    "tensorboardX",
-]
-STUBS = ALWAYS_STUB + [m for m in STUB_IF_MISSING if importlib.util.find_spec(m) is None]
-
-
-class _Dummy:
-    def __init__(self, *a, **k) -> None:
-        pass
-
-    def __call__(self, *a, **k):
-        return None
-
-
-class _Any(types.ModuleType):
-    def __getattr__(self, k):
-        if k.startswith("__") or (
-            self.__name__.endswith("custom_ops.experimental") and k.startswith("npu_")
-        ):
-            raise AttributeError(k)
-        return type(k, (_Dummy,), {})
-
-
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == r or name.startswith(r + ".") for r in STUBS):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        m = _Any(spec.name)
-        m.__path__ = []
-        return m
-
-    def exec_module(self, m):
-        pass
-
-
-sys.meta_path.insert(0, _Finder())
-
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-from mindspore import Tensor, mint, ops  # noqa: E402
-from mindspore import dtype as mstype  # noqa: E402
-
-ms.set_context(mode=ms.PYNATIVE_MODE)
-ms.set_device("CPU")
-
-
-# ---- CPU stand-ins for kernels the real cell uses (installed before building it) -------------
-def _arange(start=0, end=None, step=1, *, dtype=None):
-    if end is None:
-        start, end = 0, start
-    return Tensor(np.arange(start, end, step), dtype or mstype.int64)
-
-
-def _full(size, fill_value, *, dtype=None):
-    return ops.full(tuple(size), fill_value, dtype=dtype or mstype.float32)
-
-
-def _roll(t, shifts, dims):
-    s = shifts % t.shape[0]
-    return mint.cat([t[t.shape[0] - s :], t[: t.shape[0] - s]], 0) if s else t
-
-
-def _topk(x, k, dim=-1, largest=True, sorted=True):
-    idx = np.argsort(-x.asnumpy(), axis=-1, kind="stable")[..., :k].astype(np.int64)
-    return mint.gather(x, -1, Tensor(idx)), Tensor(idx)
-
-
-def _split(t, split_size_or_sections, dim=0):
-    sizes = split_size_or_sections
-    n = t.shape[dim]
-    if isinstance(sizes, int):
-        sizes = [sizes] * (n // sizes) + ([n % sizes] if n % sizes else [])
-    out, o = [], 0
-    for s in sizes:
-        out.append(ops.narrow(t, dim, o, s))
-        o += s
-    return tuple(out)
-
-
-def _rms_norm(x, gamma, epsilon=1e-6):
-    x32 = ops.cast(x, mstype.float32)
-    r = ops.rsqrt(mint.mean(x32 * x32, dim=-1, keepdim=True) + epsilon)
-    return ops.cast(x32 * r * gamma, x.dtype), r
-
-
-mint.arange, mint.full, mint.roll, mint.topk, mint.split = _arange, _full, _roll, _topk, _split
-mint.stack = lambda ts, dim=0: ops.stack(ts, dim)
-mint.outer = lambda a, b: mint.unsqueeze(a, 1) * mint.unsqueeze(b, 0)
-mint.ones_like = ops.ones_like
-if not hasattr(Tensor, "detach"):
-    Tensor.detach = lambda self: ops.stop_gradient(self)
-
-try:
-    import mindformers.pynative.layers.layer_norm as mf_ln
-    from mindformers.parallel_core.transformer_config import MLATransformerConfig
-    from mindformers.pynative.base_models.gpt.experimental_attention_variant_module_specs import (
-        get_dsv4_hybrid_module_spec,
-    )
-    from mindformers.pynative.transformers.experimental_attention_variant import csa as mf_csa
-except Exception as exc:  # noqa: BLE001 - reported to the test
-    REPORT["import_error"] = f"{type(exc).__name__}: {exc}"
+if env.SKIP_REASON or env.IMPORT_ERROR:
+    REPORT["skip" if env.SKIP_REASON else "import_error"] = env.SKIP_REASON or env.IMPORT_ERROR
     emit()
     sys.exit(0)
 
-mf_ln.rms_norm = _rms_norm
-mf_csa.save_to_indexer_losses_tracker = lambda *a, **k: None
+import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
+from mindspore import Tensor  # noqa: E402
 
 from hp_cp_core import DeepSeekV4CPConfig, DeepSeekV4CPForward  # noqa: E402
 from hp_cp_core.plugins import PluginHost  # noqa: E402
@@ -179,43 +57,9 @@ from hp_cp_mindformers.backend import (  # noqa: E402
     MindSporeGroup,
 )
 
-CFG = MLATransformerConfig(
-    num_layers=3,
-    num_attention_heads=4,
-    hidden_size=64,
-    multi_latent_attention=True,
-    experimental_attention_variant="dsv4_hybrid",
-    csa_compress_ratios=[0, 4, 128],
-    qk_head_dim=24,
-    qk_pos_emb_head_dim=8,
-    v_head_dim=32,
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    dsa_indexer_n_heads=4,
-    dsa_indexer_head_dim=16,
-    dsa_indexer_topk=4,
-    csa_window_size=8,
-    o_groups=2,
-    o_lora_rank=16,
-    apply_dsa_kernel_fusion=False,
-    params_dtype="float32",
-    compute_dtype="float32",
-    layernorm_compute_dtype="float32",
-    rotary_dtype="float32",
-    use_flash_attention=False,
-    layernorm_epsilon=1e-5,
-)
-SUB = get_dsv4_hybrid_module_spec().submodules.core_attention.submodules
-ROPE = ref.ReferenceRotaryEmbedding(8, 40000.0)
-
 
 def real_cell(r: int):
-    cell = mf_csa.CompressedSparseAttention(CFG, SUB, 1, None, ROPE, r)
-    rng = np.random.default_rng(r)
-    for p in cell.trainable_params():  # the real init is empty / zeros
-        p.set_data(Tensor((0.3 * rng.standard_normal(p.shape)).astype(np.float32)))
-    cell.set_train(False)
-    return cell
+    return env.real_cell(r, train=False)
 
 
 def mapping(cell) -> dict:
@@ -280,6 +124,51 @@ def parity(cell, seq: int, ends) -> dict:
     return {"out": rel(outs[1].asnumpy(), outs[0].asnumpy()), "grad": max(grads)}
 
 
+def copy_vs_real(r: int, seq: int, ends) -> dict:
+    """The project's copy of the cell (``hp_cp_mindformers.reference``) against the real cell
+    with the same weights, in training mode (indexer KL loss, coefficient 0.5): outputs, the
+    logged loss and every gradient."""
+    real = env.real_cell(r, train=True, loss_coeff=0.5, seed=11)
+    cfg = ref.ReferenceCSAConfig(layernorm_epsilon=1e-5, dsa_indexer_loss_coeff=0.5)
+    copy = ref.CompressedSparseAttention(cfg, None, 2, None, real.rotary_pos_emb, r)
+    copy.set_train(True)
+    want = {p.name: p for p in real.trainable_params()}
+    got = {p.name: p for p in copy.trainable_params()}
+    res = {"names_equal": sorted(want) == sorted(got)}
+    for name, p in got.items():
+        if name in want:
+            p.set_data(Tensor(want[name].asnumpy()))
+    rng = np.random.default_rng(seq + 1)
+    b = 1 if ends else 2
+    shapes = [(seq, b, 4, 32), (seq, b, 1, 32), (seq, b, 64), (seq, b, 48)]
+    args = [Tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    cot = Tensor(rng.standard_normal(shapes[0]).astype(np.float32))
+    asl = Tensor(np.array(ends, np.int32)) if ends else None
+    runs = []
+    for cell in (real, copy):
+        params = sorted(cell.trainable_params(), key=lambda p: p.name)
+        outs = []
+
+        def f(*a, cell=cell, outs=outs):
+            outs.append(cell(*a, asl))
+            return (outs[-1] * cot).sum()
+
+        _, (gi, gp) = ms.value_and_grad(f, (0, 1, 2, 3), params)(*args)
+        loss = env.logged_indexer_loss(2) if cell is real else copy.last_indexer_loss
+        loss = (
+            None
+            if loss is None
+            else float(np.asarray(loss.asnumpy() if hasattr(loss, "asnumpy") else loss))
+        )
+        runs.append((outs[0].asnumpy(), [g.asnumpy() for g in (*gi, *gp)], loss))
+    (o0, g0, l0), (o1, g1, l1) = runs
+    res["out"] = rel(o1, o0)
+    res["grad"] = max(rel(a, b) for a, b in zip(g1, g0))
+    res["loss"] = None if l0 is None or l1 is None else abs(l1 - l0) / max(abs(l0), 1e-30)
+    res["loss_real"] = l0
+    return res
+
+
 def main() -> None:
     REPORT["mapping"] = {}
     REPORT["parity"] = {}
@@ -293,6 +182,15 @@ def main() -> None:
         cell = real_cell(r)
         REPORT["mapping"][str(r)] = mapping(cell)
         REPORT["parity"][f"r{r}-S{seq}-{'packed' if ends else 'padded'}"] = parity(cell, seq, ends)
+    REPORT["copy_vs_real"] = {}
+    for r, seq, ends in (
+        (0, 20, None),
+        (4, 22, None),
+        (4, 24, (6, 13, 24)),
+        (128, 300, (130, 300)),
+    ):
+        name = f"r{r}-S{seq}-{'packed' if ends else 'padded'}"
+        REPORT["copy_vs_real"][name] = copy_vs_real(r, seq, ends)
     emit()
 
 

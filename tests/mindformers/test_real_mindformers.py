@@ -1,6 +1,8 @@
-"""The adapter on the REAL mindformers 2.1.0 ``CompressedSparseAttention`` (see
+"""The adapter on the REAL mindformers 2.1.0 ``CompressedSparseAttention`` on a group of one, and
+the project's copy of the cell (``hp_cp_mindformers.reference``) against the real cell (see
 ``mf_real_check.py``, run in a fresh interpreter because it stubs ``hyper_parallel`` and
-installs CPU stand-ins for kernels MindSpore 2.10 CPU lacks)."""
+installs CPU stand-ins for kernels MindSpore 2.10 CPU lacks). Missing mindformers fails these
+tests when ``HP_CP_REQUIRE_BACKEND`` names mindformers."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 import tempfile
 
 import pytest
-from mf_require import mindspore_or_skip
+from mf_require import mindspore_or_skip, required_or_skip
 
 mindspore_or_skip()
 
@@ -22,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def report() -> dict:
     if importlib.util.find_spec("mindformers") is None:
-        pytest.skip("mindformers is not installed (`pip install --no-deps mindformers==2.1.0`)")
+        required_or_skip(
+            "mindformers is not installed (`pip install --no-deps mindformers==2.1.0`)"
+        )
     env = dict(os.environ, GLOG_v="3")
     scratch = tempfile.mkdtemp(prefix="hp_cp_mf_real_")  # mindformers logs to ./output/log
     out = subprocess.run(
@@ -36,7 +40,7 @@ def report() -> dict:
     assert out.returncode == 0, out.stderr[-4000:]
     rep = json.loads(out.stdout.strip().splitlines()[-1])
     if "skip" in rep:
-        pytest.skip(rep["skip"])
+        required_or_skip(rep["skip"])
     assert "import_error" not in rep, rep["import_error"]
     return rep
 
@@ -66,3 +70,15 @@ def test_cp_stages_reproduce_the_real_cell(report: dict) -> None:
     for name, res in report["parity"].items():
         assert res["out"] <= 1e-5, (name, res)
         assert res["grad"] <= 1e-4, (name, res)
+
+
+def test_the_copy_equals_the_real_cell(report: dict) -> None:
+    """Same weights, training mode with the indexer KL loss: the copy's output, logged loss and
+    every gradient equal the real cell's (so the copy is no second source of truth)."""
+    got = report["copy_vs_real"]
+    assert set(got) == {"r0-S20-padded", "r4-S22-padded", "r4-S24-packed", "r128-S300-packed"}
+    for name, res in got.items():
+        assert res["names_equal"], (name, "parameter names differ")
+        assert res["out"] <= 1e-6 and res["grad"] <= 1e-6, (name, res)
+        if name.startswith("r4"):
+            assert res["loss_real"] > 0 and res["loss"] <= 1e-6, (name, res)

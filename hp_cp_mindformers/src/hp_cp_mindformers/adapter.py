@@ -332,10 +332,25 @@ class MindFormersDeepSeekV4CSAAdapter:
             selected, Tensor(raw.astype(np.int32)), ops.stop_gradient(query), cmp_kv, mask=mask_t
         )
         loss = loss * (b * int(query.shape[0]) * indexer_loss_weight(call))
-        if hasattr(m, "last_indexer_loss"):  # the global value, the same on every rank
-            value = global_indexer_loss(call, float(ops.stop_gradient(loss).asnumpy()))
-            m.last_indexer_loss = Tensor(value, mstype.float32)
+        self._log_indexer_loss(loss, call)
         return picks, loss
+
+    def _log_indexer_loss(self, loss: Tensor, call: Any) -> None:
+        """Log the GLOBAL loss (the same on every rank) where the cell logs its own: the real
+        cell's module-level ``save_to_indexer_losses_tracker`` (mindformers 2.1.0) and / or a
+        ``last_indexer_loss`` attribute."""
+        m = self.module
+        tracker = getattr(
+            sys.modules.get(type(m).__module__), "save_to_indexer_losses_tracker", None
+        )
+        if tracker is None and not hasattr(m, "last_indexer_loss"):
+            return
+        value = Tensor(global_indexer_loss(call, float(loss.asnumpy())), mstype.float32)
+        if hasattr(m, "last_indexer_loss"):
+            m.last_indexer_loss = value
+        if tracker is not None:
+            config = m.config
+            tracker(value, m.layer_number, config.num_layers + (config.mtp_num_layers or 0))
 
     # -- the replaced construct ---------------------------------------------------------------
     def cu_seqlens(self, actual_seq_len: Any, query: Tensor, cp_size: int) -> np.ndarray | None:

@@ -1,0 +1,171 @@
+"""Importing this module makes the REAL mindformers 2.1.0 cells runnable on MindSpore 2.10 CPU in
+this process (workers only: it changes module state). Used by ``mf_real_check.py``, the real-cell
+msrun worker ``mf_real_msrun_worker.py`` and the side-by-side bench ``mf_anchor_worker.py``.
+
+mindformers 2.1.0 is installed with ``--no-deps``: its package ``__init__`` needs ``pyyaml``,
+``regex`` and ``deprecated`` (``MISSING`` names the first one absent) and imports
+``hyper_parallel`` (not on PyPI) and a few heavy packages unused here, which are stubbed when
+absent. ``mf_cpu_standins.install()`` then puts CPU stand-ins in place for the kernels MindSpore
+2.10 CPU lacks. ``real_cell(r, train=...)`` builds a real ``CompressedSparseAttention`` with
+seeded weights (the real init is empty / zeros), the same on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+MISSING = next(
+    (m for m in ("yaml", "regex", "deprecated") if importlib.util.find_spec(m) is None), None
+)
+SKIP_REASON = (
+    f"mindformers 2.1.0 cannot be imported without `{MISSING}` (install pyyaml, regex and "
+    "deprecated next to `mindformers==2.1.0 --no-deps`)"
+    if MISSING
+    else None
+)
+if SKIP_REASON is None and importlib.util.find_spec("mindformers") is None:
+    SKIP_REASON = "mindformers is not installed (`pip install --no-deps mindformers==2.1.0`)"
+
+ALWAYS_STUB = ["hyper_parallel"]
+STUB_IF_MISSING = [
+    "requests",
+    "jieba",
+    "rouge_chinese",
+    "datasets",
+    "tokenizers",
+    "tqdm",
+    "sentencepiece",
+    "tiktoken",
+    "mindpet",
+    "urllib3",
+    "pyarrow",
+    "tensorboardX",
+]
+STUBS = ALWAYS_STUB + [m for m in STUB_IF_MISSING if importlib.util.find_spec(m) is None]
+
+
+class _Dummy:
+    """Any class a stubbed module is asked for (``hyper_parallel.DTensor``, ...)."""
+
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def __call__(self, *a, **k):
+        return None
+
+
+class _Any(types.ModuleType):
+    def __getattr__(self, k):
+        if k.startswith("__") or (
+            self.__name__.endswith("custom_ops.experimental") and k.startswith("npu_")
+        ):
+            raise AttributeError(k)  # the fused NPU ops: "unavailable" (None) in mindformers
+        return type(k, (_Dummy,), {})
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == r or name.startswith(r + ".") for r in STUBS):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = _Any(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, m):
+        pass
+
+
+IMPORT_ERROR: str | None = None
+mf_csa = mf_utils = MLATransformerConfig = SUBMODULES = None
+
+if SKIP_REASON is None:
+    sys.meta_path.insert(0, _Finder())
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    try:
+        from mindformers.parallel_core.transformer_config import MLATransformerConfig
+        from mindformers.pynative.base_models.gpt.experimental_attention_variant_module_specs import (  # noqa: E501
+            get_dsv4_hybrid_module_spec,
+        )
+        from mindformers.pynative.transformers.experimental_attention_variant import csa as mf_csa
+        from mindformers.pynative.transformers.experimental_attention_variant import (
+            utils as mf_utils,
+        )
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import mf_cpu_standins
+
+        mf_cpu_standins.install()
+        SUBMODULES = get_dsv4_hybrid_module_spec().submodules.core_attention.submodules
+
+
+def real_config(loss_coeff: float = 0.0):
+    """A small fp32 ``MLATransformerConfig`` (window 8, 4 heads, indexer top-k 4)."""
+    return MLATransformerConfig(
+        num_layers=3,
+        num_attention_heads=4,
+        hidden_size=64,
+        multi_latent_attention=True,
+        experimental_attention_variant="dsv4_hybrid",
+        csa_compress_ratios=[0, 4, 128],
+        qk_head_dim=24,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=32,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        dsa_indexer_n_heads=4,
+        dsa_indexer_head_dim=16,
+        dsa_indexer_topk=4,
+        dsa_indexer_loss_coeff=loss_coeff,
+        csa_window_size=8,
+        o_groups=2,
+        o_lora_rank=16,
+        apply_dsa_kernel_fusion=False,
+        params_dtype="float32",
+        compute_dtype="float32",
+        layernorm_compute_dtype="float32",
+        rotary_dtype="float32",
+        use_flash_attention=False,
+        layernorm_epsilon=1e-5,
+    )
+
+
+def real_cell(r: int, *, train: bool = False, loss_coeff: float = 0.0, seed: int | None = None):
+    """A real ``CompressedSparseAttention`` of ratio ``r`` (layer 2 of 3), seeded weights."""
+    from hp_cp_mindformers import reference as ref
+
+    rope = ref.ReferenceRotaryEmbedding(8, 40000.0)
+    cell = mf_csa.CompressedSparseAttention(real_config(loss_coeff), SUBMODULES, 2, None, rope, r)
+    rng = np.random.default_rng(r if seed is None else seed)
+    for p in cell.trainable_params():
+        p.set_data(Tensor((0.3 * rng.standard_normal(p.shape)).astype(np.float32)))
+    cell.set_train(train)
+    return cell
+
+
+def logged_indexer_loss(layer_number: int = 2) -> float | None:
+    """What the real cell logged for ``layer_number`` in mindformers' indexer-loss tracker, then
+    a fresh tracker (``clear_indexer_losses_tracker`` needs ``zero_``, no CPU kernel; and the
+    tracker's own ``mint.zeros`` buffer is not a fresh tensor on CPU, so it is set from numpy)."""
+    tracker = mf_utils.get_indexer_loss_tracker()
+    value = None
+    if "values" in tracker and tracker["is_indexer"][layer_number - 1]:
+        value = float(tracker["values"].asnumpy()[layer_number - 1])
+    n = len(tracker.get("is_indexer", ())) or 3
+    tracker["values"] = Tensor(np.zeros(n, np.float32))
+    tracker["is_indexer"] = [False] * n
+    return value

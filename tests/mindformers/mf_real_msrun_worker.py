@@ -1,0 +1,40 @@
+"""msrun worker (4 ranks): the REAL mindformers 2.1.0 ``CompressedSparseAttention`` under CP, every
+case of ``mf_cases.real_cases()`` (cp = 4 on the world group, cp = 2 on two sub-groups).
+
+Per case, every rank of the CP group builds the same real cell (seeded weights) in training
+mode; the group's first rank runs it on one device (output, the indexer loss it logs in
+mindformers' indexer-loss tracker, every input and parameter gradient), then every rank runs it
+under CP on its rows and compares (``mf_msrun_worker.run_case``). Usage:
+``msrun ... mf_real_msrun_worker.py OUTDIR [CASE-SUBSTRINGS]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mf_real_env as env  # noqa: E402  (stubs, CPU stand-ins, the real classes)
+
+if env.SKIP_REASON or env.IMPORT_ERROR:
+    raise SystemExit(f"the real mindformers cell cannot run: {env.SKIP_REASON or env.IMPORT_ERROR}")
+
+import mf_msrun_worker as w  # noqa: E402  (communication init)
+from mf_cases import Case, real_cases  # noqa: E402
+
+LOSS_COEFF = 0.5
+
+
+def make_real_cell(case: Case):
+    return env.real_cell(case.r, train=case.train, loss_coeff=LOSS_COEFF, seed=7)
+
+
+def tracked_loss(cell) -> float:
+    value = env.logged_indexer_loss(cell.layer_number)
+    if value is None:
+        raise AssertionError("the real cell logged no indexer loss in mindformers' tracker")
+    return value
+
+
+if __name__ == "__main__":
+    w.run_all(real_cases(), make_real_cell, tracked_loss)
