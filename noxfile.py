@@ -1,8 +1,8 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, example_jax, bench, dist, device,
-fuzz.
+"""Sessions: lint, core (no framework), torch, mindformers, example_jax, bench,
+bench_mindformers, dist, device, fuzz.
 
 `nox` runs lint, core, torch, mindformers and example_jax; each installs its own distributions
 into a fresh virtualenv, so the core is proven framework-free and every backend is tested with
@@ -79,18 +79,25 @@ def torch(session: nox.Session) -> None:
     session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
 
 
-@nox.session(python=PYTHONS)
-def mindformers(session: nox.Session) -> None:
-    """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun."""
+def _install_mindformers(session: nox.Session) -> None:
     session.install(*MINDSPORE)
     session.install(
         "./hp_cp_core[testing]", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS, "numpy<2"
     )
     session.install("-e", "./tests/contract")  # the mindformers driver runs msrun workers
     # mindformers' own dependencies are not all on PyPI; these three let the real
-    # CompressedSparseAttention class import (the rest are stubbed by the test).
+    # CompressedSparseAttention class import (the rest are stubbed by the tests).
     session.install("--no-deps", "mindformers==2.1.0")
     session.install("pyyaml", "regex", "deprecated")
+
+
+@nox.session(python=PYTHONS)
+def mindformers(session: nox.Session) -> None:
+    """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun.
+
+    ``-- -m real_mindformers`` runs only the real mindformers 2.1.0 cell under msrun.
+    """
+    _install_mindformers(session)
     session.run(
         "pytest",
         "tests/mindformers",
@@ -123,6 +130,18 @@ def example_jax(session: nox.Session) -> None:
         "--hp-cp-max-cp=4",
         *session.posargs,
         env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},  # JAX compiles every op shape
+    )
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench_mindformers(session: nox.Session) -> None:
+    """hp_cp vs MindFormers' own CSA CP on the real cell (msrun, cp 4): bench-mindformers.json."""
+    _install_mindformers(session)
+    session.run(
+        "python",
+        "bench/mindformers_side_by_side.py",
+        *session.posargs,
+        env={"HP_CP_MSRUN_BIN": session.bin},
     )
 
 

@@ -24,7 +24,14 @@ replaced                    CPU failure on MindSpore 2.10         stand-in
 ``ops.rms_norm`` (as        kernel ``RmsNorm`` unregistered       ``x * rsqrt(mean(x^2) +
 ``layer_norm.rms_norm``)                                          eps) * gamma`` in fp32
 ``Tensor.detach``           no such method on 2.10                ``ops.stop_gradient``
+``comm.all_gather_into_``   kernel ``InnerCommAllGather``         ``ops.AllGather`` forward,
+``tensor`` (functional      unregistered (and ``ReduceScatter``,  ``AllReduce`` + own slice
+form, ``output_tensor=      its backward, has no CPU kernel)      backward (only on the world
+None``)                                                           group: CPU ``AllGather``)
 ==========================  ====================================  ===========================
+
+``all_gather_into_tensor`` needs msrun ranks; the real-cell msrun worker checks it against its
+formula (rank-major concatenation forward, sum over ranks of the own slice backward).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 import numpy as np
 from mindspore import Tensor, mint, ops
 from mindspore import dtype as mstype
+from mindspore.common._grad_function import _Function
 
 
 def arange(start: int = 0, end: int | None = None, step: int = 1, *, dtype: Any = None) -> Tensor:
@@ -113,6 +121,35 @@ def detach(self: Tensor) -> Tensor:
     return ops.stop_gradient(self)
 
 
+class _AllGatherIntoTensor(_Function):
+    @staticmethod
+    def forward(ctx: Any, group: str, t: Tensor) -> Tensor:
+        from mindspore.communication import get_rank
+
+        ctx.group, ctx.rows, ctx.rank = group, int(t.shape[0]), int(get_rank(group))
+        return ops.AllGather(group=group)(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor):
+        total = ops.AllReduce(ops.ReduceOp.SUM, group=ctx.group)(grad)
+        return None, total[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
+
+
+def all_gather_into_tensor(
+    output_tensor: Any = None,
+    input_tensor: Tensor = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> tuple[Tensor, None]:
+    """``comm.all_gather_into_tensor`` in the functional form mindformers 2.1.0 calls
+    (``output_tensor=None``): ``([size * n, ...] rank-major, None)``, differentiable."""
+    from mindspore.communication import GlobalComm
+
+    if output_tensor is not None or async_op:
+        raise NotImplementedError("the stand-in covers output_tensor=None, async_op=False")
+    return _AllGatherIntoTensor.apply(group or GlobalComm.WORLD_COMM_GROUP, input_tensor), None
+
+
 MINT = {
     "arange": arange,
     "full": full,
@@ -132,6 +169,8 @@ def install() -> Callable[[], None]:
     targets.append((Tensor, "detach", detach))
     layer_norm = importlib.import_module("mindformers.pynative.layers.layer_norm")
     targets.append((layer_norm, "rms_norm", rms_norm))
+    comm = importlib.import_module("mindspore.ops.communication")
+    targets.append((comm, "all_gather_into_tensor", all_gather_into_tensor))
     missing = object()
     saved = [(obj, name, getattr(obj, name, missing)) for obj, name, _ in targets]
     for obj, name, fn in targets:

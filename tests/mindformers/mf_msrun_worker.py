@@ -234,9 +234,12 @@ def run_all(
     cases: list[Case],
     make_cell: Callable[[Case], Any] = reference_cell,
     logged_loss: Callable[[Any], float] = last_indexer_loss,
+    extra: dict | None = None,
 ) -> None:
-    """Run the ``cases`` this rank takes part in; write ``<outdir>/rank<r>.json`` after each."""
+    """Run the ``cases`` this rank takes part in; write ``<outdir>/rank<r>.json`` after each
+    (with ``extra`` added to the report)."""
     report = {"rank": WORLD_RANK, "world": WORLD, "t_import_init_s": round(T_INIT, 2), "cases": {}}
+    report.update(extra or {})
     path = os.path.join(OUT, f"rank{WORLD_RANK}.json")
     only = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else None
     for case in cases:

@@ -1,19 +1,14 @@
-"""Run in a fresh interpreter by ``test_real_mindformers.py``: the adapter against the REAL
-mindformers 2.1.0 ``CompressedSparseAttention`` on MindSpore 2.10 CPU. Prints one JSON line.
-
-mindformers 2.1.0 is installed with ``--no-deps``: its package ``__init__`` needs ``pyyaml``,
-``regex`` and ``deprecated`` (reported as ``skip`` when missing) and imports ``hyper_parallel``
-(not on PyPI) and a few heavy packages unused here, which are stubbed when absent. Running the
-real cell on CPU needs stand-ins for kernels MindSpore 2.10 CPU lacks (``mint.arange``,
-``mint.full``, ``mint.roll``, ``mint.topk``, ``mint.stack``, ``mint.outer``,
-``mint.ones_like``, ``ops.rms_norm``) and a slicing ``mint.split`` (its CPU backward is wrong);
-they are installed here only, in this process.
+"""Run in a fresh interpreter by ``test_real_mindformers.py``: the REAL mindformers 2.1.0
+``CompressedSparseAttention`` on MindSpore 2.10 CPU (``mf_real_env``: stubs and CPU stand-ins).
+Prints one JSON line.
 
 Checks: the adapter maps a real instance's attributes (``compressor``, ``indexer.compressor``,
 ``window_size``, ``compress_ratio``, ``attn_sink``, ``apply_dsa_kernel_fusion`` in place of
-``force_unfused``) and the CP stages on a group of one (real compressors, real
+``force_unfused``); the CP stages on a group of one (real compressors, real
 ``forward_before_topk``, real ``unfused_compressed_sparse_attn``) reproduce the real cell's own
-output and gradients, padded and packed, r = 0, 4, 128.
+output and gradients, padded and packed, r = 0, 4, 128; the project's copy of the cell
+(``hp_cp_mindformers.reference``) equals the real cell with the same weights in training mode
+(output, logged indexer loss, every gradient); and what MindFormers' own CSA CP refuses.
 """
 
 from __future__ import annotations
@@ -191,6 +186,7 @@ def main() -> None:
     ):
         name = f"r{r}-S{seq}-{'packed' if ends else 'padded'}"
         REPORT["copy_vs_real"][name] = copy_vs_real(r, seq, ends)
+    REPORT["anchor_refuses"] = env.anchor_refusals()
     emit()
 
 

@@ -169,3 +169,60 @@ def logged_indexer_loss(layer_number: int = 2) -> float | None:
     tracker["values"] = Tensor(np.zeros(n, np.float32))
     tracker["is_indexer"] = [False] * n
     return value
+
+
+class FixedMesh:
+    """A minimal stand-in for ``hyper_parallel.DeviceMesh`` (1-D): what MindFormers' own CSA CP
+    (``CompressedSparseAttentionContextParallel``) reads from its mesh."""
+
+    ndim = 1
+
+    def __init__(self, size: int, rank: int, group: str) -> None:
+        self._size, self._rank, self._group = size, rank, group
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_group(self) -> str:
+        return self._group
+
+
+def anchor_wrap(cell, mesh):
+    """Put MindFormers' own CSA CP (the anchor) on ``cell``, as ``parallelize`` would."""
+    from mindformers.pynative.distributed.csa_context_parallel import (
+        CompressedSparseAttentionContextParallel,
+    )
+
+    return CompressedSparseAttentionContextParallel(mesh)._apply(cell, mesh)
+
+
+def anchor_refusals() -> dict[str, str]:
+    """What the anchor refuses, found by calling it (cp = 2, rank 1; each refusal is raised
+    before any communication): packed input, and local rows not a multiple of r."""
+    rng = np.random.default_rng(0)
+
+    def inputs(rows: int, b: int):
+        shapes = [(rows, b, 4, 32), (rows, b, 1, 32), (rows, b, 64), (rows, b, 48)]
+        return [Tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+
+    out = {}
+    for name, r, rows, b, ends in (
+        ("packed", 4, 12, 1, (5, 24)),
+        ("local_rows_not_multiple_of_r", 4, 10, 2, None),
+        ("local_rows_not_multiple_of_r128", 128, 160, 2, None),
+    ):
+        cell = anchor_wrap(real_cell(r, train=True, loss_coeff=0.5), FixedMesh(2, 1, "unused"))
+        asl = None if ends is None else Tensor(np.array(ends, np.int32))
+        try:
+            cell(*inputs(rows, b), asl)
+            out[name] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - the message is the finding
+            out[name] = f"{type(exc).__name__}: {exc}"
+    out["load_balanced"] = (
+        "no such layout: the anchor takes rank k's rows as [k * L, (k + 1) * L) (pos_offset = "
+        "cp_rank * local_seq), contiguous only"
+    )
+    return out

@@ -19,8 +19,12 @@ import mf_real_env as env  # noqa: E402  (stubs, CPU stand-ins, the real classes
 if env.SKIP_REASON or env.IMPORT_ERROR:
     raise SystemExit(f"the real mindformers cell cannot run: {env.SKIP_REASON or env.IMPORT_ERROR}")
 
+import mf_cpu_standins  # noqa: E402
 import mf_msrun_worker as w  # noqa: E402  (communication init)
+import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
 from mf_cases import Case, real_cases  # noqa: E402
+from mindspore import Tensor  # noqa: E402
 
 LOSS_COEFF = 0.5
 
@@ -36,5 +40,30 @@ def tracked_loss(cell) -> float:
     return value
 
 
+def check_all_gather_standin() -> dict:
+    """The ``comm.all_gather_into_tensor`` stand-in against its formula on the world group:
+    forward = every rank's rows, rank-major; backward = the sum over ranks of the gradient of
+    this rank's slice."""
+    rank, world = w.WORLD_RANK, w.WORLD
+    mine = np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * rank
+    weight = np.random.default_rng(5).standard_normal((2 * world, 3)).astype(np.float32)
+
+    def loss(t):
+        out, _ = mf_cpu_standins.all_gather_into_tensor(None, t)
+        return (out * Tensor(weight)).sum(), out
+
+    (_, out), grad = ms.value_and_grad(loss, has_aux=True)(Tensor(mine))
+    want = np.concatenate(
+        [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * k for k in range(world)]
+    )
+    return {
+        "forward_err": float(np.abs(out.asnumpy() - want).max()),
+        "backward_err": float(
+            np.abs(grad.asnumpy() - world * weight[2 * rank : 2 * rank + 2]).max()
+        ),
+    }
+
+
 if __name__ == "__main__":
-    w.run_all(real_cases(), make_real_cell, tracked_loss)
+    extra = {"standin_all_gather_into_tensor": check_all_gather_standin()}
+    w.run_all(real_cases(), make_real_cell, tracked_loss, extra)

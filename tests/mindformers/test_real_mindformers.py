@@ -82,3 +82,14 @@ def test_the_copy_equals_the_real_cell(report: dict) -> None:
         assert res["out"] <= 1e-6 and res["grad"] <= 1e-6, (name, res)
         if name.startswith("r4"):
             assert res["loss_real"] > 0 and res["loss"] <= 1e-6, (name, res)
+
+
+def test_what_mindformers_own_csa_cp_refuses(report: dict) -> None:
+    """MindFormers' own ``CompressedSparseAttentionContextParallel`` (the side-by-side anchor of
+    ``nox -s bench_mindformers``) refuses packed input and local rows that are not a multiple
+    of r, and has no load-balanced layout; hp_cp runs all of these (the msrun tests)."""
+    got = report["anchor_refuses"]
+    assert got["packed"].startswith("ValueError") and "actual_seq_len" in got["packed"], got
+    for name in ("local_rows_not_multiple_of_r", "local_rows_not_multiple_of_r128"):
+        assert got[name].startswith("ValueError") and "divisible by compress_ratio" in got[name]
+    assert "contiguous only" in got["load_balanced"]

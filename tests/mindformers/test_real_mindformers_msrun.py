@@ -61,3 +61,12 @@ def test_real_grid_covers_the_issue() -> None:
     assert local[(2, 4)] % 4 and local[(4, 4)] % 4 and local[(2, 128)] % 128  # L % r != 0
     assert local[(4, 4)] < 7 and local[(4, 128)] < 128  # L < W - 1, L < r
     assert {c.part for c in CASES if c.cp == 2} == {0, 1}  # both sub-groups at work
+
+
+def test_all_gather_into_tensor_standin_matches_its_formula(job: dict) -> None:
+    """The one stand-in that needs ranks (``mf_cpu_standins.all_gather_into_tensor``), checked
+    in the same job on every rank: rank-major concatenation, summed own-slice gradient."""
+    assert sorted(job["reports"]) == list(range(WORLD)), job["dir"]
+    for rank, rep in job["reports"].items():
+        got = rep["standin_all_gather_into_tensor"]
+        assert got["forward_err"] == 0.0 and got["backward_err"] <= 1e-6, (rank, got)
