@@ -19,9 +19,11 @@ replaced                    CPU failure on MindSpore 2.10         stand-in
 ``mint.stack``              kernel ``StackExt`` unregistered      ``ops.stack``
 ``mint.ones_like``          kernel ``OnesLikeExt`` unregistered   ``ops.ones_like``
 ``mint.index_select``       kernel ``IndexSelect`` unregistered   ``ops.gather``
+``mint.tril``               kernel ``TrilExt`` unregistered       ``ops.tril``
+``mint.outer``              kernel ``Outer`` unregistered         ``a[:, None] * b[None]``
 ``mint.split``              runs, but its backward ignores the    ``ops.narrow`` slices
                             storage offset of view gradients
-``ops.rms_norm`` (as        kernel ``RmsNorm`` unregistered       ``x * rsqrt(mean(x^2) +
+``ops.rms_norm`` (also as   kernel ``RmsNorm`` unregistered       ``x * rsqrt(mean(x^2) +
 ``layer_norm.rms_norm``)                                          eps) * gamma`` in fp32
 ``Tensor.detach``           no such method on 2.10                ``ops.stop_gradient``
 ``comm.all_gather_into_``   kernel ``InnerCommAllGather``         ``ops.AllGather`` forward,
@@ -96,6 +98,16 @@ def index_select(t: Tensor, dim: int, index: Tensor) -> Tensor:
     return ops.gather(t, index, int(dim))
 
 
+def outer(a: Tensor, b: Tensor) -> Tensor:
+    """``mint.outer``: ``a[:, None] * b[None, :]``."""
+    return mint.unsqueeze(a, 1) * mint.unsqueeze(b, 0)
+
+
+def tril(t: Tensor, diagonal: int = 0) -> Tensor:
+    """``mint.tril``: ``ops.tril``."""
+    return ops.tril(t, int(diagonal))
+
+
 def split(t: Tensor, split_size_or_sections: Any, dim: int = 0) -> tuple[Tensor, ...]:
     """``mint.split`` as ``ops.narrow`` slices (their backward places the gradient correctly)."""
     n = int(t.shape[dim])
@@ -159,6 +171,8 @@ MINT = {
     "ones_like": ones_like,
     "index_select": index_select,
     "split": split,
+    "tril": tril,
+    "outer": outer,
 }
 
 
@@ -169,6 +183,7 @@ def install() -> Callable[[], None]:
     targets.append((Tensor, "detach", detach))
     layer_norm = importlib.import_module("mindformers.pynative.layers.layer_norm")
     targets.append((layer_norm, "rms_norm", rms_norm))
+    targets.append((ops, "rms_norm", rms_norm))  # read at build time (hyper-connections)
     comm = importlib.import_module("mindspore.ops.communication")
     targets.append((comm, "all_gather_into_tensor", all_gather_into_tensor))
     missing = object()

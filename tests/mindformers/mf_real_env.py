@@ -84,7 +84,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 IMPORT_ERROR: str | None = None
-mf_csa = mf_utils = MLATransformerConfig = SUBMODULES = None
+mf_csa = MLATransformerConfig = SUBMODULES = None
 
 if SKIP_REASON is None:
     sys.meta_path.insert(0, _Finder())
@@ -100,9 +100,6 @@ if SKIP_REASON is None:
             get_dsv4_hybrid_module_spec,
         )
         from mindformers.pynative.transformers.experimental_attention_variant import csa as mf_csa
-        from mindformers.pynative.transformers.experimental_attention_variant import (
-            utils as mf_utils,
-        )
     except Exception as exc:  # noqa: BLE001 - reported to the test
         IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     else:
@@ -157,18 +154,36 @@ def real_cell(r: int, *, train: bool = False, loss_coeff: float = 0.0, seed: int
     return cell
 
 
+class TrackerLog:
+    """Stands between the real cell (and the adapter, which logs where the cell does) and
+    mindformers' ``save_to_indexer_losses_tracker``: records each ``(layer, value)`` it is
+    handed, then calls the tracker. Read it, not the tracker's buffer: that buffer is updated
+    in place (``values[i] += loss``), which on MindSpore 2.10 CPU does not reliably show a fresh
+    value after a reset."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.logged: list[tuple[int, float]] = []
+
+    def __call__(self, loss, layer_number, num_layers):
+        self.logged.append((int(layer_number), float(np.asarray(loss.asnumpy()))))
+        return self.inner(loss, layer_number, num_layers)
+
+
+TRACKER_LOG = None
+if mf_csa is not None:
+    TRACKER_LOG = TrackerLog(mf_csa.save_to_indexer_losses_tracker)
+    mf_csa.save_to_indexer_losses_tracker = TRACKER_LOG
+
+
 def logged_indexer_loss(layer_number: int = 2) -> float | None:
-    """What the real cell logged for ``layer_number`` in mindformers' indexer-loss tracker, then
-    a fresh tracker (``clear_indexer_losses_tracker`` needs ``zero_``, no CPU kernel; and the
-    tracker's own ``mint.zeros`` buffer is not a fresh tensor on CPU, so it is set from numpy)."""
-    tracker = mf_utils.get_indexer_loss_tracker()
-    value = None
-    if "values" in tracker and tracker["is_indexer"][layer_number - 1]:
-        value = float(tracker["values"].asnumpy()[layer_number - 1])
-    n = len(tracker.get("is_indexer", ())) or 3
-    tracker["values"] = Tensor(np.zeros(n, np.float32))
-    tracker["is_indexer"] = [False] * n
-    return value
+    """The indexer loss logged for ``layer_number`` since the previous call (``None``: nothing
+    was logged; more than one value is an error: one forward logs once); forgets the log."""
+    values = [v for layer, v in TRACKER_LOG.logged if layer == layer_number]
+    TRACKER_LOG.logged.clear()
+    if len(values) > 1:
+        raise AssertionError(f"layer {layer_number} logged {len(values)} indexer losses: {values}")
+    return values[0] if values else None
 
 
 class FixedMesh:
