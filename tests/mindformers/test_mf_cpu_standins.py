@@ -29,6 +29,8 @@ def test_every_replaced_operation_is_covered() -> None:
         "ones_like",
         "index_select",
         "split",
+        "tril",
+        "outer",
     }
 
 
@@ -63,6 +65,17 @@ def test_topk_values_indices_ties_and_gradient() -> None:
     want = np.zeros_like(y)
     np.put_along_axis(want, np.argsort(-y, -1, kind="stable")[:, :3], w, -1)
     np.testing.assert_allclose(grad, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("diagonal", [0, 1, -1])
+def test_tril(diagonal: int) -> None:
+    x = RNG.standard_normal((4, 5)).astype(np.float32)
+    np.testing.assert_array_equal(sub.tril(Tensor(x), diagonal).asnumpy(), np.tril(x, diagonal))
+
+
+def test_outer() -> None:
+    a, b = RNG.standard_normal(3).astype(np.float32), RNG.standard_normal(4).astype(np.float32)
+    np.testing.assert_allclose(sub.outer(Tensor(a), Tensor(b)).asnumpy(), np.outer(a, b), rtol=1e-6)
 
 
 def test_stack_ones_like_index_select() -> None:
