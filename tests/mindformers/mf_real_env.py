@@ -157,9 +157,8 @@ def real_cell(r: int, *, train: bool = False, loss_coeff: float = 0.0, seed: int
 class TrackerLog:
     """Stands between the real cell (and the adapter, which logs where the cell does) and
     mindformers' ``save_to_indexer_losses_tracker``: records each ``(layer, value)`` it is
-    handed, then calls the tracker. Read it, not the tracker's buffer: that buffer is updated
-    in place (``values[i] += loss``), which on MindSpore 2.10 CPU does not reliably show a fresh
-    value after a reset."""
+    handed, then calls the tracker (which sums what it gets until the trainer reads it). The
+    record tells one forward's value apart and shows a layer that logs twice."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -174,6 +173,10 @@ TRACKER_LOG = None
 if mf_csa is not None:
     TRACKER_LOG = TrackerLog(mf_csa.save_to_indexer_losses_tracker)
     mf_csa.save_to_indexer_losses_tracker = TRACKER_LOG
+
+
+def forget_logged_indexer_losses() -> None:
+    TRACKER_LOG.logged.clear()
 
 
 def logged_indexer_loss(layer_number: int = 2) -> float | None:

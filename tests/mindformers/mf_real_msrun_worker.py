@@ -30,6 +30,7 @@ LOSS_COEFF = 0.5
 
 
 def make_real_cell(case: Case):
+    env.forget_logged_indexer_losses()  # e.g. the previous case's check that disable_cp restored
     return env.real_cell(case.r, train=case.train, loss_coeff=LOSS_COEFF, seed=7)
 
 
