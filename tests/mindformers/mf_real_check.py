@@ -100,7 +100,7 @@ def parity(cell, seq: int, ends) -> dict:
         backend,
         group,
         host.hooks.layer_spec(cell),
-        DeepSeekV4CPConfig(query_chunk=6),
+        DeepSeekV4CPConfig(query_chunk=6, single_rank_bypass=False),
     )
     cu = MindFormersDeepSeekV4CSAAdapter(cell).cu_seqlens(asl, args[0], 1)
     outs = []
@@ -225,7 +225,7 @@ def whole_model() -> dict:
     )
     model = PyNativeDeepseekV4ForCausalLM(cfg)
     res["builds"] = True
-    handle = enable_cp(model, OneRankMesh())
+    handle = enable_cp(model, OneRankMesh(), DeepSeekV4CPConfig(single_rank_bypass=False))
     res["layers"] = [[type(m).__name__, spec.compress_ratio] for m, spec in handle.layers]
     ids = Tensor(np.random.default_rng(0).integers(0, 128, (1, 32)).astype(np.int32))
     try:
