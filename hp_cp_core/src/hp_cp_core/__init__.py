@@ -26,6 +26,7 @@ from hp_cp_core.errors import (
 )
 from hp_cp_core.forward import DeepSeekV4CPForward
 from hp_cp_core.indices import build_cmp_cu_seqlens, build_select_pad_gather_index
+from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import RankPlan, build_rank_plan
 
 hookimpl = pluggy.HookimplMarker("hp_cp")
@@ -38,6 +39,7 @@ __all__ = [
     "BackendLoadError",
     "BackendNotFoundError",
     "CPHandle",
+    "CPPadding",
     "DeepSeekV4CPConfig",
     "DeepSeekV4CPContext",
     "DeepSeekV4CPForward",
@@ -53,6 +55,7 @@ __all__ = [
     "disable_cp",
     "enable_cp",
     "hookimpl",
+    "pad_for_cp",
     "select_and_pad_smallop",
     "stage1_compress_with_halo",
 ]

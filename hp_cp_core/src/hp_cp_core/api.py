@@ -13,6 +13,7 @@ from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
 from hp_cp_core.errors import BackendNotFoundError, HpCpError
 from hp_cp_core.forward import DeepSeekV4CPForward
 from hp_cp_core.layout import SequenceLayout
+from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
 from hp_cp_core.validation import check_group, check_layer_spec
@@ -72,20 +73,53 @@ class CPHandle:
         """The row layout of a sequence of ``total_rows`` rows over this CP group."""
         return SequenceLayout(self.config.layout, self.cp_size, int(total_rows))
 
-    def shard(self, tensor: Any, seq_dim: int = 1) -> Any:
-        """This rank's rows of a full-sequence tensor (inputs, position_ids, labels)."""
+    def padding(self, rows: int) -> CPPadding:
+        """The padding a sequence of ``rows`` rows needs under this group and layout.
+
+        ``.padded_rows`` (what ``shard(..., pad_value=...)`` pads to), ``.pad_rows``,
+        ``.cu_seqlens(cu)`` (packed boundaries with the padding as its own trailing document)
+        and ``.real_rows()``. See Note [Padding to the layout] in :mod:`hp_cp_core.padding`.
+        """
+        return pad_for_cp(rows, self.cp_size, self.config.layout)
+
+    def shard(self, tensor: Any, seq_dim: int = 1, *, pad_value: Any = None) -> Any:
+        """This rank's rows of a full-sequence tensor (inputs, position_ids, labels).
+
+        The length must suit the layout (a multiple of cp, of 2 * cp load-balanced) unless
+        ``pad_value`` is given: then the sequence is first padded at the end to
+        ``self.padding(length).padded_rows`` with that value (0 for inputs, the ignore
+        index for labels, 0 on a tensor of ones for a loss mask).
+        """
         total = self.backend.shape(tensor)[seq_dim]
+        if pad_value is not None:
+            pad = self.padding(total)
+            if pad.pad_rows:
+                pad_dim = getattr(self.backend, "pad_dim", None)
+                if pad_dim is None:
+                    raise HpCpError(
+                        f"backend {self.backend_name!r} has no pad_dim op, so shard(..., "
+                        f"pad_value=...) cannot pad; pad the sequence to {pad.padded_rows} "
+                        "rows yourself (handle.padding(rows).padded_rows)."
+                    )
+                tensor = pad_dim(tensor, seq_dim, pad.padded_rows, pad_value)
+                total = pad.padded_rows
         index = self.layout(total).shard_index(self.cp_rank)
         return self.backend.take(tensor, index, seq_dim)
 
-    def unshard(self, tensor: Any, seq_dim: int = 1) -> Any:
-        """The full sequence from every rank's local rows (all-gather, then original order)."""
+    def unshard(self, tensor: Any, seq_dim: int = 1, rows: int | None = None) -> Any:
+        """The full sequence from every rank's local rows (all-gather, then original order).
+
+        ``rows``: keep only the first ``rows`` rows (drop what ``shard(..., pad_value=...)``
+        appended).
+        """
         local = self.backend.shape(tensor)[seq_dim]
         layout = self.layout(local * self.cp_size)
         gathered = self.group.all_gather_dim(tensor, seq_dim)  # rank-major
         order = np.concatenate([layout.rank_rows(k) for k in range(self.cp_size)])
         inverse = np.empty_like(order)
         inverse[order] = np.arange(order.size)
+        if rows is not None:
+            inverse = inverse[: int(rows)]
         return self.backend.take(gathered, inverse, seq_dim)
 
     def stats(self) -> dict[str, Any]:

@@ -47,8 +47,9 @@ class SequenceLayout:
         if self.total_rows % parts:
             raise PlanError(
                 f"a {self.kind} layout over cp={self.cp_size} ranks needs the sequence length to "
-                f"be a multiple of {parts}; got {self.total_rows} rows. Pad the sequence (and "
-                f"cu_seqlens) to a multiple of {parts}."
+                f"be a multiple of {parts}; got {self.total_rows} rows. Pad it at the end: "
+                "handle.shard(t, dim, pad_value=...) pads tensors and "
+                "handle.padding(rows).cu_seqlens(cu) the packed boundaries."
             )
 
     @property

@@ -603,3 +603,15 @@ class MindSporeBackend(InstallingBackend):
         if isinstance(t, np.ndarray):
             return np.take(t, np.asarray(index), axis=dim)
         return ops.gather(t, Tensor(np.asarray(index, dtype=np.int64)), int(dim))
+
+    def pad_dim(self, t: Any, dim: int, size: int, value: Any) -> Any:
+        if isinstance(t, np.ndarray):
+            widths = [(0, 0)] * t.ndim
+            widths[dim] = (0, max(int(size) - t.shape[dim], 0))
+            return np.pad(t, widths, constant_values=value)
+        dim = int(dim) % len(t.shape)
+        extra = int(size) - int(t.shape[dim])
+        if extra <= 0:
+            return t
+        shape = (*t.shape[:dim], extra, *t.shape[dim + 1 :])
+        return mint.cat([t, ops.fill(t.dtype, shape, value)], dim)

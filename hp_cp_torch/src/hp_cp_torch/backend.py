@@ -471,3 +471,11 @@ class TorchBackend(InstallingBackend):
 
     def take(self, t: torch.Tensor, index: np.ndarray, dim: int) -> torch.Tensor:
         return t.index_select(dim, _index(index, t.device))
+
+    def pad_dim(self, t: torch.Tensor, dim: int, size: int, value: Any) -> torch.Tensor:
+        dim = dim % t.dim()
+        extra = int(size) - int(t.shape[dim])
+        if extra <= 0:
+            return t
+        shape = (*t.shape[:dim], extra, *t.shape[dim + 1 :])
+        return torch.cat([t, t.new_full(shape, value)], dim=dim)

@@ -318,6 +318,11 @@ class FakeBackend:
     def take(self, t, index, dim):
         return np.take(t, np.asarray(index), axis=dim)
 
+    def pad_dim(self, t, dim, size, value):
+        widths = [(0, 0)] * t.ndim
+        widths[dim] = (0, max(int(size) - t.shape[dim], 0))
+        return np.pad(t, widths, constant_values=value)
+
 
 BACKEND = FakeBackend()
 

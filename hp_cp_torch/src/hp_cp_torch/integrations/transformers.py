@@ -56,6 +56,7 @@ from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
     "DeepseekV4AttentionAdapter",
+    "cp_causal_lm_batch",
     "cp_causal_lm_loss",
     "cp_shift_labels",
     "cp_sum_gradients",
@@ -433,6 +434,37 @@ def cp_shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Ten
     different chunks. Shift the full labels first, then ``handle.shard(shifted, 1)``.
     """
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def cp_causal_lm_batch(
+    handle: Any,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> dict[str, torch.Tensor]:
+    """This rank's part of a causal-LM batch of any length: padded, shifted and sharded.
+
+    ``input_ids`` / ``labels`` are the FULL sequences ``[B, S]`` (``labels`` default to
+    ``input_ids``). The labels are shifted on the full sequence (:func:`cp_shift_labels`),
+    the sequence is padded at the end to what the layout needs (``handle.shard(...,
+    pad_value=...)``: token 0, label ``ignore_index``, so the loss skips the padding) and
+    sharded along dim 1; ``position_ids`` are the global row numbers.
+
+    Returns:
+        ``input_ids``, ``position_ids``, ``labels`` (this rank's rows) and ``n_tokens``: the
+        number of targets of this batch, the divisor of :func:`cp_causal_lm_loss` (sum it
+        over data-parallel ranks when the loss is the mean over the global batch).
+    """
+    labels = input_ids if labels is None else labels
+    shifted = cp_shift_labels(labels, ignore_index)
+    pad = handle.padding(int(input_ids.shape[1]))
+    positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
+    return {
+        "input_ids": handle.shard(input_ids, 1, pad_value=0),
+        "position_ids": handle.shard(positions, 1),
+        "labels": handle.shard(shifted, 1, pad_value=ignore_index),
+        "n_tokens": (shifted != ignore_index).sum(),
+    }
 
 
 def cp_causal_lm_loss(

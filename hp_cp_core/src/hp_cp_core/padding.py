@@ -1,0 +1,94 @@
+"""Any sequence length under CP: how many rows to pad, and the packed boundaries after it.
+
+Note [Padding to the layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A layout cuts the sequence into equal chunks (``cp`` contiguous, ``2 * cp`` load-balanced),
+so the row count must be a multiple of the chunk count. Any other length is padded at the
+END with rows the loss ignores::
+
+    S = 7, cp = 2, load-balanced (4 chunks of 2)     rows:  t0 t1 t2 t3 t4 t5 t6 p
+                                                    rank 0: t0 t1 | t6 p    rank 1: t2 t3 | t4 t5
+
+Trailing rows change nothing before them: attention is causal, a window or compressed slot
+that contains a padding row ends after it, so only padding queries see it. Packed input
+(``cu_seqlens``) gets the padding as its own trailing document, so not even a padding query
+attends into a real document. The loss must skip the padding rows: labels set to the ignore
+index (``handle.shard(labels, 1, pad_value=-100)``), or a mask (``pad_value=0`` on a tensor
+of ones) for the indexer loss's ``loss_mask``.
+
+The math is here (numpy); the backends pad the tensors with their ``pad_dim`` op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hp_cp_core.errors import PlanError
+from hp_cp_core.layout import SequenceLayout
+
+__all__ = ["CPPadding", "pad_for_cp"]
+
+
+@dataclass(frozen=True)
+class CPPadding:
+    """What padding a sequence of ``rows`` rows for a layout adds.
+
+    Attributes:
+        rows: the real rows (tokens) of the sequence.
+        padded_rows: rows after padding: the smallest multiple of the layout's chunk count
+            that is at least ``rows``.
+    """
+
+    rows: int
+    padded_rows: int
+
+    @property
+    def pad_rows(self) -> int:
+        """Rows appended at the end (0 when ``rows`` already fits the layout)."""
+        return self.padded_rows - self.rows
+
+    def cu_seqlens(self, cu_seqlens: object = None) -> np.ndarray:
+        """Packed boundaries of the padded stream: the padding is its own trailing document.
+
+        ``cu_seqlens=None`` (one padded sequence) gives ``[0, padded_rows]``: the padding
+        then trails the sequence in the same document, which is equally exact for causal
+        attention.
+        """
+        if cu_seqlens is None:
+            return np.array([0, self.padded_rows], dtype=np.int64)
+        cu = np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
+        if cu.size < 1 or int(cu[-1]) != self.rows:
+            raise PlanError(
+                f"cu_seqlens must end at the sequence's {self.rows} real rows before padding; "
+                f"got {cu[:8].tolist()}{'...' if cu.size > 8 else ''}. Pass the unpadded "
+                "boundaries of the full (global) sequence."
+            )
+        if self.pad_rows == 0:
+            return cu
+        return np.concatenate([cu, np.array([self.padded_rows], dtype=np.int64)])
+
+    def real_rows(self) -> np.ndarray:
+        """``[padded_rows]`` bool: True for real rows, False for padding."""
+        return np.arange(self.padded_rows) < self.rows
+
+
+def pad_for_cp(rows: int, cp_size: int, layout: str = "contiguous") -> CPPadding:
+    """The padding a sequence of ``rows`` rows needs to be sharded over ``cp_size`` ranks.
+
+    Args:
+        rows: global sequence length (tokens), >= 0.
+        cp_size: ranks of the CP group.
+        layout: ``"contiguous"`` or ``"load_balanced"``.
+
+    Raises:
+        PlanError: a negative length, a cp size below 1 or an unknown layout.
+    """
+    rows = int(rows)
+    if rows < 0:
+        raise PlanError(f"a sequence cannot have {rows} rows; pass its length (>= 0).")
+    if layout not in ("contiguous", "load_balanced"):
+        raise PlanError(f"layout must be 'contiguous' or 'load_balanced', got {layout!r}.")
+    parts = SequenceLayout(layout, int(cp_size), 0).n_chunks
+    return CPPadding(rows, -(-rows // parts) * parts)
