@@ -103,6 +103,7 @@ def parallelize(
     gradient of its own tokens), so FSDP / DDP span the flattened (dp, cp) mesh.
     """
     handle = enable_cp(model, mesh["cp"], DeepSeekV4CPConfig(layout=layout))
+    freeze_indexer(model)
     if checkpointing:  # HF's switch: torch's non-reentrant checkpoint per decoder layer
         model.gradient_checkpointing_enable({"use_reentrant": False})
     dp_cp = mesh["dp", "cp"]._flatten()
@@ -111,9 +112,22 @@ def parallelize(
             fully_shard(layer, mesh=dp_cp)
         fully_shard(model, mesh=dp_cp)
         return model, handle
-    # the CSA indexer gets no gradient in HF (and an expert may get no token): unused
+    # a parameter without gradient on some step (a router no token reached) is allowed
     ddp = DistributedDataParallel(model, process_group=dp_cp.get_group(), find_unused_parameters=True)
     return ddp, handle
+
+
+def freeze_indexer(model: Any) -> None:
+    """HF's CSA indexer only feeds integer top-k ids: it never gets a gradient. Freezing it
+    keeps it out of the optimizer, so the optimizer state (and the checkpoint) has the same
+    keys on every run, resumed or not."""
+    for name, p in model.named_parameters():
+        if ".compressor.indexer." in name:
+            p.requires_grad_(False)
+
+
+def make_optimizer(model: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
 # ----------------------------------------------------------------------------- data
@@ -230,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(overrides, args.seed, device)
     vocab = int(model.config.vocab_size)
     model, handle = parallelize(model, mesh, args.layout, args.parallel, args.checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = make_optimizer(model, args.lr)
     start, losses = 0, []
     if args.resume is not None:
         start, losses = load_checkpoint(args.resume, model, optimizer)
