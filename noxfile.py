@@ -1,12 +1,12 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, example_jax, bench,
+"""Sessions: lint, core (no framework), torch, mindformers, example_jax, example_train, bench,
 bench_mindformers, dist, device, fuzz.
 
-`nox` runs lint, core, torch, mindformers and example_jax; each installs its own distributions
-into a fresh virtualenv, so the core is proven framework-free and every backend is tested with
-its framework for real. Every backend passes the same installed contract suite
+`nox` runs lint, core, torch, mindformers, example_jax and example_train; each installs its
+own distributions into a fresh virtualenv, so the core is proven framework-free and every
+backend is tested with its framework for real. Every backend passes the same installed contract suite
 (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under the entry-point
 group `hp_cp.contract`.
 """
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 
 import nox
 
 nox.needs_version = ">=2024.3"
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax"]
+nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax", "example_train"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11"]
@@ -133,6 +134,25 @@ def example_jax(session: nox.Session) -> None:
         *session.posargs,
         env={"XLA_FLAGS": "--xla_backend_optimization_level=0"},  # JAX compiles every op shape
     )
+
+
+@nox.session(python=PYTHONS)
+def example_train(session: nox.Session) -> None:
+    """examples/train_deepseek_v4_cp.py on 4 gloo ranks (dp 2 x cp 2, FSDP2): 3 steps and a
+    checkpoint, then resumed from it for 2 more steps; checks the loss-curve PNG."""
+    session.install(TORCH)
+    session.install("./hp_cp_core", "./hp_cp_torch[train]", TRANSFORMERS)
+    tmp = session.create_tmp()
+    ckpt, png = os.path.join(tmp, "ckpt"), os.path.join(tmp, "train_loss.png")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    run = ["torchrun", "--standalone", "--nproc-per-node", "4", "examples/train_deepseek_v4_cp.py"]
+    args = ["--dp", "2", "--cp", "2", "--seq-len", "101", "--plot", png]
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run(*run, *args, "--steps", "3", "--save", ckpt, env=env)
+    os.remove(png)
+    session.run(*run, *args, "--steps", "5", "--resume", ckpt, env=env)
+    if not os.path.getsize(png):
+        session.error(f"no loss curve at {png}")
 
 
 @nox.session(python=PYTHONS, default=False)

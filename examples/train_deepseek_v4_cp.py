@@ -113,7 +113,9 @@ def parallelize(
         fully_shard(model, mesh=dp_cp)
         return model, handle
     # a parameter without gradient on some step (a router no token reached) is allowed
-    ddp = DistributedDataParallel(model, process_group=dp_cp.get_group(), find_unused_parameters=True)
+    ddp = DistributedDataParallel(
+        model, process_group=dp_cp.get_group(), find_unused_parameters=True
+    )
     return ddp, handle
 
 
@@ -174,9 +176,7 @@ def train_step(
     batch = cp_causal_lm_batch(handle, ids)
     n_tokens = batch["n_tokens"].clone()
     dist.all_reduce(n_tokens, group=mesh["dp"].get_group())  # targets of the global batch
-    out = model(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-    )
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     share = cp_causal_lm_loss(out.logits, batch["labels"], n_tokens)
     (share * mesh.size()).backward()
     optimizer.step()
@@ -201,7 +201,9 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any) -> tuple[int, list]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     meta = json.loads((path / "train_state.json").read_text())
     return int(meta["step"]), list(meta["losses"])
 

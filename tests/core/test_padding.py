@@ -67,7 +67,9 @@ def test_shard_pads_and_unshard_trims(host: PluginHost, layout: str) -> None:
 
     def rank_fn(rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         layer = make_layer(0, 4)
-        handle = enable_cp(layer, fb.FakeMesh(world, rank), DeepSeekV4CPConfig(layout), plugins=host)
+        handle = enable_cp(
+            layer, fb.FakeMesh(world, rank), DeepSeekV4CPConfig(layout), plugins=host
+        )
         try:
             local = handle.shard(x, 1, pad_value=-7)
             mask = handle.shard(np.ones((1, rows)), 1, pad_value=0)
