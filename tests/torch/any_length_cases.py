@@ -26,13 +26,13 @@ LAYOUTS = ("contiguous", "load_balanced")
 
 def lengths(cp: int, r: int) -> list[int]:
     """Sequence lengths 1 .. 3*cp*r + 1: every one for cp = 2, r = 4; else the boundaries
-    (1, r-1, r, r+1, W-1, W, W+1, 2cp-1, 2cp+1, cp*r+-1, 2*cp*r+-1, 3*cp*r-1, 3*cp*r+1)."""
+    (1, r-1, r, r+1, W-1, W, W+1, 2cp and k*cp*r for k = 1, 2, 3, each -1 and +1)."""
     top = 3 * cp * r + 1
     if cp == 2 and r == 4:
         return list(range(1, top + 1))
-    picks = {1, r - 1, r, r + 1, WINDOW - 1, WINDOW, WINDOW + 1, 2 * cp - 1, 2 * cp + 1}
+    picks = {1, r - 1, r, r + 1, WINDOW - 1, WINDOW, WINDOW + 1, 2 * cp - 1, 2 * cp, 2 * cp + 1}
     for k in (1, 2, 3):
-        picks |= {k * cp * r - 1, k * cp * r + 1}
+        picks |= {k * cp * r - 1, k * cp * r, k * cp * r + 1}
     picks.add(top)
     return sorted(n for n in picks if 1 <= n <= top)
 
