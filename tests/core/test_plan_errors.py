@@ -120,7 +120,8 @@ def test_malformed_cu_seqlens(host: PluginHost) -> None:
 def test_load_balanced_with_odd_local_length(host: PluginHost) -> None:
     fix = (
         "a load_balanced layout over cp=2 ranks needs the sequence length to be a multiple of "
-        "4; got 6 rows. Pad the sequence (and cu_seqlens) to a multiple of 4."
+        "4; got 6 rows. Pad it at the end: handle.shard(t, dim, pad_value=...) pads tensors "
+        "and handle.padding(rows).cu_seqlens(cu) the packed boundaries."
     )
     errors, elapsed = run_each_rank(host, 2, lambda k: (_x(3), None), layout="load_balanced")
     assert_every_rank_raised(errors, elapsed, fix + " (The 2 ranks hold 3 local rows each.)")
@@ -140,7 +141,8 @@ def test_contiguous_layout_needs_a_multiple_of_cp() -> None:
         SequenceLayout("contiguous", 3, 10)
     assert str(err.value) == (
         "a contiguous layout over cp=3 ranks needs the sequence length to be a multiple of 3; "
-        "got 10 rows. Pad the sequence (and cu_seqlens) to a multiple of 3."
+        "got 10 rows. Pad it at the end: handle.shard(t, dim, pad_value=...) pads tensors and "
+        "handle.padding(rows).cu_seqlens(cu) the packed boundaries."
     )
 
 

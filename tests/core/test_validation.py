@@ -108,8 +108,9 @@ def test_rows_must_fill_the_layout_and_cu_seqlens() -> None:
     assert not check_rows(check, 2, "load_balanced")
     assert check.message == (
         "a load_balanced layout over cp=2 ranks needs the sequence length to be a multiple of "
-        "4; got 6 rows. Pad the sequence (and cu_seqlens) to a multiple of 4. (The 2 ranks "
-        "hold 3 local rows each.)"
+        "4; got 6 rows. Pad it at the end: handle.shard(t, dim, pad_value=...) pads tensors "
+        "and handle.padding(rows).cu_seqlens(cu) the packed boundaries. (The 2 ranks hold 3 "
+        "local rows each.)"
     )
     check = LocalCheck(n_local=3, cu_seqlens=np.array([0, 4]))
     assert check_rows(LocalCheck(n_local=3), 2, "contiguous")

@@ -96,7 +96,7 @@ REFERENCE_VARIANTS = {
     "lb_odd": (
         "PlanError",
         False,
-        ["a load_balanced layout over cp=", "got {3w} rows", "Pad the sequence", "3 local rows"],
+        ["a load_balanced layout over cp=", "got {3w} rows", "pad_value=...", "3 local rows"],
     ),
 }
 
