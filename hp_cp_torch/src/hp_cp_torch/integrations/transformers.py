@@ -35,7 +35,8 @@ numbers, attention dropout in training.
 Training: shift the labels on the full sequence *before* sharding (:func:`cp_shift_labels`),
 take :func:`cp_causal_lm_loss` per rank (sum over its tokens / global token count) and sum
 the gradients over the CP group (:func:`cp_sum_gradients`, or DDP/FSDP over a mesh that
-includes the CP dimension).
+includes the CP dimension). :func:`cp_causal_lm_batch` shifts, pads (any sequence length)
+and shards a batch in one call; ``examples/train_deepseek_v4_cp.py`` is a whole recipe.
 """
 
 from __future__ import annotations
