@@ -614,4 +614,4 @@ class MindSporeBackend(InstallingBackend):
         if extra <= 0:
             return t
         shape = (*t.shape[:dim], extra, *t.shape[dim + 1 :])
-        return mint.cat([t, ops.fill(t.dtype, shape, value)], dim)
+        return mint.cat([t, ops.full(tuple(int(s) for s in shape), value, dtype=t.dtype)], dim)
