@@ -299,6 +299,20 @@ def test_empty_slices_stay_differentiable() -> None:
     assert tuple(backend.pad_rows(t, 5).shape) == (5, 2)
 
 
+def test_pad_dim_extends_a_dimension_with_a_value() -> None:
+    """``handle.shard(..., pad_value=...)``'s op: labels padded with the ignore index."""
+    backend = MindSporeBackend(_plugin.find_layers, _plugin.install)
+    x = Tensor(np.arange(6, dtype=np.float32).reshape(1, 3, 2))
+    np.testing.assert_array_equal(
+        backend.pad_dim(x, 1, 5, -7.0).asnumpy()[0, :, 0], [0, 2, 4, -7, -7]
+    )
+    labels = Tensor(np.arange(3, dtype=np.int64).reshape(1, 3))
+    padded = backend.pad_dim(labels, -1, 4, -100)
+    assert padded.dtype == labels.dtype
+    np.testing.assert_array_equal(padded.asnumpy(), [[0, 1, 2, -100]])
+    assert backend.pad_dim(labels, 1, 3, 0) is labels
+
+
 @pytest.mark.parametrize("all_gather", [True, False], ids=["allgather", "allreduce"])
 def test_meta_all_gather_is_exact_for_int64(all_gather: bool) -> None:
     """CPU AllGather truncates int64 and AllReduce takes floats only: meta travels as int32
