@@ -6,9 +6,9 @@ bench_mindformers, dist, device, fuzz.
 
 `nox` runs lint, core, torch, mindformers, example_jax and example_train; each installs its
 own distributions into a fresh virtualenv, so the core is proven framework-free and every
-backend is tested with its framework for real. Every backend passes the same installed contract suite
-(`pytest -p hp_cp_core.testing.contract`), through the driver it registers under the entry-point
-group `hp_cp.contract`.
+backend is tested with its framework for real. Every backend passes the same installed
+contract suite (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under
+the entry-point group `hp_cp.contract`.
 """
 
 from __future__ import annotations

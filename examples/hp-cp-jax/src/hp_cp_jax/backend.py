@@ -146,3 +146,9 @@ class JaxBackend:
 
     def take(self, t: Any, index: np.ndarray, dim: int) -> jax.Array:
         return jnp.take(jnp.asarray(t), jnp.asarray(index, dtype=jnp.int32), axis=dim)
+
+    def pad_dim(self, t: Any, dim: int, size: int, value: Any) -> jax.Array:
+        t = jnp.asarray(t)
+        widths = [(0, 0)] * t.ndim
+        widths[dim] = (0, max(int(size) - int(t.shape[dim]), 0))
+        return jnp.pad(t, widths, constant_values=value)
