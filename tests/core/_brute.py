@@ -162,6 +162,14 @@ class World:
             out.append(out[-1] + (b - a) // self.r)
         return out
 
+    def seen_slots(self, rank: int) -> list[int]:
+        """Slots at least one local query sees."""
+        return sorted({s for t in self.rank_rows[rank] for s in self.visible_slots(t)})
+
+    def slot_halo(self, rank: int) -> list[int]:
+        """Slots a local query sees that another rank computes (what the rank must receive)."""
+        return [s for s in self.seen_slots(rank) if self.owner(s) != rank]
+
     def needed_slots(self, rank: int) -> int:
         """One past the highest slot any local query sees (0 when none)."""
         top = 0

@@ -44,9 +44,12 @@ def run_cp(
     cu: Any = None,
     grid: str = "per_document",
     topk: int = 3,
+    point_to_point: bool = True,
 ) -> list[RankResult]:
-    """Every rank builds its own toy layer (same weights), enables CP, runs, unshards."""
-    world = fb.FakeWorld(cp)
+    """Every rank builds its own toy layer (same weights), enables CP, runs, unshards.
+
+    ``point_to_point=False``: the group offers no point-to-point, slots go by all-gather."""
+    world = fb.FakeWorld(cp, point_to_point=point_to_point)
     config = DeepSeekV4CPConfig(layout=layout)
 
     def rank_fn(rank: int) -> RankResult:

@@ -1,9 +1,10 @@
 """Collective counts and bytes of one CP layer forward on the fake backend.
 
-One forward does exactly one ``exchange_rows`` (window KV halo and x halo in one message per
-peer), at most one ``all_gather_rows`` (main and indexer slots in one collective) and the one
-meta all-gather of the input check. The bytes logged equal rows x row bytes from the plan,
-and the rows received are exactly those the brute-force definitions say the rank reads.
+One forward does exactly one ``exchange_rows`` of halos (window KV and x in one message per
+peer), one more of compressed slots (main and indexer together) when r > 0 (or, on a group
+without point-to-point, one ``all_gather_rows`` instead), and the one meta all-gather of the
+input check. The bytes logged equal rows x row bytes from the plan, and the rows and slots
+received are exactly those the brute-force definitions say the rank reads.
 """
 
 from __future__ import annotations
@@ -52,20 +53,38 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("p2p", [True, False], ids=["p2p", "all_gather"])
 @pytest.mark.parametrize("cp, total, r, window, layout, cu, grid", CASES)
-def test_one_forward_collectives_and_bytes(host, counted, cp, total, r, window, layout, cu, grid):
+def test_one_forward_collectives_and_bytes(
+    host, counted, cp, total, r, window, layout, cu, grid, p2p
+):
     x = np.random.default_rng(0).normal(size=(total, HIDDEN))
     cu_arr = None if cu is None else np.array(cu)
-    results = run_cp(host, cp=cp, x=x, r=r, window=window, layout=layout, cu=cu_arr, grid=grid)
+    results = run_cp(
+        host,
+        cp=cp,
+        x=x,
+        r=r,
+        window=window,
+        layout=layout,
+        cu=cu_arr,
+        grid=grid,
+        point_to_point=p2p,
+    )
     spec = LayerSpec(compress_ratio=r, window_size=window, has_indexer=r == 4, packed_grid=grid)
     world = World(
         total_rows=total, cp=cp, layout=layout, r=r, window=window, cu_seqlens=cu, grid=grid
     )
+    row = D * 8 * (2 if r == 4 else 1)  # main slot (+ indexer key) per slot row
     for rank, res in enumerate(results):
         kinds = [e["kind"] for e in res.log]
-        assert kinds.count("exchange_rows") == 1
-        assert kinds.count("all_gather_rows") == (1 if r else 0)
+        names = [e["name"] for e in res.log]
+        slots = ("slot_exchange" if p2p else "all_gather") if r else None
+        assert names == ["halo_exchange", *([slots] if slots else [])]
+        assert kinds.count("exchange_rows") == (2 if r and p2p else 1)
+        assert kinds.count("all_gather_rows") == (1 if r and not p2p else 0)
         assert len(kinds) == 1 + (1 if r else 0)
+        assert res.stats["compressed_slot_exchange"] == ("p2p" if p2p else "all_gather")
         assert counted.count((rank, "all_gather_meta")) == 1
         assert counted.count((rank, "all_gather_dim")) == 1  # handle.unshard, not the layer
 
@@ -77,7 +96,7 @@ def test_one_forward_collectives_and_bytes(host, counted, cp, total, r, window, 
             total_rows=total,
             cu_seqlens=cu_arr,
         )
-        ex = next(e for e in res.log if e["kind"] == "exchange_rows")
+        ex = next(e for e in res.log if e["name"] == "halo_exchange")
         sent = sum(s.size for s in plan.window.send_rows) * KV_ROW
         recv = sum(plan.window.recv_counts) * KV_ROW
         if r:
@@ -89,16 +108,20 @@ def test_one_forward_collectives_and_bytes(host, counted, cp, total, r, window, 
         need += len(world.x_halo(rank)) * X_ROW if r else 0
         assert ex["recv"] == need
 
-        if r:
+        if r and p2p:  # exactly the remote slots this rank's queries see, once each
+            sx = next(e for e in res.log if e["name"] == "slot_exchange")
+            assert sx["sent"] == plan.slot_exchange.send_total * row
+            assert sx["recv"] == plan.slot_exchange.n_halo * row
+            assert sx["recv"] == len(world.slot_halo(rank)) * row
+        elif r:
             ag = next(e for e in res.log if e["kind"] == "all_gather_rows")
-            row = D * 8 * (2 if r == 4 else 1)  # main slot (+ indexer key) per gathered row
             assert plan.gather_cap == max(len(world.owned(k)) for k in range(cp))
             assert ag["sent"] == plan.gather_cap * row
             assert ag["recv"] == plan.gather_cap * row * (cp - 1)
 
         assert res.stats["bytes_sent"] == sum(e["sent"] for e in res.log)
         assert res.stats["bytes_recv"] == sum(e["recv"] for e in res.log)
-        assert res.stats["collectives"] == {fb.STATS_KIND[k]: kinds.count(k) for k in set(kinds)}
+        assert res.stats["collectives"] == {k: names.count(k) for k in set(names)}
 
 
 def test_symmetric_exchange_even_when_a_rank_needs_nothing(host) -> None:
@@ -109,15 +132,17 @@ def test_symmetric_exchange_even_when_a_rank_needs_nothing(host) -> None:
         assert [(e["kind"], e["sent"], e["recv"]) for e in res.log] == [("exchange_rows", 0, 0)]
 
 
-def test_traffic_totals_balance(host) -> None:
-    """What all ranks send equals what all ranks receive, in both collectives."""
+@pytest.mark.parametrize("p2p", [True, False], ids=["p2p", "all_gather"])
+def test_traffic_totals_balance(host, p2p) -> None:
+    """What all ranks send equals what all ranks receive, in every collective."""
     x = np.random.default_rng(2).normal(size=(64, HIDDEN))
-    results = run_cp(host, cp=4, x=x, r=4, window=20, layout="load_balanced")
-    for kind in ("exchange_rows", "all_gather_rows"):
-        sent = sum(e["sent"] for res in results for e in res.log if e["kind"] == kind)
-        recv = sum(e["recv"] for res in results for e in res.log if e["kind"] == kind)
+    results = run_cp(host, cp=4, x=x, r=4, window=20, layout="load_balanced", point_to_point=p2p)
+    names = ("halo_exchange", "slot_exchange") if p2p else ("halo_exchange", "all_gather")
+    for name in names:
+        sent = sum(e["sent"] for res in results for e in res.log if e["name"] == name)
+        recv = sum(e["recv"] for res in results for e in res.log if e["name"] == name)
         assert sent > 0
-        if kind == "exchange_rows":
-            assert sent == recv
-        else:
+        if name == "all_gather":
             assert recv == sent * (4 - 1)
+        else:
+            assert sent == recv

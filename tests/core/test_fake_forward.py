@@ -29,18 +29,31 @@ def _docs(total: int, local: int, r: int) -> list[int]:
     return [*cu, total]
 
 
-def _check(host, *, cp, total, r, window, layout, docs, topk=3) -> None:
+def _check(host, *, cp, total, r, window, layout, docs, topk=3, point_to_point=True) -> None:
     grid = "global" if docs == "packed-global" else "per_document"
     cu = None if docs == "padded" else np.array(_docs(total, total // cp, r))
     x = np.random.default_rng(cp * 1000 + total + r).normal(size=(total, 6))
     ref = fb.single_device(make_layer(r, window, grid, topk), x, cu)
     results = run_cp(
-        host, cp=cp, x=x, r=r, window=window, layout=layout, cu=cu, grid=grid, topk=topk
+        host,
+        cp=cp,
+        x=x,
+        r=r,
+        window=window,
+        layout=layout,
+        cu=cu,
+        grid=grid,
+        topk=topk,
+        point_to_point=point_to_point,
     )
     for rank, res in enumerate(results):
         np.testing.assert_allclose(res.full, ref, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
-    if cp > 1:  # the CP path really ran: every rank exchanged halos
+    if cp > 1:  # the CP path really ran: every rank exchanged halos (and slots point to point)
+        slots = 1 if r and point_to_point else 0
         assert all(res.stats["collectives"].get("halo_exchange") == 1 for res in results)
+        assert all(res.stats["collectives"].get("slot_exchange", 0) == slots for res in results)
+        kind = "p2p" if point_to_point else "all_gather"
+        assert all(res.stats["compressed_slot_exchange"] == kind for res in results)
 
 
 @pytest.mark.parametrize("docs", ["padded", "packed-per_document", "packed-global"])
@@ -61,6 +74,17 @@ def test_cp_forward_hca_ratio_128(host, cp: int, layout: str, docs: str) -> None
     _check(host, cp=cp, total=total, r=128, window=128, layout=layout, docs=docs)
 
 
+@pytest.mark.parametrize("docs", ["padded", "packed-per_document", "packed-global"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("r", [4, 8])
+@pytest.mark.parametrize("cp", [2, 3, 8])
+def test_cp_forward_all_gather_fallback(host, cp: int, r: int, layout: str, docs: str) -> None:
+    """A group without point-to-point gets the compressed slots by all-gather: same result."""
+    _check(
+        host, cp=cp, total=10 * cp, r=r, window=16, layout=layout, docs=docs, point_to_point=False
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     cp=st.integers(2, 8),
@@ -71,15 +95,27 @@ def test_cp_forward_hca_ratio_128(host, cp: int, layout: str, docs: str) -> None
     grid=st.sampled_from(["per_document", "global"]),
     lengths=st.lists(st.integers(0, 40), max_size=6),
     topk=st.integers(1, 5),
+    point_to_point=st.booleans(),
 )
-def test_cp_forward_random_documents(cp, r, chunk, window, layout, grid, lengths, topk):
+def test_cp_forward_random_documents(
+    cp, r, chunk, window, layout, grid, lengths, topk, point_to_point
+):
     total = chunk * cp * (2 if layout == "load_balanced" else 1)
     cuts = [int(c) for c in np.cumsum(lengths) if 0 < c < total] if lengths else []
     cu = np.array([0, *cuts, total])
     x = np.random.default_rng(total).normal(size=(total, 6))
     ref = fb.single_device(make_layer(r, window, grid, topk), x, cu)
     results = run_cp(
-        fake_host(), cp=cp, x=x, r=r, window=window, layout=layout, cu=cu, grid=grid, topk=topk
+        fake_host(),
+        cp=cp,
+        x=x,
+        r=r,
+        window=window,
+        layout=layout,
+        cu=cu,
+        grid=grid,
+        topk=topk,
+        point_to_point=point_to_point,
     )
     for res in results:
         np.testing.assert_allclose(res.full, ref, rtol=1e-12, atol=1e-12)

@@ -4,8 +4,9 @@ For random cp (1..8), layout, r in {0, 4, 128}, W, and padded or packed sequence
 document lengths: empty, shorter than r, longer than a whole shard; both packed grids), every
 rank's :class:`~hp_cp_core.plan.RankPlan` must say exactly what the definitions say: window
 keys, slots and their owners, visible slots, RoPE positions, compressed cu_seqlens, the halo
-rows (and nothing else) each rank receives, the select-and-pad gather order, and compressor
-segments that produce exactly the owned slots.
+rows (and nothing else) each rank receives, the select-and-pad gather order, the compressed
+slots each rank receives point to point (exactly the remote slots its queries see) and its
+global-order slot buffer, and compressor segments that produce exactly the owned slots.
 """
 
 from __future__ import annotations
@@ -129,6 +130,33 @@ def _check_halo(world: World, plans: list, kind: str, rank: int, expected: list[
     assert from_halo == ext
 
 
+def _check_slot_exchange(world: World, plans: list, rank: int) -> None:
+    """Point-to-point slots: the rank receives exactly the remote slots its queries see, once
+    each, and ``[received ; owned ; zero]`` through ``buffer_index`` is global slot order."""
+    ex = plans[rank].slot_exchange
+    per_source = []
+    for src in range(world.cp):
+        owned_src = world.owned(src)
+        sent = plans[src].slot_exchange.send_rows[rank].tolist()
+        per_source.append([owned_src[i] for i in sent])
+    received = [s for ids in per_source for s in ids]
+    assert sorted(received) == world.slot_halo(rank), f"slots received by rank {rank}"
+    assert len(set(received)) == len(received), "a slot arrives twice"
+    assert ex.recv_slots.tolist() == received
+    assert ex.n_halo == len(received)
+    assert list(ex.recv_counts) == [len(ids) for ids in per_source]
+    assert ex.send_rows[rank].size == 0
+    for src, ids in enumerate(per_source):
+        assert ids == sorted(ids) and all(world.owner(s) == src for s in ids)
+    n = world.needed_slots(rank)
+    assert ex.n_buffer == n
+    pool = received + world.owned(rank) + [-1]  # -1: the zero row
+    buffer = pool[:n] if ex.buffer_index is None else [pool[i] for i in ex.buffer_index.tolist()]
+    seen, owned = set(world.seen_slots(rank)), set(world.owned(rank))
+    assert buffer == [s if s in seen or s in owned else -1 for s in range(n)]
+    assert ex.n_filler == buffer.count(-1)
+
+
 def _check_rank(world: World, plans: list, rank: int, x: np.ndarray, toy) -> None:
     plan = plans[rank]
     local = world.rank_rows[rank]
@@ -188,7 +216,9 @@ def _check_rank(world: World, plans: list, rank: int, x: np.ndarray, toy) -> Non
 
     if world.r == 0:
         assert plan.x is None and plan.segments == () and plan.cmp_cu_seqlens is None
+        assert plan.slot_exchange is None
         return
+    _check_slot_exchange(world, plans, rank)
 
     # compressed cu_seqlens (per-document grid)
     if world.packed and world.grid == "per_document":

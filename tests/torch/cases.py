@@ -433,18 +433,19 @@ def check_parity(case: Case, got: dict) -> None:
 
 
 def check_comm_counts(case: Case, results: list[dict]) -> None:
-    """One halo exchange, at most one all-gather per forward (and their backward twins)."""
+    """One halo exchange and, when r > 0, one slot exchange per forward (point to point on
+    torch), and their backward twins."""
     for res in results:
         fwd = res["stats_fwd"]["collectives"]
         bwd = res["stats_bwd"]["collectives"]
         if res["cp_size"] == 1:  # the CP path runs its exchanges on a group of one
             assert res["stats_bwd"]["bytes_sent"] == res["stats_bwd"]["bytes_recv"] == 0
-        gathers = 1 if case.r else 0
-        assert fwd == {"halo_exchange": 1, **({"all_gather": 1} if gathers else {})}, fwd
+        assert fwd == {"halo_exchange": 1, **({"slot_exchange": 1} if case.r else {})}, fwd
         want = {"halo_exchange": 1, "halo_exchange_bwd": 1}
-        if gathers:
-            want.update(all_gather=1, all_gather_bwd=1)
+        if case.r:
+            want.update(slot_exchange=1, slot_exchange_bwd=1)
         assert bwd == want, bwd
+        assert res["stats_fwd"]["compressed_slot_exchange"] == "p2p"
 
 
 # ------------------------------------------------------------------------------ the job
@@ -732,10 +733,10 @@ def stats_bytes_case(case: Case) -> dict:
     x_row = batch * cfg.hidden_size * 4
     sent = plan.window.send_total * kv_row + (plan.x.send_total * x_row if plan.x else 0)
     recv = plan.window.n_halo * kv_row + (plan.x.n_halo * x_row if plan.x else 0)
-    if case.r:
+    if case.r:  # point to point: only the slots the peer's queries see
         slot_row = batch * (cfg.head_dim + (cfg.index_head_dim if case.r == 4 else 0)) * 4
-        sent += plan.gather_cap * slot_row
-        recv += plan.gather_cap * slot_row * (case.cp - 1)
+        sent += plan.slot_exchange.send_total * slot_row
+        recv += plan.slot_exchange.n_halo * slot_row
     return {"stats": stats, "want_sent": sent, "want_recv": recv}
 
 

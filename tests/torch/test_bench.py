@@ -12,12 +12,14 @@ import pytest
 from hp_cp_core.layout import SequenceLayout
 from hp_cp_torch import bench
 from hp_cp_torch.bench import Shapes, comm_per_rank, work_per_rank
+from hp_cp_torch.bench_traffic import traffic_measures, ulysses_rank_bytes
 
 SMALL = Shapes(hidden=48, head_dim=16, n_heads=2, index_heads=2, index_dim=8, topk=3, window=8)
 
 
 def brute_lower_bound(seq, cp, ratio, layout, shapes):
-    """Per rank: remote window rows and remote-dependent visible slots, by loops."""
+    """Per rank: remote window rows, remote-dependent visible slots, and visible slots another
+    rank owns (what the point-to-point exchange delivers), by loops."""
     lay = SequenceLayout(layout, cp, seq)
     owner = lay.rank_of(np.arange(seq))
     out = []
@@ -25,13 +27,16 @@ def brute_lower_bound(seq, cp, ratio, layout, shapes):
         rows = [t for t in range(seq) if owner[t] == k]
         win = {j for t in rows for j in range(max(0, t - shapes.window + 1), t + 1)}
         win = {j for j in win if owner[j] != k}
-        slots = set()
+        slots, remote = set(), set()
         for j in range(seq // ratio if ratio else 0):
             last = j * ratio + ratio - 1
             dep = j * ratio - (ratio if ratio == 4 and j > 0 else 0)
-            if any(last <= t for t in rows) and any(owner[i] != k for i in range(dep, last + 1)):
+            visible = any(last <= t for t in rows)
+            if visible and any(owner[i] != k for i in range(dep, last + 1)):
                 slots.add(j)
-        out.append((len(win), len(slots)))
+            if visible and owner[last] != k:
+                remote.add(j)
+        out.append((len(win), len(slots), len(remote)))
     return out
 
 
@@ -44,22 +49,44 @@ def test_lower_bound_matches_per_token_definition(seq, cp, ratio, layout):
         pytest.skip("layout needs S % 2cp == 0")
     c = comm_per_rank(seq, cp, ratio, layout, SMALL)
     width = SMALL.head_dim + (SMALL.index_dim if ratio == 4 else 0)
-    for k, (win, slots) in enumerate(brute_lower_bound(seq, cp, ratio, layout, SMALL)):
+    for k, (win, slots, remote) in enumerate(brute_lower_bound(seq, cp, ratio, layout, SMALL)):
         assert c["lower_window"][k] == win * SMALL.head_dim * SMALL.elem_bytes
         assert c["lower_slots"][k] == slots * width * SMALL.elem_bytes
-        # the plan's window halo is exactly the rows the queries read
+        # the plan's window halo is exactly the rows the queries read, and the point-to-point
+        # slots exactly the visible ones another rank computes
         assert c["ours_window"][k] == c["lower_window"][k]
+        assert c["ours_slots"][k] == remote * width * SMALL.elem_bytes
 
 
 def test_flash_traffic_against_the_worked_example():
     """MindFormers' CP: S = 131072, cp = 8, bf16."""
     c = comm_per_rank(131072, 8, 4)
     # MF: window tails 7*127*D + compressor tails 7*4*H + 7*4097*(D + Di)
-    assert c["allgather"].max() == (7 * 127 * 512 + 7 * 4 * 4096 + 7 * 4097 * 640) * 2
-    # ours: window halo 127 rows of D, x halo of 4 rows, all-gather of 4096 slots per rank
-    assert c["ours"][1] == (127 * 512 + 4 * 4096 + 7 * 4096 * 640) * 2
+    assert c["mindformers"].max() == (7 * 127 * 512 + 7 * 4 * 4096 + 7 * 4097 * 640) * 2
+    # ours: window halo 127 rows of D, x halo of 4 rows, rank 0's 4096 slots point to point
+    assert c["ours"][1] == (127 * 512 + 4 * 4096 + 4096 * 640) * 2
+    # the all-gather fallback: 4096 slots from each of the 7 peers
+    assert c["ours_allgather_fallback"][1] == (127 * 512 + 4 * 4096 + 7 * 4096 * 640) * 2
     assert c["lower"][7] == (127 * 512 + (7 * 4096 + 1) * 640) * 2
     assert (c["ours"] >= c["lower"]).all()
+    # Ulysses: q and o all-to-all, KV, x and the query residual all-gathered
+    rows = 131072 // 8
+    want = 2 * 7 * rows * 64 * 512 // 8 + 7 * rows * (512 + 4096 + 1024)
+    assert (c["ulysses"] == want * 2).all() and ulysses_rank_bytes(131072, 8, 4) == want * 2
+
+
+def test_every_rank_at_its_own_lower_bound():
+    """The bench's traffic targets, at a scaled-down S (the ratios hardly depend on S)."""
+    res = traffic_measures(16384, 8)
+    for lay in ("contiguous", "balanced"):
+        for r in (0, 4, 128):
+            assert res[f"comm_max_rank_over_own_lower_bound_{lay}_r{r}"] <= 1.05, (lay, r)
+            assert res[f"comm_total_over_sum_lower_bounds_{lay}_r{r}"] <= 1.05, (lay, r)
+            assert res[f"comm_bytes_unneeded_{lay}_r{r}"] == 0, (lay, r)
+    # the all-gather fallback delivers every rank's slots everywhere: far above the bound
+    assert res["comm_allgather_fallback_total_over_sum_lower_bounds_contiguous_r4"] > 1.5
+    assert res["comm_allgather_fallback_bytes_unneeded_contiguous_r4"] > 0  # rank 0's
+    assert res["ulysses_bytes_over_ours_r4"] > 1.0
 
 
 def test_work_counts():
@@ -122,8 +149,17 @@ def test_bench_main_small(tmp_path, capsys):
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
     required = [
-        *[f"comm_max_rank_bytes_over_lower_bound_r{r}" for r in (0, 4, 128)],
-        *[f"comm_allgather_strategy_over_ours_r{r}" for r in (0, 4, 128)],
+        *[
+            f"comm_{what}_{lay}_r{r}"
+            for what in ("max_rank_over_own_lower_bound", "total_over_sum_lower_bounds")
+            for lay in ("contiguous", "balanced")
+            for r in (0, 4, 128)
+        ],
+        *[
+            f"{peer}_bytes_over_ours_r{r}"
+            for peer in ("mindformers_allgather", "ulysses")
+            for r in (0, 4, 128)
+        ],
         *[f"work_max_over_mean_{lay}_r{r}" for lay in ("contiguous", "balanced") for r in (4, 128)],
         "plan_build_seconds_s1m_cp8",
         "saved_bytes_efficient_over_smallop",

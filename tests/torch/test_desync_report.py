@@ -2,7 +2,7 @@
 backward, the error on each waiting rank names the collective it waits in, its number and
 layer, and what every peer last entered (see Note [Desync report] in
 ``hp_cp_torch/desync.py``). One 3-rank job, a two-layer stack under one handle, forward
-collectives per layer: ``all_gather_meta``, ``halo_exchange``, ``all_gather`` (#1-#6)."""
+collectives per layer: ``all_gather_meta``, ``halo_exchange``, ``slot_exchange`` (#1-#6)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from hp_cp_torch.launch import run_ranks
 pytestmark = pytest.mark.slow
 
 WORLD = 3
-LAST_FORWARD = "all_gather #6 (layer 1)"
-FIRST_BACKWARD = r"all_gather backward \(reduce_scatter\) #7 \(layer 1\)"
-"""Backward runs the exchanges in reverse forward order (the order token): layer 1's gather
-first."""
+LAST_FORWARD = "slot_exchange #6 (layer 1)"
+FIRST_BACKWARD = r"slot_exchange backward #7 \(layer 1\)"
+"""Backward runs the exchanges in reverse forward order (the order token): layer 1's slot
+exchange first."""
 
 _JOB: list = []
 

@@ -274,8 +274,8 @@ def test_enable_cp_rejects_meshes_specs_and_a_second_enable() -> None:
 WAITS_IN = {
     "skip": "all_gather_meta",
     "extract_ori_kv": "halo_exchange",
-    "compress_main": "all_gather",
-    "run_attention": "all_gather backward (reduce_scatter)",
+    "compress_main": "slot_exchange",
+    "run_attention": "slot_exchange backward",
 }
 FAULTS = [(2, s) for s in WAITS_IN] + [(3, "skip"), (3, "run_attention")]
 
@@ -328,7 +328,7 @@ def test_backward_runs_every_collective_when_gradients_are_zero(world, case, how
     per_rank = _case_result(world, zero_grad_name(case, how))
     want_bwd = {"halo_exchange": 1, "halo_exchange_bwd": 1}
     if case.r:
-        want_bwd.update(all_gather=1, all_gather_bwd=1)
+        want_bwd.update(slot_exchange=1, slot_exchange_bwd=1)
     for r in per_rank:  # every rank ran forward and backward collectives once
         assert r["stats"]["collectives"] == want_bwd, (r["cp_rank"], r["stats"]["collectives"])
     rank0 = next(r for r in per_rank if r["cp_rank"] == 0)

@@ -24,7 +24,7 @@ def test_patched_module_matches_single_device(world: int, case: AdapterCase) -> 
     for r in per_rank:
         assert r["restored"], "disable_cp left the patched forward in place"
         fwd = r["stats"]["collectives"]
-        assert fwd == {"halo_exchange": 1, **({"all_gather": 1} if case.r else {})}, fwd
+        assert fwd == {"halo_exchange": 1, **({"slot_exchange": 1} if case.r else {})}, fwd
         k = r["cp_rank"]
         offsets = [pos for pos, _, _ in r["calls"]]
         if case.layout == "load_balanced":  # one call per chunk: k and 2cp-1-k

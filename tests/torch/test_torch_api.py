@@ -127,7 +127,11 @@ def test_stats_report_the_bytes_of_the_plan(case: Case) -> None:
         assert stats["backend"] == "torch" and stats["cp_size"] == 2
         assert stats["bytes_sent"] == r["want_sent"]
         assert stats["bytes_recv"] == r["want_recv"]
-        assert stats["collectives"] == {"halo_exchange": 1, **({"all_gather": 1} if case.r else {})}
+        assert stats["collectives"] == {
+            "halo_exchange": 1,
+            **({"slot_exchange": 1} if case.r else {}),
+        }
+        assert stats["compressed_slot_exchange"] == "p2p"
 
 
 # ------------------------------------------------------------------ bad input

@@ -89,7 +89,7 @@ def test_indexer_selects_across_ranks_without_ties(suite: dict) -> None:
 def test_traffic_is_reported(suite: dict) -> None:
     for res in suite["results"]:
         assert res["bytes_sent"] > 0 and res["bytes_recv"] > 0, _case_id(res)
-        assert res["collectives"]["all_gather"] == 2, _case_id(res)  # CSA and HCA layers
+        assert res["collectives"]["slot_exchange"] == 2, _case_id(res)  # CSA and HCA layers
 
 
 @pytest.mark.slow

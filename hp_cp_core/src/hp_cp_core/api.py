@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core.backend import Backend, Group
+from hp_cp_core.collectives import slot_exchange_kind
 from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
 from hp_cp_core.errors import BackendNotFoundError, HpCpError
 from hp_cp_core.forward import DeepSeekV4CPForward
@@ -133,6 +134,7 @@ class CPHandle:
             "layout": self.config.layout,
             "layers": len(self.layers),
             "plan_cache": self.cache.stats(),
+            "compressed_slot_exchange": slot_exchange_kind(self.group),
         }
         out.update(self.group.stats())
         return out

@@ -25,6 +25,12 @@ class Group(Protocol):
     runs the exchanges in exactly the reverse forward order on every rank; see
     Note [Backward order] in :mod:`hp_cp_core.collectives`. A token is ``None`` when the
     framework records no backward (grad disabled); then the ops pass it through.
+
+    A group whose ``exchange_rows`` moves only the rows asked for (real point-to-point
+    messages) declares the class attribute ``point_to_point = True``; the core then sends the
+    compressed slots through it too, each rank receiving only the slots its queries see.
+    Without it (an ``exchange_rows`` built on an all-gather, say) the slots travel by
+    ``all_gather_rows``. ``handle.stats()["compressed_slot_exchange"]`` says which ran.
     """
 
     rank: int
@@ -41,15 +47,19 @@ class Group(Protocol):
     def exchange_rows(
         self, items: Sequence[tuple[Tensor, Any]], token: Any
     ) -> tuple[list[Tensor], Any]:
-        """Point-to-point halo exchange of several tensors in one message per peer.
+        """Point-to-point exchange of rows of several tensors in one message per peer.
 
-        ``items`` are ``(tensor, HaloPlan)`` pairs (a tensor may have 0 rows). For each, rank
-        ``r`` sends ``tensor[plan.send_rows[d]]`` to rank ``d`` and receives
-        ``plan.recv_counts[s]`` rows from each rank ``s``. Returns, per item,
-        ``[received rows in source-rank order ; tensor]``, and the next token. Backward sends
-        the gradient of the received rows back to their owners and adds it to the gradient of
-        the rows they sent; it runs after the backward of every later exchange of the layer
-        (it needs the returned token's gradient), also on a rank that sent and received nothing.
+        ``items`` are ``(tensor, plan)`` pairs (a tensor may have 0 rows), ``plan`` a
+        :class:`~hp_cp_core.plan.HaloPlan` (window KV and x halos) or a
+        :class:`~hp_cp_core.slot_exchange.SlotExchangePlan` (compressed slots); both give
+        ``send_rows``, ``recv_counts``, ``n_halo`` (rows received) and ``exchange_name`` (for
+        counters and error messages). For each item, rank ``r`` sends
+        ``tensor[plan.send_rows[d]]`` to rank ``d`` and receives ``plan.recv_counts[s]`` rows
+        from each rank ``s``. Returns, per item, ``[received rows in source-rank order ;
+        tensor]``, and the next token. Backward sends the gradient of the received rows back
+        to their owners and adds it to the gradient of the rows they sent; it runs after the
+        backward of every later exchange of the layer (it needs the returned token's
+        gradient), also on a rank that sent and received nothing.
         """
 
     def all_gather_rows(self, tensor: Tensor, token: Any) -> tuple[Tensor, Any]:

@@ -1,29 +1,32 @@
 """The exchanges of one layer, written against the :class:`~hp_cp_core.backend.Group` protocol.
 
-One point-to-point message per peer carries the window KV halo and the x halo together; one
-all-gather carries the main and indexer compressed slots together. See
-Note [Halos and the ext frame] in :mod:`hp_cp_core.plan`.
+One point-to-point message per peer carries the window KV halo and the x halo together
+(Note [Halos and the ext frame] in :mod:`hp_cp_core.plan`). The main and indexer compressed
+slots travel together too: point to point, each rank receiving only the slots its queries see
+(Note [Causal-prefix slot exchange] in :mod:`hp_cp_core.slot_exchange`), when the group
+declares ``point_to_point``; else by one all-gather of every rank's slots.
 
 Note [Backward order]
 ~~~~~~~~~~~~~~~~~~~~~
 A collective returns only when every rank of the group has entered it, so every rank must
 run the same backward collectives in the same order. Autograd promises no order between
 nodes that do not depend on each other. On a rank that owns no compressed slot (L < r), the
-halo exchange and the slot all-gather are independent in its graph and the engine may run
+halo exchange and the slot exchange are independent in its graph and the engine may run
 the halo's backward first, while on its peers the compressor reads the halo, so the
-all-gather's backward must come first there: each rank then waits in a different collective,
+slot exchange's backward must come first there: each rank then waits in a different collective,
 forever. Which order a rank picks depends on the user's module, not on us.
 
 So the order is made a data dependence. Each layer forward threads one *order token* through
 its exchanges (``Group.begin_order`` / each exchange / ``Group.end_order``):
 
-    x --begin_order--> t0 --exchange_rows--> t1 --all_gather_rows--> t2 --end_order--> out
-                          (window KV, x halo)     (compressed slots)
+    x --begin_order--> t0 --exchange_rows--> t1 --exchange_rows--> t2 --end_order--> out
+                          (window KV, x halo)   (compressed slots; all_gather_rows
+                                                  on a group without point-to-point)
 
 An exchange's backward needs the gradient of the token it returned, which only the next
 exchange's backward (``end_order``'s for the last one) produces:
 
-    out.grad -> end_order -> t2.grad -> all_gather bwd -> t1.grad -> exchange bwd -> t0.grad -> x
+    out.grad -> end_order -> t2.grad -> slot bwd -> t1.grad -> halo bwd -> t0.grad -> x
 
 so every rank runs them last to first, whatever its module computes, and a rank that never
 used an exchange's output still runs its backward (the token keeps it in the graph). Between
@@ -69,6 +72,25 @@ def exchange_halos(
         if plan.x.halo_gather is not None:
             halo_x = ops.index_rows(halo_x, plan.x.halo_gather)
     return ori_ext, halo_x, token
+
+
+def slot_exchange_kind(group: Group) -> str:
+    """How compressed slots travel on ``group``: ``"p2p"`` when it declares
+    ``point_to_point = True`` (its ``exchange_rows`` moves only the rows asked for), else
+    ``"all_gather"`` (the fallback every group supports)."""
+    return "p2p" if getattr(group, "point_to_point", False) else "all_gather"
+
+
+def exchange_compressed_slots(
+    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan, token: Any
+) -> tuple[list[Any], Any]:
+    """Every rank's owned slots of several compressors, point to point in one message per
+    peer, each rank receiving only the slots its queries see.
+
+    Returns, per input, ``[received (source-rank order) ; owned]``, and the next order
+    token; see :func:`~hp_cp_core.compression.slot_buffer` for putting it in global order.
+    """
+    return group.exchange_rows([(t, plan.slot_exchange) for t in owned], token)
 
 
 def gather_compressed_slots(

@@ -8,9 +8,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hp_cp_core.backend import Backend, Group
-from hp_cp_core.collectives import gather_compressed_slots
+from hp_cp_core.collectives import (
+    exchange_compressed_slots,
+    gather_compressed_slots,
+    slot_exchange_kind,
+)
 from hp_cp_core.config import DeepSeekV4CPContext
 from hp_cp_core.plan import RankPlan
+from hp_cp_core.slot_exchange import SlotExchangePlan
 
 CompressFn = Callable[[Any, int], Any]
 
@@ -52,11 +57,29 @@ def select_and_pad_smallop(ops: Backend, gathered: Any, plan: RankPlan) -> Any:
     return ops.index_rows(gathered, plan.gather_index[: plan.n_needed_slots])
 
 
+def slot_buffer(ops: Backend, exchanged: Any, slots: SlotExchangePlan) -> Any:
+    """Global slots ``0 .. slots.n_buffer - 1`` out of ``[received ; owned]`` (a zero row
+    stands for the slots no local query sees; Note [Causal-prefix slot exchange])."""
+    if slots.buffer_index is None:
+        return ops.narrow(exchanged, 0, slots.n_buffer)
+    shape = ops.shape(exchanged)
+    flat = ops.flatten_rows(exchanged)
+    if slots.n_filler:
+        flat = ops.pad_rows(flat, shape[0] + 1)
+    picked = ops.index_rows(flat, slots.buffer_index)
+    return ops.unflatten_rows(picked, (slots.n_buffer, *shape[1:]))
+
+
 def build_global_compressed_kv_for_cp(
     group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan, token: Any
 ) -> tuple[list[Any], Any]:
-    """Every rank's owned slots (main, then indexer) gathered in one collective, global
-    order, and the next order token (Note [Backward order] in :mod:`hp_cp_core.collectives`)."""
+    """Every rank's owned slots (main, then indexer) in global slot order ``0 ..
+    plan.n_needed_slots - 1``, moved in one exchange: point to point when the group offers it
+    (:func:`~hp_cp_core.collectives.slot_exchange_kind`), else one all-gather; and the next
+    order token (Note [Backward order] in :mod:`hp_cp_core.collectives`)."""
+    if slot_exchange_kind(group) == "p2p":
+        exchanged, token = exchange_compressed_slots(group, ops, owned, plan, token)
+        return [slot_buffer(ops, t, plan.slot_exchange) for t in exchanged], token
     gathered, token = gather_compressed_slots(group, ops, owned, plan, token)
     return [select_and_pad_smallop(ops, g, plan) for g in gathered], token
 
@@ -65,5 +88,6 @@ __all__ = [
     "build_global_compressed_kv_for_cp",
     "build_x_ext",
     "select_and_pad_smallop",
+    "slot_buffer",
     "stage1_compress_with_halo",
 ]

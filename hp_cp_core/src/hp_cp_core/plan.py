@@ -37,6 +37,7 @@ from hp_cp_core.indices import (
     window_start_rows,
 )
 from hp_cp_core.layout import Documents, SequenceLayout
+from hp_cp_core.slot_exchange import SlotExchangePlan, build_slot_exchange, visible_slot_ranges
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +62,7 @@ class HaloPlan:
     ext_from_recv: np.ndarray | None
     ext_from_halo: np.ndarray | None
     halo_gather: np.ndarray | None
+    exchange_name = "halo_exchange"
 
     @property
     def n_halo(self) -> int:
@@ -134,6 +136,8 @@ class RankPlan:
         gather_index: position of global slot s in the rank-major all-gather buffer.
         n_needed_slots: global slots ``0 .. n-1`` this rank's queries may read.
         cmp_cu_seqlens: compressed document boundaries (per-document grid), else ``None``.
+        slot_exchange: the point-to-point alternative to the all-gather (only the slots this
+            rank's queries see; Note [Causal-prefix slot exchange]); ``None`` when r = 0.
         send_bytes_rows / recv rows are in the HaloPlans; ``owned_counts`` per rank.
     """
 
@@ -159,6 +163,7 @@ class RankPlan:
     gather_index: np.ndarray
     n_needed_slots: int
     cmp_cu_seqlens: np.ndarray | None
+    slot_exchange: SlotExchangePlan | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def attention_runs(self) -> list[AttentionRun]:
@@ -328,6 +333,10 @@ def build_rank_plan(
     # queries that see no slot may have cmp_start past the last slot (global grid): skip them
     seen = cmp_count > 0
     needed = int((cmp_start + cmp_count)[seen].max()) if seen.any() else 0
+    slot_exchange = None
+    if r > 0:
+        ranges = visible_slot_ranges(layout, docs, r, grid)
+        slot_exchange = build_slot_exchange(owners, ranges, rank, cp_size, needed)
     if grid == "per_document" and packed:
         positions = local_rows - docs.start_of(local_rows)
     else:
@@ -359,6 +368,7 @@ def build_rank_plan(
         gather_index=gather_index,
         n_needed_slots=needed,
         cmp_cu_seqlens=build_cmp_cu_seqlens(docs.cu_seqlens, r) if packed and r else None,
+        slot_exchange=slot_exchange,
     )
 
 

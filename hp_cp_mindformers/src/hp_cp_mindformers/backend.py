@@ -221,6 +221,10 @@ class _ExchangeLayout:
 class MindSporeGroup:
     """A CP group on ``mindspore.communication`` implementing the core's ``Group`` protocol."""
 
+    # exchange_rows is an AllGather of every rank's send rows on every device (see the module
+    # docstring): compressed slots take the core's all-gather path, which moves less through it
+    point_to_point = False
+
     def __init__(self, info: MeshInfo, caps: Capabilities | None = None) -> None:
         self.name = info.group
         self.rank = info.rank

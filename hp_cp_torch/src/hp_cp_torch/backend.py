@@ -7,10 +7,12 @@ backward collective, in reverse forward order, even when it received nothing or 
 what it received:
 
 * :class:`_OrderBegin`: the first token, tied to the layer input (zero gradient).
-* :class:`_HaloExchange`: one point-to-point message per peer carrying the window KV halo
-  and the x halo as raw bytes; backward returns the halo gradients to their owners.
-* :class:`_AllGatherRows`: all-gather of the padded compressed slots (main and indexer in one
-  buffer); backward reduce-scatters.
+* :class:`_HaloExchange`: one point-to-point message per peer carrying several tensors' rows
+  as raw bytes: the window KV halo and the x halo (``halo_exchange``), or the compressed
+  slots a peer's queries see, main and indexer (``slot_exchange``); backward returns the
+  gradients of the received rows to their owners.
+* :class:`_AllGatherRows`: all-gather of rows (``handle.unshard``; the compressed slots on a
+  group without point-to-point, not this one); backward reduce-scatters.
 * :class:`_OrderEnd`: identity on the layer output that starts the chain in backward.
 
 A collective that fails or times out (a peer raised inside the layer and never joined it)
@@ -131,6 +133,8 @@ def _collective(group: TorchGroup, name: str, layer: int | None = _CURRENT) -> I
 
 class TorchGroup:
     """A CP group on ``torch.distributed`` implementing the core's ``Group`` protocol."""
+
+    point_to_point = True  # batched isend / irecv: compressed slots go point to point
 
     def __init__(self, pg: Any) -> None:
         self.pg = pg
@@ -311,6 +315,11 @@ def _from_bytes(buf: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tenso
     return buf.view(like.dtype).view(rows, *like.shape[1:])
 
 
+def _exchange_name(plans: Sequence[Any]) -> str:
+    """``halo_exchange`` or ``slot_exchange``: the plans' name, for counters and errors."""
+    return getattr(plans[0], "exchange_name", "halo_exchange") if plans else "halo_exchange"
+
+
 def _index(plan_rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(plan_rows, dtype=torch.long, device=device)
 
@@ -334,9 +343,10 @@ class _HaloExchange(torch.autograd.Function):
             n = sum(p.recv_counts[peer] * _row_bytes(t) for t, p in zip(tensors, plans))
             if n:
                 recv_sizes[peer] = n
-        recvs = group.p2p(sends, recv_sizes, "halo_exchange")
+        ctx.name = name = _exchange_name(plans)
+        recvs = group.p2p(sends, recv_sizes, name)
         sent = sum(b.numel() for b in sends.values())
-        group.count("halo_exchange", sent, sum(recv_sizes.values()))
+        group.count(name, sent, sum(recv_sizes.values()))
         outs = []
         offsets = dict.fromkeys(recvs, 0)
         pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
@@ -377,9 +387,9 @@ class _HaloExchange(torch.autograd.Function):
             n = sum(p.send_rows[peer].size * _row_bytes(t) for t, p in zip(like, plans))
             if n:
                 recv_sizes[peer] = n
-        recvs = group.p2p(sends, recv_sizes, "halo_exchange backward", ctx.layer)
+        recvs = group.p2p(sends, recv_sizes, f"{ctx.name} backward", ctx.layer)
         group.count(
-            "halo_exchange_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
+            f"{ctx.name}_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
         )
         out = [g[p.n_halo :].clone() for g, p in zip(grads, plans)]
         for peer in sorted(recvs):

@@ -3,7 +3,7 @@
 Two kinds of measure, kept apart:
 
 * **exact, machine-independent** (from the plan and byte counts): bytes each rank receives
-  against the lower bound and against the prior-art all-gather strategy, per-rank attention +
+  against its own lower bound and against two peers' strategies, per-rank attention +
   indexer work, and the activation bytes the attention kernels keep for backward. These use
   DeepSeek V4-Flash attention shapes (:data:`FLASH`) at S = 131072, cp = 8 unless stated.
 * **timed on this machine** (ratios within one run): plan-build seconds at S = 1M (best
@@ -22,35 +22,9 @@ bar chart of the headline ratios (``--png``, default next to the JSON; matplotli
 importable, else a small built-in renderer), and
 prints a table. ``python -m hp_cp_torch.bench --help``.
 
-Note [Communication lower bound]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The least any correct CP scheme must deliver to rank k, counting each value once and every
-value at its cheapest representation, whatever rank computes what:
-
-* **window halo**: every remote row inside the window of one of k's queries
-  (``max(doc_start, t-W+1) .. t``) as one KV row of ``D`` values. A KV row is a token-local
-  projection of a ``hidden``-wide x row (hidden > D), so shipping KV is the cheapest.
-* **compressed slots**: every slot visible to one of k's queries whose inputs
-  (``dep_start .. last_row``: its block, and for r = 4 the previous block) are not all local
-  to k, as the finished slot: ``D`` values, plus ``Di`` for the indexer key when r = 4. A
-  straddling slot also counts once, as a finished slot: that is cheaper than any of its
-  inputs (x rows of ``hidden``, or ``2 * r`` projected rows of ``2 * (D + Di)``), so the
-  x halo costs nothing in the bound.
-* nothing else: the rest of the layer is token-local.
-
-For r = 4 this takes every visible slot's main KV as needed, although a query reads only
-its top-k: it bounds every scheme that moves the main KV before the indexer has picked. A
-scheme with a data-dependent second exchange (fetch only the picked slots) could move less
-when the picks of a rank's queries overlap a lot; with 16384 queries picking 512 slots each
-out of at most 32768, that needs strongly correlated picks.
-
-``comm_max_rank_bytes_over_lower_bound_r*`` is ``max_k ours_k / max_k bound_k``: a
-collective step lasts as long as its busiest rank, and no scheme can make its busiest rank
-receive less than ``max_k bound_k``. The per-rank worst case and the total over ranks are
-reported beside it (``comm_worst_rank_over_lower_bound_*``, ``comm_total_over_lower_bound_*``);
-they are larger because the compressed slots travel by all-gather, which delivers every
-rank's slots to every rank, including the ones later ranks own (which no query of an
-earlier rank can see).
+Traffic (the ``comm_*``, ``mindformers_*`` and ``ulysses_*`` keys) is counted in
+:mod:`hp_cp_torch.bench_traffic`: see Note [Communication lower bound] and Note [Peer
+strategies] there.
 """
 
 from __future__ import annotations
@@ -64,45 +38,16 @@ import struct
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from hp_cp_core import LayerSpec, build_rank_plan
-from hp_cp_core.indices import build_slot_table, compressed_visibility, window_start_rows
-from hp_cp_core.layout import Documents, SequenceLayout
+from hp_cp_torch.bench_traffic import FLASH, Shapes, comm_per_rank, traffic_measures
 
 __all__ = ["FLASH", "Shapes", "comm_per_rank", "main", "work_per_rank"]
 
-
-@dataclass(frozen=True)
-class Shapes:
-    """Attention sizes for the traffic and work counts.
-
-    Attributes:
-        hidden: model width (x rows).
-        head_dim: D, width of KV rows and compressed slots.
-        n_heads: query heads.
-        index_heads: indexer heads.
-        index_dim: Di, indexer key width.
-        topk: indexer picks per query.
-        window: W.
-        elem_bytes: bytes per element on the wire (2 = bf16).
-    """
-
-    hidden: int = 4096
-    head_dim: int = 512
-    n_heads: int = 64
-    index_heads: int = 64
-    index_dim: int = 128
-    topk: int = 512
-    window: int = 128
-    elem_bytes: int = 2
-
-
-FLASH = Shapes()
-"""DeepSeek V4-Flash attention: hidden 4096, 64 heads of 512, indexer 64 x 128, top-k 512."""
 
 RATIOS = (0, 4, 128)
 
@@ -117,100 +62,6 @@ def _plans(seq: int, cp: int, ratio: int, layout: str, shapes: Shapes) -> list[A
         build_rank_plan(rank=k, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq)
         for k in range(cp)
     ]
-
-
-# ----------------------------------------------------------------------------- traffic
-
-
-def _lower_bound_rank(
-    rank: int, layout: SequenceLayout, docs: Documents, ratio: int, shapes: Shapes
-) -> tuple[int, int]:
-    """``(window rows, remote slots)`` rank must receive (Note [Communication lower bound]).
-
-    Computed from the per-token definitions (a difference array over every row), not from
-    the plan's halo code, so it checks the plan as well as bounding it.
-    """
-    seq = docs.total_rows
-    rows = layout.rank_rows(rank)
-    local = np.zeros(seq, dtype=bool)
-    local[rows] = True
-    w0 = window_start_rows(rows, docs, shapes.window)
-    cover = np.zeros(seq + 1, dtype=np.int64)
-    np.add.at(cover, w0, 1)
-    np.add.at(cover, rows + 1, -1)
-    window_rows = int((np.cumsum(cover[:seq]) > 0)[~local].sum())
-    if ratio == 0:
-        return window_rows, 0
-    grid = "per_document"
-    slots = build_slot_table(docs, ratio, ratio == 4, grid)
-    start, count = compressed_visibility(rows, docs, ratio, grid)
-    seen = np.zeros(slots.n_slots + 1, dtype=np.int64)
-    np.add.at(seen, start[count > 0], 1)
-    np.add.at(seen, (start + count)[count > 0], -1)
-    visible = np.cumsum(seen[:-1]) > 0
-    # a slot is computable locally iff every row it reads is local (a row prefix-sum test)
-    local_prefix = np.concatenate([[0], np.cumsum(local)])
-    span = slots.last_row + 1 - slots.dep_start
-    all_local = local_prefix[slots.last_row + 1] - local_prefix[slots.dep_start] == span
-    return window_rows, int((visible & ~all_local).sum())
-
-
-def comm_per_rank(
-    seq: int, cp: int, ratio: int, layout: str = "contiguous", shapes: Shapes = FLASH
-) -> dict[str, np.ndarray]:
-    """Forward bytes each rank receives: ours (from the plan), the lower bound, and the
-    prior-art all-gather-every-tail strategy (MindFormers' CP).
-
-    Ours: window halo rows x D + x halo rows x hidden (one point-to-point message per peer)
-    + the compressed all-gather ``(cp - 1) * gather_cap * (D [+ Di])``. Backward mirrors it.
-    """
-    b, d, di, h = shapes.elem_bytes, shapes.head_dim, shapes.index_dim, shapes.hidden
-    width = d + (di if ratio == 4 else 0)
-    plans = _plans(seq, cp, ratio, layout, shapes)
-    docs = Documents.padded(seq)
-    lay = SequenceLayout(layout, cp, seq)
-    out: dict[str, list[int]] = {k: [] for k in ("ours", "lower", "allgather")}
-    out.update(
-        {
-            k: []
-            for k in (
-                "ours_window",
-                "ours_x",
-                "ours_gather",
-                "lower_window",
-                "lower_slots",
-                "window_rows",
-                "x_rows",
-                "gather_cap",
-            )
-        }
-    )
-    l_rows = seq // cp
-    for k, plan in enumerate(plans):
-        x_rows = plan.x.n_halo if plan.x is not None else 0
-        gather = (cp - 1) * plan.gather_cap * width * b if ratio else 0
-        win = plan.window.n_halo * d * b
-        xb = x_rows * h * b
-        out["ours"].append(win + xb + gather)
-        out["ours_window"].append(win)
-        out["ours_x"].append(xb)
-        out["ours_gather"].append(gather)
-        out["window_rows"].append(plan.window.n_halo)
-        out["x_rows"].append(x_rows)
-        out["gather_cap"].append(plan.gather_cap)
-        lw, ls = _lower_bound_rank(k, lay, docs, ratio, shapes)
-        out["lower"].append((lw * d + ls * width) * b)
-        out["lower_window"].append(lw * d * b)
-        out["lower_slots"].append(ls * width * b)
-        # MF: AG (c-1) min(W-1, L) D window tails; CSA: AG (c-1) r H compressor tails;
-        # AG (c-1) (L/r + o) D compressed (o = 1 CSA, 0 HCA); CSA: AG (c-1) (L/r + 1) Di.
-        mf = (cp - 1) * min(shapes.window - 1, l_rows) * d
-        if ratio == 4:
-            mf += (cp - 1) * ratio * h + (cp - 1) * (l_rows // ratio + 1) * (d + di)
-        elif ratio:
-            mf += (cp - 1) * (l_rows // ratio) * d
-        out["allgather"].append(mf * b)
-    return {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------- work
@@ -450,8 +301,8 @@ def _predicted_recv(plan: Any, widths: dict[str, int], cp: int) -> int:
     if plan.x is not None:
         fwd += sum(plan.x.recv_counts) * x_row
         bwd += sum(r.size for r in plan.x.send_rows) * x_row
-        fwd += (cp - 1) * plan.gather_cap * slot
-        bwd += (cp - 1) * plan.gather_cap * slot
+        fwd += plan.slot_exchange.n_halo * slot  # point to point (torch)
+        bwd += plan.slot_exchange.send_total * slot
     return int(fwd + bwd)
 
 
@@ -741,10 +592,14 @@ def write_png(rows: list[tuple[str, float, float | None]], path: str) -> str:
 
 # ----------------------------------------------------------------------------- main
 
+TRAFFIC_TARGET_KEYS = [
+    f"comm_{what}_{lay}_r{r}"
+    for what in ("max_rank_over_own_lower_bound", "total_over_sum_lower_bounds")
+    for lay in ("contiguous", "balanced")
+    for r in RATIOS
+]
 TARGETS = {
-    "comm_max_rank_bytes_over_lower_bound_r0": 1.05,
-    "comm_max_rank_bytes_over_lower_bound_r4": 1.05,
-    "comm_max_rank_bytes_over_lower_bound_r128": 1.05,
+    **dict.fromkeys(TRAFFIC_TARGET_KEYS, 1.05),
     "work_max_over_mean_balanced_r4": 1.05,
     "work_max_over_mean_balanced_r128": 1.05,
     "plan_build_seconds_s1m_cp8": 0.2,
@@ -758,8 +613,12 @@ TARGETS = {
 def _lower_is_better_rows(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
     rows = []
     for key in (
-        *[f"comm_max_rank_bytes_over_lower_bound_r{r}" for r in RATIOS],
-        *[f"comm_allgather_strategy_over_ours_r{r}" for r in RATIOS],
+        *TRAFFIC_TARGET_KEYS,
+        *[
+            f"{peer}_bytes_over_ours_r{r}"
+            for peer in ("mindformers_allgather", "ulysses")
+            for r in RATIOS
+        ],
         *[f"work_max_over_mean_{lay}_r{r}" for lay in ("contiguous", "balanced") for r in (4, 128)],
         "plan_build_seconds_s1m_cp8",
         "saved_bytes_efficient_over_smallop",
@@ -819,36 +678,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res.update({f"shapes_{k}": v for k, v in asdict(FLASH).items()})
     t_start = time.perf_counter()
 
-    # traffic (exact)
-    for r in RATIOS:
-        c = comm_per_rank(args.seq, args.cp, r, "contiguous")
-        ours, low, ag = c["ours"], c["lower"], c["allgather"]
-        res[f"comm_max_rank_bytes_over_lower_bound_r{r}"] = float(ours.max() / max(low.max(), 1))
-        pos = low > 0
-        res[f"comm_worst_rank_over_lower_bound_r{r}"] = (
-            float((ours[pos] / low[pos]).max()) if pos.any() else 1.0
-        )
-        res[f"comm_total_over_lower_bound_r{r}"] = float(ours.sum() / max(low.sum(), 1))
-        res[f"comm_allgather_strategy_over_ours_r{r}"] = float(ag.max() / max(ours.max(), 1))
-        for k in (
-            "ours",
-            "lower",
-            "allgather",
-            "ours_window",
-            "ours_x",
-            "ours_gather",
-            "lower_window",
-            "lower_slots",
-        ):
-            res[f"comm_{k}_bytes_per_rank_r{r}"] = c[k].tolist()
-        res[f"comm_ours_max_rank_bytes_r{r}"] = int(ours.max())
-        res[f"comm_lower_bound_max_rank_bytes_r{r}"] = int(low.max())
-        res[f"comm_allgather_max_rank_bytes_r{r}"] = int(ag.max())
-        cb = comm_per_rank(args.seq, args.cp, r, "load_balanced")
-        res[f"comm_balanced_max_rank_bytes_over_lower_bound_r{r}"] = float(
-            cb["ours"].max() / max(cb["lower"].max(), 1)
-        )
-        res[f"comm_balanced_ours_max_rank_bytes_r{r}"] = int(cb["ours"].max())
+    res.update(traffic_measures(args.seq, args.cp))  # traffic (exact)
     # work (exact)
     for r in (0, 4, 128):
         for lay, name in (("contiguous", "contiguous"), ("load_balanced", "balanced")):
@@ -964,8 +794,8 @@ def _table(res: dict[str, Any]) -> str:
         tgt = "" if target is None else f"<= {target:g}"
         lines.append(f"{key:<48} {value:>10.4g} {tgt:>8} {mark}")
     for key in (
-        "comm_worst_rank_over_lower_bound_r4",
-        "comm_total_over_lower_bound_r4",
+        "comm_allgather_fallback_max_rank_over_own_lower_bound_contiguous_r4",
+        "comm_allgather_fallback_total_over_sum_lower_bounds_contiguous_r4",
         "peak_memory_efficient_over_smallop",
         "step_time_cp2_best_variant",
         *[

@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="traffic, balance, memory and time measures")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("backends", help="list installed hp_cp backends")
-    args = parser.parse_args(argv)
+    # bench's own options (``hp-cp bench --out x``) are not hp-cp's: argparse leaves them over
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         problem = demo_refusal(args)
         if problem is not None:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from hp_cp_torch.bench import main as bench_main
 
-        return bench_main(args.args)
+        return bench_main([*rest, *args.args])
     from hp_cp_core.__main__ import main as backends_main
 
     return backends_main([])

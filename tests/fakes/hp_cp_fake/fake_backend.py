@@ -24,10 +24,15 @@ from hp_cp_core.testing import ThreadGroup, ThreadMesh
 
 
 class FakeWorld:
-    """Shared state of N thread-ranks: a mailbox, a barrier and a communication log."""
+    """Shared state of N thread-ranks: a mailbox, a barrier and a communication log.
 
-    def __init__(self, size: int) -> None:
+    ``point_to_point=False`` makes its groups declare no point-to-point, so the core sends
+    compressed slots by all-gather (the path of a backend without send / receive).
+    """
+
+    def __init__(self, size: int, point_to_point: bool = True) -> None:
         self.size = size
+        self.point_to_point = point_to_point
         self.barrier = threading.Barrier(size, timeout=60)
         self.box: dict[tuple, Any] = {}
         self.lock = threading.Lock()
@@ -70,17 +75,21 @@ class FakeGroup:
         self.world = world
         self.rank = rank
         self.size = world.size
+        self.point_to_point = world.point_to_point
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.calls: dict[str, int] = {}
 
-    def _count(self, kind: str, sent: int, recv: int) -> None:
+    def _count(self, kind: str, sent: int, recv: int, name: str = "") -> None:
+        """Log one call; ``name`` (default: the stats name of ``kind``) is what it moved:
+        ``halo_exchange`` / ``slot_exchange`` for ``exchange_rows``, the stats kind."""
+        name = name or STATS_KIND.get(kind, kind)
         self.bytes_sent += sent
         self.bytes_recv += recv
-        name = STATS_KIND.get(kind, kind)
         self.calls[name] = self.calls.get(name, 0) + 1
+        entry = {"rank": self.rank, "kind": kind, "sent": sent, "recv": recv, "name": name}
         with self.world.lock:
-            self.world.log.append({"rank": self.rank, "kind": kind, "sent": sent, "recv": recv})
+            self.world.log.append(entry)
 
     # numpy records no backward, so order tokens are placeholders passed through
     # (Note [Backward order] in hp_cp_core.collectives)
@@ -111,7 +120,8 @@ class FakeGroup:
             outs.append(np.concatenate([*parts, t]) if parts else t)
         self.world.barrier.wait()
         self.world.box.pop(("p2p", self.rank, self.rank), None)
-        self._count("exchange_rows", sent, recv)
+        name = getattr(items[0][1], "exchange_name", "") if items else ""
+        self._count("exchange_rows", sent, recv, name)
         return outs, token
 
     def all_gather_rows(self, tensor: np.ndarray, token: Any) -> tuple[np.ndarray, Any]:
