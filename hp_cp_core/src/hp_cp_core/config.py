@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 LAYOUTS = ("contiguous", "load_balanced")
 GRIDS = ("per_document", "global")
-KERNELS = ("smallop", "efficient", "triton")
+KERNELS = ("smallop", "efficient", "triton", "banded")
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,15 @@ note's adapter sketch does (``compressor``, ``indexer`` / ``indexer.compressor``
 (``unfused_compressed_sparse_attn``, ``parse_cu_seqlens``, ``indexer.forward_before_topk``,
 the unfused indexer scoring, ``unfused_indexer_loss``), on the plan's index arrays:
 
-* window columns: ranges into ``ori_ext`` (``window_index_dense(plan.window_start, ...)``);
-* compressed columns: the visible slot ranges ``plan.cmp_start`` / ``plan.cmp_count`` of the
-  gathered ``call.cmp_kv_global`` (global slot order), all of them for r = 128, the indexer's
-  top-k over the visible candidates for r = 4 (host top-k, ties to the lower slot);
-* columns in single-device order: the window, then the compressed slots.
+* the columns come from the core (:class:`hp_cp_core.columns.PlanColumns`): the window rows
+  of ``ori_ext``, then the compressed slots of the gathered ``call.cmp_kv_global`` (every
+  visible slot for r = 128, the indexer's top-k over the visible candidates for r = 4, scored
+  chunk by chunk over the ranges the core plans; host top-k, ties to the lower slot).
 
-The adapter never plans; every index comes from ``call.plan``. Inputs are SBND: ``query
-[L, b, np, d]``, ``key [L, b, 1, d]`` (already RoPE'd by the parent at the rows' global
-positions), ``x [L, b, hidden]``, ``qr [L, b, q_lora_rank]``; packed input is ``b = 1`` plus the
-GLOBAL ``actual_seq_len`` (document ends) on every rank.
+The adapter never plans; every index comes from ``call.plan`` through the core. Inputs are
+SBND: ``query [L, b, np, d]``, ``key [L, b, 1, d]`` (already RoPE'd by the parent at the rows'
+global positions), ``x [L, b, hidden]``, ``qr [L, b, q_lora_rank]``; packed input is
+``b = 1`` plus the GLOBAL ``actual_seq_len`` (document ends) on every rank.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ from hp_cp_core import (
     enable_cp,
     stage1_compress_with_halo,
 )
+from hp_cp_core.columns import PlanColumns, select_topk_numpy
 from hp_cp_core.compression import build_x_ext
 from hp_cp_core.indexer_loss import global_indexer_loss, indexer_loss_weight
-from hp_cp_core.indices import compressed_index_dense, window_index_dense
 
 __all__ = [
     "MindFormersDeepSeekV4CSAAdapter",
@@ -185,7 +184,8 @@ class MindFormersDeepSeekV4CSAAdapter:
         n_local, b = int(query.shape[0]), int(query.shape[1])
         ori4 = mint.unsqueeze(ori_ext, 2) if len(ori_ext.shape) == 3 else ori_ext
         n_ext = int(ori4.shape[0])
-        window = window_index_dense(plan.window_start, plan.window_len, self.window_size)
+        columns = PlanColumns(plan, n_ext)
+        window = columns.window(0, n_local)
         cols = [np.broadcast_to(window[None], (b, n_local, window.shape[1]))]
         kv_full = ori4
         indexer_loss = None
@@ -200,12 +200,10 @@ class MindFormersDeepSeekV4CSAAdapter:
                 elif plan.n_needed_slots > 0:
                     picks = self._indexer_select(query, x, qr, call)
                 if picks is not None:
-                    cols.append(np.where(picks >= 0, picks + n_ext, -1))
+                    cols.append(columns.pool_rows(picks))
             elif plan.n_needed_slots > 0:
-                width = int(plan.cmp_count.max()) if plan.cmp_count.size else 0
-                hca = compressed_index_dense(plan.cmp_start, plan.cmp_count, width)
-                hca = np.where(hca >= 0, hca + n_ext, -1)
-                cols.append(np.broadcast_to(hca[None], (b, n_local, width)))
+                hca = columns.pool_rows(columns.visible_slots(0, n_local))
+                cols.append(np.broadcast_to(hca[None], (b, *hca.shape)))
         topk = Tensor(np.ascontiguousarray(np.concatenate(cols, axis=-1)).astype(np.int32))
         attend = _primitive(m, "unfused_compressed_sparse_attn")
         output = attend(query, kv_full, m.attn_sink, topk, m.softmax_scale)
@@ -254,43 +252,36 @@ class MindFormersDeepSeekV4CSAAdapter:
         return mint.sum(s * mint.unsqueeze(weights, -1), dim=2)
 
     def _indexer_inputs(self, x: Tensor, qr: Tensor, call: Any) -> tuple:
-        """Detached x / qr (the cell's indexer sees ``stop_gradient`` inputs), the gathered
-        indexer keys ``[b, N, Di]`` and each query's visible slot range ``[start, stop)``."""
-        plan = call.plan
+        """Detached x / qr (the cell's indexer sees ``stop_gradient`` inputs) and the gathered
+        indexer keys ``[b, N, Di]``."""
         keys = mint.permute(mint.squeeze(call.cmp_idx_global, 2), (1, 0, 2))
-        start = np.asarray(plan.cmp_start, dtype=np.int64)
-        stop = start + np.asarray(plan.cmp_count, dtype=np.int64)
-        return ops.stop_gradient(x), ops.stop_gradient(qr), keys, start, stop
+        return ops.stop_gradient(x), ops.stop_gradient(qr), keys
 
     def _indexer_select(self, query: Tensor, x: Tensor, qr: Tensor, call: Any) -> np.ndarray:
         """Global slot ids ``[b, L, index_topk]`` the indexer picks for every local query out of
-        its visible slots only (``-1`` = none), chunk by chunk; host top-k, ties to the lower
+        its visible slots only (``-1`` = none), chunk by chunk as the core plans them
+        (:meth:`hp_cp_core.columns.PlanColumns.score_chunks`); host top-k, ties to the lower
         slot (the single-device order)."""
         plan = call.plan
         n_local, b = int(query.shape[0]), int(query.shape[1])
         topk = int(self.module.indexer.index_topk)
-        xd, qrd, keys, start, stop = self._indexer_inputs(x, qr, call)
+        xd, qrd, keys = self._indexer_inputs(x, qr, call)
         picks = np.full((b, n_local, topk), -1, dtype=np.int64)
-        chunk = max(int(call.config.query_chunk), 1)
-        for run in plan.attention_runs():
-            lo, hi = run.local_start, run.local_stop
-            q_run, w_run = self._indexer_queries(xd[lo:hi], qrd[lo:hi], run.pos_offset)
-            for c0 in range(lo, hi, chunk):
-                c1 = min(c0 + chunk, hi)
-                sees = stop[c0:c1] > start[c0:c1]  # a query that sees nothing may start anywhere
-                if not sees.any():
-                    continue
-                s0, s1 = int(start[c0:c1][sees].min()), int(stop[c0:c1][sees].max())
-                scores = self._scores(
-                    q_run[:, c0 - lo : c1 - lo], keys[:, s0:s1], w_run[:, c0 - lo : c1 - lo]
-                ).asnumpy()
-                cand = np.arange(s0, s1)[None, :]
-                visible = (cand >= start[c0:c1, None]) & (cand < stop[c0:c1, None])
-                scores = np.where(visible[None], scores, -np.inf)
-                k = min(topk, s1 - s0)
-                order = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
-                best = np.take_along_axis(scores, order, axis=-1)
-                picks[:, c0:c1, :k] = np.where(np.isneginf(best), -1, order + s0)
+        runs = plan.attention_runs()
+        queries = [
+            self._indexer_queries(
+                xd[r.local_start : r.local_stop], qrd[r.local_start : r.local_stop], r.pos_offset
+            )
+            for r in runs
+        ]
+        for chunk in PlanColumns(plan, 0).score_chunks(call.config.query_chunk):
+            k = next(i for i, r in enumerate(runs) if r.local_start <= chunk.lo < r.local_stop)
+            (q_run, w_run), a = queries[k], chunk.lo - runs[k].local_start
+            rows = slice(a, a + chunk.hi - chunk.lo)
+            scores = self._scores(
+                q_run[:, rows], keys[:, chunk.slot_start : chunk.slot_stop], w_run[:, rows]
+            ).asnumpy()
+            picks[:, chunk.lo : chunk.hi] = select_topk_numpy(scores, chunk, topk)
         return picks
 
     def _indexer_select_with_loss(self, query: Tensor, x: Tensor, qr: Tensor, call: Any):
@@ -301,14 +292,13 @@ class MindFormersDeepSeekV4CSAAdapter:
         so gradients summed over ranks equal the single-device ones."""
         m, plan = self.module, call.plan
         b = int(query.shape[1])
-        xd, qrd, keys, start, stop = self._indexer_inputs(x, qr, call)
+        xd, qrd, keys = self._indexer_inputs(x, qr, call)
         n_total = int(plan.n_slots_total)
         k_eff = min(int(m.indexer.index_topk), n_total)
         pad = n_total - int(keys.shape[1])
         if pad:
             keys = mint.cat([keys, ops.zeros((b, pad, keys.shape[2]), keys.dtype)], 1)
-        cand = np.arange(n_total)[None, :]
-        visible = (cand >= start[:, None]) & (cand < stop[:, None])  # [L, N]
+        visible = PlanColumns(plan, 0).visibility(0, plan.n_local, 0, n_total)  # [L, N]
         mask = np.where(visible, 0.0, -np.inf).astype(np.float32)
         parts = []
         for run in plan.attention_runs():

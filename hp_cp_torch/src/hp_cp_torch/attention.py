@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from hp_cp_core.columns import PlanColumns
+
 __all__ = [
-    "PlanColumns",
+    "chunk_columns",
     "deterministic_topk",
     "gather_rows",
     "run_sparse_attention",
@@ -120,8 +122,9 @@ def select_topk_chunked(
 ) -> torch.Tensor:
     """Indexer top-k of every local query over its visible slots only, chunk by chunk.
 
-    A chunk of queries scores just the slot range its queries can see (the causal prefix of
-    their documents), not the whole global set, so work and memory stay bounded.
+    The chunks, their slot ranges and visibility masks come from the core
+    (:meth:`hp_cp_core.columns.PlanColumns.score_chunks`); this runs the scoring and the
+    top-k on the scores' device.
 
     Args:
         score_fn: ``score_fn(lo, hi, s0, s1)`` -> scores ``[B, hi-lo, s1-s0]`` of local queries
@@ -136,45 +139,43 @@ def select_topk_chunked(
         Global slot ids ``[B, L, topk]`` in descending-score order (lower id first on ties),
         ``-1`` for empty picks.
     """
-    start = torch.as_tensor(plan.cmp_start)
-    stop = start + torch.as_tensor(plan.cmp_count)
-    outs = []
-    for lo in range(0, plan.n_local, query_chunk):
-        hi = min(lo + query_chunk, plan.n_local)
-        # a query that sees no slot may have its start past the gathered slots: skip it
-        seen = stop[lo:hi] > start[lo:hi]
-        if not bool(seen.any()):
-            outs.append(None)
-            continue
-        s0, s1 = int(start[lo:hi][seen].min()), int(stop[lo:hi][seen].max())
-        if s1 <= s0:
-            outs.append(None)
-            continue
-        scores = score_fn(lo, hi, s0, s1).float()
-        cols = torch.arange(s0, s1, device=scores.device)
-        visible = (cols >= start[lo:hi, None].to(cols.device)) & (
-            cols < stop[lo:hi, None].to(cols.device)
+    out = None
+    for chunk in PlanColumns(plan, 0).score_chunks(query_chunk):
+        scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
+        if out is None:
+            shape = (scores.shape[0], plan.n_local, topk)
+            out = torch.full(shape, -1, dtype=torch.long, device=scores.device)
+        visible = torch.as_tensor(chunk.visible, device=scores.device)
+        values, ids = deterministic_topk(
+            scores.masked_fill(~visible, float("-inf")), chunk.keep(topk)
         )
-        scores = scores.masked_fill(~visible, float("-inf"))
-        values, ids = deterministic_topk(scores, min(topk, s1 - s0))
-        sel = torch.where(torch.isneginf(values), -1, ids + s0)
-        outs.append(torch.nn.functional.pad(sel, (0, topk - sel.shape[-1]), value=-1))
-    batch = next((o.shape[0] for o in outs if o is not None), 1 if batch is None else batch)
-    device = next((o.device for o in outs if o is not None), None)
-    return torch.cat(
-        [
-            o
-            if o is not None
-            else torch.full(
-                (batch, min(lo + query_chunk, plan.n_local) - lo, topk),
-                -1,
-                dtype=torch.long,
-                device=device,
-            )
-            for o, lo in zip(outs, range(0, plan.n_local, query_chunk))
-        ],
-        dim=1,
-    )
+        picks = torch.where(torch.isneginf(values), -1, ids + chunk.slot_start)
+        out[:, chunk.lo : chunk.hi, : picks.shape[-1]] = picks
+    if out is None:
+        out = torch.full((1 if batch is None else batch, plan.n_local, topk), -1, dtype=torch.long)
+    return out
+
+
+def chunk_columns(
+    columns: PlanColumns,
+    lo: int,
+    hi: int,
+    selected: torch.Tensor | None,
+    has_cmp: bool,
+    batch: int,
+    device: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The core's columns of local queries ``lo:hi`` as tensors: ``(window [B, n, W],
+    slots [B, n, k] or None)`` pool rows, ``-1`` = empty; slots are the indexer's picks
+    (``selected``, global slot ids) or, without them, every visible slot (HCA)."""
+    window = torch.as_tensor(columns.window(lo, hi), device=device).expand(batch, -1, -1)
+    if selected is not None:
+        sel = selected[:, lo:hi].to(device)
+        return window, torch.where(sel >= 0, sel + columns.n_ext, -1)
+    if not has_cmp:
+        return window, None
+    hca = columns.pool_rows(columns.visible_slots(lo, hi))
+    return window, torch.as_tensor(hca, device=device).expand(batch, -1, -1)
 
 
 def run_sparse_attention(
@@ -202,67 +203,36 @@ def run_sparse_attention(
         selected: indexer picks ``[B, L, k]`` (global slot ids, -1 = none), or ``None``.
         sink: per-head sink logits ``[H]``.
         scale: softmax scale.
-        kernel: ``"smallop"``, ``"efficient"`` or ``"triton"``.
+        kernel: ``"banded"`` (the window as dense bands, :mod:`hp_cp_torch.banded`),
+            ``"efficient"``, ``"triton"`` or ``"smallop"``.
         query_chunk: queries per chunk.
 
     Returns:
         ``[B, L, H, D]``.
     """
+    columns = PlanColumns(plan, ori_ext.shape[1])
+    if kernel == "banded":
+        from hp_cp_torch.banded import block_rows_for, sparse_attention_banded
+
+        width = 0 if selected is None else selected.shape[-1]
+        if selected is None and cmp_kv is not None and plan.n_local:
+            width = int(plan.cmp_count.max())
+        bands = columns.window_bands(block_rows_for(q.shape[0], width, q.shape[-1]))
+        idx = selected
+        if idx is None and cmp_kv is not None:  # HCA: every visible slot
+            idx = torch.as_tensor(columns.visible_slots(0, plan.n_local), device=q.device)[None]
+        return sparse_attention_banded(q, ori_ext, cmp_kv, idx, sink, scale, bands)
     attend = sparse_attention_smallop
     if kernel == "efficient":
         from hp_cp_torch.efficient import sparse_attention_efficient as attend
     elif kernel == "triton":
         from hp_cp_torch.triton_attention import sparse_attention_triton as attend
     pool = ori_ext if cmp_kv is None else torch.cat([ori_ext, cmp_kv], dim=1)
-    columns = PlanColumns(plan, ori_ext.shape[1], cmp_kv is not None, q.shape[0], q.device)
     outs = []
     for lo, hi in columns.chunks(query_chunk):
-        window, slots = columns.of(lo, hi, selected)
+        window, slots = chunk_columns(
+            columns, lo, hi, selected, cmp_kv is not None, q.shape[0], q.device
+        )
         idx = window if slots is None else torch.cat([window, slots], dim=-1)
         outs.append(attend(q[:, lo:hi], pool, idx, sink, scale))
     return torch.cat(outs, dim=1)
-
-
-class PlanColumns:
-    """The pool columns of the local queries, chunk by chunk, in the single-device order:
-    window rows of the ext frame (``-1`` padded to W), then compressed slots at ``n_ext + j``
-    (the indexer's picks, or every visible slot for r = 128).
-
-    Args:
-        plan: the rank's :class:`hp_cp_core.plan.RankPlan` (the index math is there).
-        n_ext: rows of the window ext frame (the pool's compressed slots start after them).
-        has_cmp: whether the pool holds compressed slots.
-        batch: ``B``.
-        device: where the index tensors go.
-    """
-
-    def __init__(self, plan: Any, n_ext: int, has_cmp: bool, batch: int, device: Any) -> None:
-        from hp_cp_core.indices import window_index_dense
-
-        self.plan, self.n_ext, self.has_cmp, self.batch = plan, n_ext, has_cmp, batch
-        self.device = device
-        window = window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size)
-        self.window = torch.as_tensor(window, device=device)
-
-    def chunks(self, query_chunk: int) -> list[tuple[int, int]]:
-        """``[lo, hi)`` local query ranges of at most ``query_chunk`` rows."""
-        n = self.plan.n_local
-        return [(lo, min(lo + query_chunk, n)) for lo in range(0, n, query_chunk)]
-
-    def of(
-        self, lo: int, hi: int, selected: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(window [B, hi-lo, W], slots [B, hi-lo, k] or None)`` pool rows, ``-1`` = empty."""
-        from hp_cp_core.indices import compressed_index_dense
-
-        window = self.window[lo:hi].expand(self.batch, -1, -1)
-        if selected is not None:
-            sel = selected[:, lo:hi].to(self.device)
-            return window, torch.where(sel >= 0, sel + self.n_ext, -1)
-        if not self.has_cmp:
-            return window, None
-        count = self.plan.cmp_count[lo:hi]
-        width = int(count.max()) if count.size else 0
-        hca = compressed_index_dense(self.plan.cmp_start[lo:hi], count, width)
-        hca = torch.as_tensor(hca, device=self.device)
-        return window, torch.where(hca >= 0, hca + self.n_ext, -1).expand(self.batch, -1, -1)

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from hp_cp_core.columns import PlanColumns
 from hp_cp_core.config import DeepSeekV4CPContext
 from hp_cp_core.indexer_loss import indexer_loss_weight
-from hp_cp_torch.attention import PlanColumns, gather_rows
+from hp_cp_torch.attention import chunk_columns, gather_rows
 
 __all__ = [
     "attach_indexer_loss",
@@ -106,7 +107,7 @@ def indexer_loss_share(
 ) -> torch.Tensor:
     """This rank's share of the global loss: its rows' KL sum over ``N`` (all ranks' rows).
 
-    The columns are the attention's own (:class:`~hp_cp_torch.attention.PlanColumns`), chunk
+    The columns are the attention's own (:class:`~hp_cp_core.columns.PlanColumns`), chunk
     by chunk, so the teacher's window + sink mass is exactly the attention's.
 
     Args:
@@ -121,10 +122,10 @@ def indexer_loss_share(
         loss_mask: ``[B, L]``, nonzero where a row counts; ``None``: every row.
     """
     pool = torch.cat([ori_ext, cmp_kv], dim=1)
-    columns = PlanColumns(call.plan, ori_ext.shape[1], True, q.shape[0], q.device)
+    columns = PlanColumns(call.plan, ori_ext.shape[1])
     kls = []
     for lo, hi in columns.chunks(call.config.query_chunk):
-        window, slots = columns.of(lo, hi, selected)
+        window, slots = chunk_columns(columns, lo, hi, selected, True, q.shape[0], q.device)
         kls.append(
             indexer_kl_rows(q[:, lo:hi], pool, window, slots, student[:, lo:hi], sink, scale)
         )

@@ -51,8 +51,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
-from hp_cp_core.indices import compressed_index_dense, window_index_dense
-from hp_cp_torch.attention import gather_rows, run_sparse_attention, select_topk_chunked
+from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.attention import (
+    chunk_columns,
+    gather_rows,
+    run_sparse_attention,
+    select_topk_chunked,
+)
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
@@ -257,25 +262,14 @@ class DeepseekV4AttentionAdapter:
         pool = ori if cmp is None else torch.cat([ori, cmp], dim=1)
         if pool.shape[1] == 0:
             pool = pool.new_zeros((batch, 1, pool.shape[-1]))
-        window = torch.as_tensor(
-            window_index_dense(plan.window_start, plan.window_len, plan.spec.window_size),
-            device=q.device,
-        )
+        columns = PlanColumns(plan, n_ext)
         p_drop = m.attention_dropout if m.training else 0.0
         outs = []
-        for lo in range(0, plan.n_local, query_chunk):
-            hi = min(lo + query_chunk, plan.n_local)
-            cols = [window[lo:hi].expand(batch, -1, -1)]
-            if selected is not None:
-                sel = selected[:, lo:hi].to(q.device)
-                cols.append(torch.where(sel >= 0, sel + n_ext, -1))
-            elif cmp is not None:
-                count = plan.cmp_count[lo:hi]
-                width = int(count.max()) if count.size else 0
-                hca = torch.as_tensor(
-                    compressed_index_dense(plan.cmp_start[lo:hi], count, width), device=q.device
-                )
-                cols.append(torch.where(hca >= 0, hca + n_ext, -1).expand(batch, -1, -1))
+        for lo, hi in columns.chunks(query_chunk):
+            window, slots = chunk_columns(
+                columns, lo, hi, selected, cmp is not None, batch, q.device
+            )
+            cols = [window] if slots is None else [window, slots]
             idx = torch.cat(cols, dim=-1)  # [B, l, K]
             kv = gather_rows(pool, idx.clamp(min=0))  # [B, l, K, D]; K == V
             qc = q[:, lo:hi]  # [B, l, H, D]

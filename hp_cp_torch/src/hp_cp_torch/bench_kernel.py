@@ -1,0 +1,157 @@
+"""The attention kernel against the machine: useful FLOP/s over ``torch.matmul`` FLOP/s.
+
+``attn_flops_over_matmul_r{4,128}`` (default kernel) and ``attn_flops_over_matmul_<kernel>_r*``:
+the FLOP/s one CSA / HCA attention forward + backward achieves, counting only useful work,
+over the FLOP/s of a plain fp32 ``torch.matmul`` measured in the same process with the same
+threads, just before.
+
+Useful work is counted from the columns that are really attended (not from padding):
+``4 * B * H * D * sum_t K_t`` forward (``q . k`` and ``p . v``, two flops per multiply-add)
+and 2.5x that backward, where ``K_t`` is query t's window keys plus its valid compressed
+columns. The inputs are those of a real plan: the 1024 queries of the last rank of a
+contiguous cp = 3 layout (S = 3072), so every query has a full window of W = 128 keys and, at
+r = 4, picks ``topk = 512`` distinct slots out of >= 512 visible ones: ``K_t = 128 + 512`` for
+every query, i.e. exactly ``4 * B * S * H * K * D`` with ``K = 640``. At r = 128 every visible
+slot is attended (16 .. 23 per query). The call is
+:func:`hp_cp_torch.attention.run_sparse_attention`, column planning included, with gradients
+for q, the window KV, the slots and the sink.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KERNEL_SHAPES", "attention_case", "kernel_measures", "matmul_flops"]
+
+KERNEL_SHAPES = {"batch": 1, "seq": 1024, "heads": 16, "dim": 512, "window": 128, "topk": 512}
+"""Shapes of the measure (the issue's: B = 1, S = 1024, H = 16, D = 512, W = 128, top-k 512)."""
+
+CP_OF_CASE = 3
+"""The queries are the last rank's of a contiguous layout over ``CP_OF_CASE * S`` rows."""
+
+
+def matmul_flops(n: int = 1024, repeat: int = 5) -> float:
+    """Best-of-``repeat`` FLOP/s of an fp32 ``[n, n] @ [n, n]`` ``torch.matmul``."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    torch.matmul(a, b)  # warm up
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def attention_case(ratio: int, shapes: dict[str, int] = KERNEL_SHAPES) -> dict[str, Any]:
+    """Inputs of one attention call (see the module docstring) and its useful FLOPs."""
+    import torch
+
+    from hp_cp_core import LayerSpec, build_rank_plan
+
+    b, s, h, d = shapes["batch"], shapes["seq"], shapes["heads"], shapes["dim"]
+    spec = LayerSpec(compress_ratio=ratio, window_size=shapes["window"], has_indexer=ratio == 4)
+    plan = build_rank_plan(
+        rank=CP_OF_CASE - 1,
+        cp_size=CP_OF_CASE,
+        spec=spec,
+        layout_kind="contiguous",
+        total_rows=CP_OF_CASE * s,
+    )
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s, h, d, generator=g)
+    ori = torch.randn(b, plan.window.ext_rows.size, d, generator=g)
+    cmp = torch.randn(b, plan.n_needed_slots, d, generator=g)
+    selected = None
+    valid = plan.cmp_count.astype(np.int64)
+    if ratio == 4:
+        k = shapes["topk"]
+        if int(plan.cmp_count.min()) < k:
+            raise ValueError(f"every query must see >= {k} slots for the r = 4 case")
+        # k distinct visible slots per query, in random order (the indexer's picks)
+        keys = torch.rand(b, s, plan.n_needed_slots, generator=g)
+        cols = torch.arange(plan.n_needed_slots)
+        start = torch.as_tensor(plan.cmp_start)[:, None]
+        seen = (cols >= start) & (cols < start + torch.as_tensor(plan.cmp_count)[:, None])
+        selected = keys.masked_fill(~seen, -1.0).topk(k, dim=-1).indices
+        valid = np.full(s, k, dtype=np.int64)
+    sink = torch.randn(h, generator=g)
+    columns = plan.window_len.astype(np.int64) + valid
+    flops_fwd = 4.0 * b * h * d * float(columns.sum())
+    return {
+        "plan": plan,
+        "tensors": (q, ori, cmp, sink),
+        "selected": selected,
+        "useful_flops": 3.5 * flops_fwd,
+        "mean_columns": float(columns.mean()),
+    }
+
+
+def attention_seconds(kernel: str, case: dict[str, Any], repeat: int) -> float:
+    """Best-of-``repeat`` seconds of one forward + backward through ``run_sparse_attention``."""
+    import torch
+
+    from hp_cp_torch.attention import run_sparse_attention
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in case["tensors"]]
+    q, ori, cmp, sink = leaves
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    chunk = 256 if kernel == "smallop" else 1024  # small-op gathers [chunk, K, D] at once
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = run_sparse_attention(
+            q,
+            ori,
+            cmp,
+            case["plan"],
+            case["selected"],
+            sink,
+            q.shape[-1] ** -0.5,
+            kernel=kernel,
+            query_chunk=chunk,
+        )
+        torch.autograd.backward(out, grad)
+        best = min(best, time.perf_counter() - t0)
+        for t in leaves:
+            t.grad = None
+        del out
+    return best
+
+
+def kernel_measures(
+    kernels: tuple[str, ...], default: str, threads: int = 2, repeat: int = 2
+) -> dict[str, Any]:
+    """``attn_flops_over_matmul_*`` keys (and the FLOP/s behind them) for ``kernels``; the
+    unsuffixed ``attn_flops_over_matmul_r{4,128}`` are the ``default`` kernel's."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        res: dict[str, Any] = {"attn_kernel_threads": threads}
+        peak = matmul_flops()
+        res["matmul_gflops"] = peak / 1e9
+        for ratio in (4, 128):
+            case = attention_case(ratio)
+            res[f"attn_mean_columns_r{ratio}"] = case["mean_columns"]
+            for kernel in kernels:
+                attention_seconds(kernel, case, 1)  # warm up
+                secs = attention_seconds(kernel, case, repeat)
+                achieved = case["useful_flops"] / secs
+                res[f"attn_seconds_{kernel}_r{ratio}"] = secs
+                res[f"attn_gflops_{kernel}_r{ratio}"] = achieved / 1e9
+                res[f"attn_flops_over_matmul_{kernel}_r{ratio}"] = achieved / peak
+            res[f"attn_flops_over_matmul_r{ratio}"] = res[
+                f"attn_flops_over_matmul_{default}_r{ratio}"
+            ]
+        res["matmul_gflops_after"] = matmul_flops() / 1e9  # drift of the machine over the run
+        res["attn_default_kernel"] = default
+        return res
+    finally:
+        torch.set_num_threads(before)
