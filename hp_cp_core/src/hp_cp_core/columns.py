@@ -20,9 +20,15 @@ In single-device order its columns are the window, then the compressed slots::
   ``min(topk, width)`` picks, ties to the lower slot, ``-1`` for invisible picks.
 
 A dense kernel reads the window of a block of consecutive queries as one *band* of ext rows
-(:class:`WindowBand`): the union of their windows plus a mask of which key each query sees.
+(:class:`DenseBlock`): the union of their windows plus a mask of which key each query sees.
 Blocks never straddle two contiguous runs (a load-balanced rank has two), so a band spans at
-most ``block_rows + W - 1`` keys.
+most ``block_rows + W - 1`` keys. HCA's visible slots are ranges too, so a block can also
+read them as one band of slots (the union of its queries' visible ranges, masked)::
+
+    block of queries lo .. hi-1        keys k0 .. k1           slots s0 .. s1 (HCA)
+                                       x x x . .               s s .
+                                       . x x x .               s s s
+                                       . . x x x               s s s
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from hp_cp_core.indices import compressed_index_dense, window_index_dense
 if TYPE_CHECKING:
     from hp_cp_core.plan import RankPlan
 
-__all__ = ["PlanColumns", "ScoreChunk", "WindowBand", "select_topk_numpy"]
+__all__ = ["DenseBlock", "PlanColumns", "ScoreChunk", "select_topk_numpy"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,13 +68,17 @@ class ScoreChunk:
 
 
 @dataclass(frozen=True, eq=False)
-class WindowBand:
-    """The window columns of local queries ``[lo, hi)`` as one dense band of ext rows.
+class DenseBlock:
+    """Local queries ``[lo, hi)`` with their window as one dense band of ext rows and, for
+    HCA, their visible slots as one dense band of global slots.
 
     Attributes:
         lo, hi: the local queries (inside one contiguous run).
         key_start, key_stop: the band ``[key_start, key_stop)`` of window ext-frame rows.
         mask: ``[hi - lo, key_stop - key_start]``, True where the key is in the query's window.
+        slot_start, slot_stop: the band of global slots (an empty range when not asked for).
+        slot_mask: ``[hi - lo, slot_stop - slot_start]``, True where the query sees the slot;
+            ``None`` when slots were not asked for or no query of the block sees one.
     """
 
     lo: int
@@ -76,6 +86,9 @@ class WindowBand:
     key_start: int
     key_stop: int
     mask: np.ndarray
+    slot_start: int = 0
+    slot_stop: int = 0
+    slot_mask: np.ndarray | None = None
 
 
 class PlanColumns:
@@ -146,17 +159,28 @@ class PlanColumns:
             out.append(ScoreChunk(lo, hi, s0, s1, self.visibility(lo, hi, s0, s1)))
         return out
 
-    def window_bands(self, block_rows: int) -> list[WindowBand]:
-        """The window of every local query as dense bands of at most ``block_rows`` queries."""
+    def dense_blocks(self, block_rows: int, *, with_slots: bool = False) -> list[DenseBlock]:
+        """Every local query once, in blocks of at most ``block_rows`` queries: the block's
+        window band and, with ``with_slots`` (HCA), its band of visible slots."""
         p = self.plan
         first = p.window_start
         stop = p.window_start + p.window_len
+        slot_stop = p.cmp_start + p.cmp_count
         out = []
         for lo, hi in self.run_chunks(block_rows):
             k0, k1 = int(first[lo:hi].min()), int(stop[lo:hi].max())
             keys = np.arange(k0, k1, dtype=np.int64)[None, :]
             mask = (keys >= first[lo:hi, None]) & (keys < stop[lo:hi, None])
-            out.append(WindowBand(lo, hi, k0, k1, mask))
+            if not with_slots:
+                out.append(DenseBlock(lo, hi, k0, k1, mask))
+                continue
+            seen = p.cmp_count[lo:hi] > 0  # a query that sees nothing may start anywhere
+            if not seen.any():
+                out.append(DenseBlock(lo, hi, k0, k1, mask))
+                continue
+            s0, s1 = int(p.cmp_start[lo:hi][seen].min()), int(slot_stop[lo:hi][seen].max())
+            visible = self.visibility(lo, hi, s0, s1)
+            out.append(DenseBlock(lo, hi, k0, k1, mask, s0, s1, visible))
         return out
 
 

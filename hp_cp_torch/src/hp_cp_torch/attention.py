@@ -203,8 +203,9 @@ def run_sparse_attention(
         selected: indexer picks ``[B, L, k]`` (global slot ids, -1 = none), or ``None``.
         sink: per-head sink logits ``[H]``.
         scale: softmax scale.
-        kernel: ``"banded"`` (the window as dense bands, :mod:`hp_cp_torch.banded`),
-            ``"efficient"``, ``"triton"`` or ``"smallop"``.
+        kernel: ``"banded"`` (the window, and HCA's slots, as dense bands; only the top-k
+            is gathered: :mod:`hp_cp_torch.banded`), ``"efficient"``, ``"triton"`` or
+            ``"smallop"``.
         query_chunk: queries per chunk.
 
     Returns:
@@ -215,13 +216,11 @@ def run_sparse_attention(
         from hp_cp_torch.banded import block_rows_for, sparse_attention_banded
 
         width = 0 if selected is None else selected.shape[-1]
-        if selected is None and cmp_kv is not None and plan.n_local:
-            width = int(plan.cmp_count.max())
-        bands = columns.window_bands(block_rows_for(q.shape[0], width, q.shape[-1]))
-        idx = selected
-        if idx is None and cmp_kv is not None:  # HCA: every visible slot
-            idx = torch.as_tensor(columns.visible_slots(0, plan.n_local), device=q.device)[None]
-        return sparse_attention_banded(q, ori_ext, cmp_kv, idx, sink, scale, bands)
+        rows = block_rows_for(q.shape[0], width, q.shape[-1])
+        # HCA (slots, no picks): every visible slot, as a dense band per block
+        hca = selected is None and cmp_kv is not None
+        blocks = columns.dense_blocks(rows, with_slots=hca)
+        return sparse_attention_banded(q, ori_ext, cmp_kv, selected, sink, scale, blocks)
     attend = sparse_attention_smallop
     if kernel == "efficient":
         from hp_cp_torch.efficient import sparse_attention_efficient as attend

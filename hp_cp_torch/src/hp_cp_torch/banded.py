@@ -3,13 +3,14 @@
 :func:`sparse_attention_banded` computes what
 :func:`hp_cp_torch.attention.sparse_attention_smallop` computes for the pool
 ``[kv_ext ; cmp_kv]`` and the columns "window, then slots", with the window given as the
-dense bands the core plans (:meth:`hp_cp_core.columns.PlanColumns.window_bands`).
+dense bands the core plans (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`).
 
 Note [Band plus gather, one softmax]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The window of consecutive queries is a band of consecutive ext rows, so a block of queries
-reads one contiguous slice of ``kv_ext`` (no gather) and its logits are one matrix product;
-only the compressed top-k columns differ per query and are gathered::
+reads one contiguous slice of ``kv_ext`` (no gather) and its logits are one matrix product
+(HCA's visible slots are such a band of ``cmp_kv`` too); only the indexer's top-k columns
+differ per query and are gathered::
 
                band keys k0 .. k1 (a slice of kv_ext)     gathered slots (per query)
     query lo   x x x x . . . .                            s s s s s s
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hp_cp_core.columns import WindowBand
+from hp_cp_core.columns import DenseBlock
 
 __all__ = ["BLOCK_ROWS", "GATHER_BUDGET_BYTES", "block_rows_for", "sparse_attention_banded"]
 
@@ -53,39 +54,60 @@ def block_rows_for(batch: int, k: int, dim: int) -> int:
 
 
 class _Block:
-    """One band block's tensors: fp32 queries, band keys, gathered slots, their masks."""
+    """One block's fp32 queries and logits: dense parts (the window band, the HCA slot band),
+    each a slice of its pool with a mask, and the gathered top-k part."""
 
-    def __init__(self, q, kv_ext, cmp, idx, band: WindowBand, mask, scale: float) -> None:
-        b, n, h, d = q.shape[0], band.hi - band.lo, q.shape[2], q.shape[3]
+    def __init__(self, q, kv_ext, cmp, idx, blk: DenseBlock, masks, scale: float) -> None:
+        b, n, h, d = q.shape[0], blk.hi - blk.lo, q.shape[2], q.shape[3]
         self.shape = (b, n, h)
-        self.q = q[:, band.lo : band.hi].float()  # [B, n, H, D]
-        self.kw = kv_ext[:, band.key_start : band.key_stop].float()  # [B, nb, D]
-        self.band_mask = mask  # [n, nb] bool
-        lw = torch.matmul(self.q.reshape(b, n * h, d), self.kw.transpose(1, 2)) * scale
-        self.lw = lw.view(b, n, h, -1).masked_fill(~mask[None, :, None, :], float("-inf"))
+        self.q = q[:, blk.lo : blk.hi].float()  # [B, n, H, D]
+        q2 = self.q.reshape(b, n * h, d)
+        ranges = [(kv_ext, blk.key_start, blk.key_stop)]
+        if blk.slot_mask is not None:
+            ranges.append((cmp, blk.slot_start, blk.slot_stop))
+        self.dense = []  # (keys [B, nb, D], logits [B, n, H, nb], pool, start)
+        for (pool, k0, k1), mask in zip(ranges, masks):
+            keys = pool[:, k0:k1].float()
+            logits = (torch.matmul(q2, keys.transpose(1, 2)) * scale).view(b, n, h, -1)
+            logits = logits.masked_fill(~mask[None, :, None, :], float("-inf"))
+            self.dense.append((keys, logits, pool, k0))
         self.k = idx.shape[-1]
         self.kc = self.lc = None
         if self.k:
-            sel = idx[:, band.lo : band.hi].long()  # [B, n, K]
-            self.valid = sel >= 0
-            self.rows = (
-                sel.clamp(min=0)
-                + (torch.arange(b, device=sel.device) * cmp.shape[1]).view(-1, 1, 1)
-            ).reshape(-1)
-            kc = cmp.reshape(-1, d).index_select(0, self.rows).float()
-            self.kc = kc.view(b * n, self.k, d)
+            sel = idx[:, blk.lo : blk.hi].long()  # [B, n, K]
+            base = torch.arange(b, device=sel.device).view(-1, 1, 1) * cmp.shape[1]
+            self.rows = (sel.clamp(min=0) + base).reshape(-1)
+            self.kc = cmp.reshape(-1, d).index_select(0, self.rows).float().view(b * n, self.k, d)
             lc = torch.matmul(self.q.reshape(b * n, h, d), self.kc.transpose(1, 2)) * scale
             self.lc = lc.view(b, n, h, self.k).masked_fill(
-                ~self.valid[:, :, None, :], float("-inf")
+                ~(sel >= 0)[:, :, None, :], float("-inf")
             )
 
-    def values(self, pw: torch.Tensor, pc: torch.Tensor | None) -> torch.Tensor:
-        """``P_band V_band + P_slots V_slots``: ``[B, n, H, D]`` fp32."""
+    def logits(self) -> list[torch.Tensor]:
+        """Every part's logits ``[B, n, H, *]``: the dense parts, then the gathered one."""
+        return [lg for _, lg, _, _ in self.dense] + ([self.lc] if self.k else [])
+
+    def values(self, probs: list[torch.Tensor]) -> torch.Tensor:
+        """``sum over parts of P V``: ``[B, n, H, D]`` fp32 (``probs`` as :meth:`logits`)."""
         b, n, h = self.shape
-        o = torch.matmul(pw.reshape(b, n * h, -1), self.kw).view(b, n, h, -1)
-        if pc is not None:
-            o = o + torch.matmul(pc.reshape(b * n, h, self.k), self.kc).view(b, n, h, -1)
-        return o
+        out = None
+        for (keys, _, _, _), p in zip(self.dense, probs):
+            o = torch.matmul(p.reshape(b, n * h, -1), keys).view(b, n, h, -1)
+            out = o if out is None else out + o
+        if self.k:
+            pc = probs[len(self.dense)]
+            out = out + torch.matmul(pc.reshape(b * n, h, self.k), self.kc).view(b, n, h, -1)
+        return out
+
+
+def _masks(blocks: Sequence[DenseBlock], device: Any) -> list[list[torch.Tensor]]:
+    out = []
+    for blk in blocks:
+        masks = [torch.as_tensor(blk.mask, device=device)]
+        if blk.slot_mask is not None:
+            masks.append(torch.as_tensor(blk.slot_mask, device=device))
+        out.append(masks)
+    return out
 
 
 class _BandedSparseAttention(torch.autograd.Function):
@@ -98,31 +120,30 @@ class _BandedSparseAttention(torch.autograd.Function):
         idx: torch.Tensor,
         sink: torch.Tensor,
         scale: float,
-        bands: Sequence[WindowBand],
+        blocks: Sequence[DenseBlock],
     ) -> torch.Tensor:
         batch, seq, heads, dim = q.shape
         idx = idx.expand(batch, -1, -1)
         cmp = cmp_kv if cmp_kv.shape[1] else cmp_kv.new_zeros(batch, 1, dim)
-        masks = [torch.as_tensor(b.mask, device=q.device) for b in bands]
+        masks = _masks(blocks, q.device)
         sink_f = sink.detach().float().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
-        for band, mask in zip(bands, masks):
-            blk = _Block(q, kv_ext, cmp, idx, band, mask, scale)
-            m = torch.maximum(blk.lw.amax(dim=-1, keepdim=True), sink_f)
-            if blk.k:
-                m = torch.maximum(m, blk.lc.amax(dim=-1, keepdim=True))
-            pw = torch.exp(blk.lw - m)
-            denom = pw.sum(dim=-1, keepdim=True) + torch.exp(sink_f - m)
-            pc = None
-            if blk.k:
-                pc = torch.exp(blk.lc - m)
-                denom = denom + pc.sum(dim=-1, keepdim=True)
-            out[:, band.lo : band.hi] = (blk.values(pw, pc) / denom).to(q.dtype)
-            lse[:, band.lo : band.hi] = (m + torch.log(denom)).squeeze(-1)
+        for blk, mask in zip(blocks, masks):
+            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale)
+            logits = parts.logits()
+            m = sink_f
+            for lg in logits:
+                m = torch.maximum(m, lg.amax(dim=-1, keepdim=True))
+            probs = [torch.exp(lg - m) for lg in logits]
+            denom = torch.exp(sink_f - m)
+            for p in probs:
+                denom = denom + p.sum(dim=-1, keepdim=True)
+            out[:, blk.lo : blk.hi] = (parts.values(probs) / denom).to(q.dtype)
+            lse[:, blk.lo : blk.hi] = (m + torch.log(denom)).squeeze(-1)
         small = cmp.shape[1] < 2**31 - 1
         ctx.save_for_backward(q, kv_ext, cmp_kv, idx.int() if small else idx.long(), sink, lse)
-        ctx.scale, ctx.bands, ctx.masks = float(scale), bands, masks
+        ctx.scale, ctx.blocks, ctx.masks = float(scale), blocks, masks
         return out
 
     @staticmethod
@@ -132,46 +153,50 @@ class _BandedSparseAttention(torch.autograd.Function):
         batch, _, heads, dim = q.shape
         need_q, need_ext, need_cmp, _, need_sink, _, _ = ctx.needs_input_grad
         cmp = cmp_kv if cmp_kv.shape[1] else cmp_kv.new_zeros(batch, 1, dim)
-        d_ext = torch.zeros(kv_ext.shape, dtype=torch.float32, device=q.device)
-        d_cmp = torch.zeros(cmp.shape, dtype=torch.float32, device=q.device)
+        grads = {
+            id(kv_ext): torch.zeros(kv_ext.shape, dtype=torch.float32, device=q.device),
+            id(cmp): torch.zeros(cmp.shape, dtype=torch.float32, device=q.device),
+        }
+        wanted = {id(kv_ext): need_ext, id(cmp): need_cmp}
         d_q = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
         d_sink = torch.zeros(heads, dtype=torch.float32, device=q.device)
         sink_f = sink.detach().float().view(1, 1, -1)
-        for band, mask in zip(ctx.bands, ctx.masks):
-            blk = _Block(q, kv_ext, cmp, idx, band, mask, scale)
-            b, n, h = blk.shape
-            lse_c = lse[:, band.lo : band.hi]
-            go = grad_out[:, band.lo : band.hi].float()  # [B, n, H, D]
-            pw = torch.exp(blk.lw - lse_c[..., None])  # [B, n, H, nb]
-            dpw = torch.matmul(go.reshape(b, n * h, dim), blk.kw.transpose(1, 2)).view(pw.shape)
-            delta = (pw * dpw).sum(dim=-1)  # [B, n, H] = dO . o
-            pc = dpc = None
-            if blk.k:
-                pc = torch.exp(blk.lc - lse_c[..., None])  # [B, n, H, K]
-                dpc = torch.matmul(go.reshape(b * n, h, dim), blk.kc.transpose(1, 2))
-                dpc = dpc.view(pc.shape)
-                delta = delta + (pc * dpc).sum(dim=-1)
-            dsw = pw * (dpw - delta[..., None])
+        for blk, mask in zip(ctx.blocks, ctx.masks):
+            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale)
+            b, n, h = parts.shape
+            lse_c = lse[:, blk.lo : blk.hi]
+            go = grad_out[:, blk.lo : blk.hi].float()  # [B, n, H, D]
+            probs = [torch.exp(lg - lse_c[..., None]) for lg in parts.logits()]
+            dps = [
+                torch.matmul(go.reshape(b, n * h, dim), keys.transpose(1, 2)).view(p.shape)
+                for (keys, _, _, _), p in zip(parts.dense, probs)
+            ]
+            if parts.k:
+                dpc = torch.matmul(go.reshape(b * n, h, dim), parts.kc.transpose(1, 2))
+                dps.append(dpc.view(probs[-1].shape))
+            delta = sum((p * dp).sum(dim=-1) for p, dp in zip(probs, dps))  # dO . o
+            dss = [p * (dp - delta[..., None]) for p, dp in zip(probs, dps)]
             d_sink -= (torch.exp(sink_f - lse_c) * delta).sum(dim=(0, 1))
-            dsc = None if pc is None else pc * (dpc - delta[..., None])
             if need_q:
-                d_q[:, band.lo : band.hi] = (blk.values(dsw, dsc) * scale).to(q.dtype)
+                d_q[:, blk.lo : blk.hi] = (parts.values(dss) * scale).to(q.dtype)
             # both roles of each key (value: p dO, key: scale ds q) in one product
-            rhs = torch.cat([go, blk.q * scale], dim=2)  # [B, n, 2H, D]
-            if need_ext:
-                lhs = torch.cat([pw, dsw], dim=2).reshape(b, 2 * n * h, -1)
-                d_ext[:, band.key_start : band.key_stop] += torch.matmul(
-                    lhs.transpose(1, 2), rhs.reshape(b, 2 * n * h, dim)
-                )
-            if need_cmp and blk.k:
-                lhs = torch.cat([pc, dsc], dim=2).reshape(b * n, 2 * h, blk.k)
+            rhs = torch.cat([go, parts.q * scale], dim=2)  # [B, n, 2H, D]
+            for (_, _, pool, k0), p, ds in zip(parts.dense, probs, dss):
+                if wanted[id(pool)]:
+                    lhs = torch.cat([p, ds], dim=2).reshape(b, 2 * n * h, -1)
+                    grads[id(pool)][:, k0 : k0 + lhs.shape[-1]] += torch.matmul(
+                        lhs.transpose(1, 2), rhs.reshape(b, 2 * n * h, dim)
+                    )
+            if need_cmp and parts.k:
+                lhs = torch.cat([probs[-1], dss[-1]], dim=2).reshape(b * n, 2 * h, parts.k)
                 d_sel = torch.matmul(lhs.transpose(1, 2), rhs.reshape(b * n, 2 * h, dim))
-                d_cmp.view(-1, dim).index_add_(0, blk.rows, d_sel.reshape(-1, dim))
-            del blk, pw, dpw, pc, dpc, dsw, dsc
+                grads[id(cmp)].view(-1, dim).index_add_(0, parts.rows, d_sel.reshape(-1, dim))
+            del parts, probs, dps, dss
+        d_cmp = grads[id(cmp)][:, : cmp_kv.shape[1]]
         return (
             d_q,
-            d_ext.to(kv_ext.dtype) if need_ext else None,
-            d_cmp[:, : cmp_kv.shape[1]].to(cmp_kv.dtype) if need_cmp else None,
+            grads[id(kv_ext)].to(kv_ext.dtype) if need_ext else None,
+            d_cmp.to(cmp_kv.dtype) if need_cmp else None,
             None,
             d_sink.to(sink.dtype) if need_sink else None,
             None,
@@ -186,7 +211,7 @@ def sparse_attention_banded(
     idx: torch.Tensor | None,
     sink: torch.Tensor,
     scale: float,
-    bands: Sequence[WindowBand],
+    blocks: Sequence[DenseBlock],
 ) -> torch.Tensor:
     """Attention of every query to its window band and its compressed slots, with a sink.
 
@@ -198,11 +223,13 @@ def sparse_attention_banded(
         q: Queries ``[B, L, H, D]``.
         kv_ext: Window KV rows (the ext frame) ``[B, E, D]``.
         cmp_kv: Compressed KV slots ``[B, N, D]``, or ``None``.
-        idx: Slot columns ``[B or 1, L, K]`` (rows of ``cmp_kv``, ``-1`` = empty), or ``None``.
+        idx: Gathered slot columns ``[B or 1, L, K]`` (rows of ``cmp_kv``, ``-1`` = empty; the
+            indexer's picks), or ``None``.
         sink: Per-head sink logits ``[H]``.
         scale: Softmax scale.
-        bands: The window bands covering every query ``0 .. L-1`` exactly once
-            (:meth:`hp_cp_core.columns.PlanColumns.window_bands`).
+        blocks: Blocks covering every query ``0 .. L-1`` exactly once
+            (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`); blocks with a slot band
+            (HCA) attend those slots densely, on top of ``idx``.
 
     Returns:
         ``[B, L, H, D]`` in ``q``'s dtype.
@@ -212,4 +239,4 @@ def sparse_attention_banded(
         cmp_kv = kv_ext.new_zeros(batch, 0, dim)
     if idx is None:
         idx = torch.full((1, seq, 0), -1, dtype=torch.long, device=q.device)
-    return _BandedSparseAttention.apply(q, kv_ext, cmp_kv, idx, sink, scale, tuple(bands))
+    return _BandedSparseAttention.apply(q, kv_ext, cmp_kv, idx, sink, scale, tuple(blocks))

@@ -1,0 +1,103 @@
+"""The column planner (:mod:`hp_cp_core.columns`) against the brute-force definitions of ``_brute``.
+
+For random plans (the planner property cases) every local query's window columns, visible
+slots, indexer scoring chunks, dense window bands and host top-k picks must be exactly what
+the per-token definitions say.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_planner_properties import _plans, plan_cases
+
+from hp_cp_core.columns import PlanColumns, ScoreChunk, select_topk_numpy
+
+
+def _covered_once(ranges: list[tuple[int, int]], n: int) -> np.ndarray:
+    seen = np.zeros(n, dtype=np.int64)
+    for lo, hi in ranges:
+        assert 0 <= lo < hi <= n
+        seen[lo:hi] += 1
+    return seen
+
+
+def _inside_one_run(plan, lo: int, hi: int) -> bool:
+    return any(a <= lo and hi <= b for a, b, _ in plan.runs)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=plan_cases(), chunk=st.integers(1, 40), block=st.integers(1, 40))
+def test_columns_match_brute_force(case: dict, chunk: int, block: int) -> None:
+    world, plans = _plans(case)
+    for rank, plan in enumerate(plans):
+        local = world.rank_rows[rank]
+        n_ext = plan.window.ext_rows.size
+        columns = PlanColumns(plan, n_ext)
+        ext = plan.window.ext_rows
+        window = columns.window(0, plan.n_local)
+        slots = columns.visible_slots(0, plan.n_local)
+        assert window.shape == (plan.n_local, case["W"])
+        for i, t in enumerate(local):
+            keys = window[i][window[i] >= 0]
+            # single-device order: ascending keys first, then -1 padding
+            assert (window[i][: keys.size] >= 0).all() and (window[i][keys.size :] == -1).all()
+            assert ext[keys].tolist() == world.window_keys(t)
+            assert slots[i][slots[i] >= 0].tolist() == world.visible_slots(t)
+            assert (slots[i][len(world.visible_slots(t)) :] == -1).all()
+        pool = columns.pool_rows(slots)
+        assert np.array_equal(pool, np.where(slots >= 0, slots + n_ext, -1))
+
+        # the indexer's scoring work: every query that sees a slot, exactly once
+        score = columns.score_chunks(chunk)
+        seen = _covered_once([(c.lo, c.hi) for c in score], plan.n_local)
+        for i, t in enumerate(local):
+            assert seen[i] == (1 if world.visible_slots(t) else seen[i]), t
+        for c in score:
+            assert c.hi - c.lo <= chunk and _inside_one_run(plan, c.lo, c.hi)
+            assert c.visible.shape == (c.hi - c.lo, c.slot_stop - c.slot_start)
+            for i in range(c.lo, c.hi):
+                got = (np.flatnonzero(c.visible[i - c.lo]) + c.slot_start).tolist()
+                assert got == world.visible_slots(local[i])
+
+        # dense blocks: every query once; the masks select exactly its window and its slots
+        blocks = columns.dense_blocks(block, with_slots=True)
+        seen = _covered_once([(b.lo, b.hi) for b in blocks], plan.n_local)
+        assert (seen == 1).all()
+        assert [(b.lo, b.hi) for b in columns.dense_blocks(block)] == [(b.lo, b.hi) for b in blocks]
+        for b in blocks:
+            assert b.hi - b.lo <= block and _inside_one_run(plan, b.lo, b.hi)
+            assert b.key_stop - b.key_start <= (b.hi - b.lo) + case["W"] - 1
+            for i in range(b.lo, b.hi):
+                keys = np.flatnonzero(b.mask[i - b.lo]) + b.key_start
+                assert ext[keys].tolist() == world.window_keys(local[i])
+                got = []
+                if b.slot_mask is not None:
+                    got = (np.flatnonzero(b.slot_mask[i - b.lo]) + b.slot_start).tolist()
+                assert got == world.visible_slots(local[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 6),
+    slots=st.integers(1, 12),
+    topk=st.integers(1, 15),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_select_topk_numpy_is_the_stable_top_k_of_visible_slots(n, slots, topk, seed) -> None:
+    rng = np.random.default_rng(seed)
+    visible = rng.random((n, slots)) < 0.6
+    s0 = int(rng.integers(0, 50))
+    chunk = ScoreChunk(0, n, s0, s0 + slots, visible)
+    # few distinct values, so ties are common; -inf scores may be visible too
+    scores = rng.integers(-2, 3, size=(2, n, slots)).astype(np.float64)
+    scores[scores == -2] = -np.inf
+    got = select_topk_numpy(scores, chunk, topk)
+    assert got.shape == (2, n, topk)
+    for b in range(2):
+        for i in range(n):
+            cand = [j for j in range(slots) if visible[i, j] and scores[b, i, j] != -np.inf]
+            cand.sort(key=lambda j: (-scores[b, i, j], j))  # ties to the lower slot
+            want = [s0 + j for j in cand[:topk]]
+            assert got[b, i].tolist() == want + [-1] * (topk - len(want))

@@ -1,0 +1,87 @@
+"""The banded kernel (window and HCA slots as dense bands, top-k gathered) against the small-op
+reference kernel, through ``run_sparse_attention`` on real plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_efficient import assert_close
+
+import hp_cp_torch.banded as banded
+from hp_cp_core import LayerSpec, build_rank_plan
+from hp_cp_torch.attention import run_sparse_attention
+
+
+def plan_case(ratio, layout, *, rank=1, cp=2, seq=600, window=16, cu=None, batch=2, seed=3):
+    """A rank's plan and random inputs: queries, window KV, slots, picks (-1 and duplicates
+    included), sink."""
+    spec = LayerSpec(compress_ratio=ratio, window_size=window, has_indexer=ratio == 4)
+    plan = build_rank_plan(
+        rank=rank, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq, cu_seqlens=cu
+    )
+    g = torch.Generator().manual_seed(seed)
+    heads, dim, topk = 2, 16, 5
+    q = torch.randn(batch, plan.n_local, heads, dim, generator=g)
+    ori_ext = torch.randn(batch, plan.window.ext_rows.size, dim, generator=g)
+    cmp_kv = torch.randn(batch, plan.n_needed_slots, dim, generator=g) if ratio else None
+    selected = None
+    if ratio == 4:
+        count = torch.as_tensor(plan.cmp_count)
+        start = torch.as_tensor(plan.cmp_start)
+        pick = torch.randint(0, 1 << 30, (batch, plan.n_local, topk), generator=g)
+        pick = start[:, None] + pick % count.clamp(min=1)[:, None]  # duplicates happen
+        selected = torch.where(torch.arange(topk) < count[:, None], pick, -1)
+    sink = torch.randn(heads, generator=g)
+    return plan, q, ori_ext, cmp_kv, selected, sink
+
+
+def outputs_and_grads(kernel, plan, q, ori_ext, cmp_kv, selected, sink):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, ori_ext, sink)]
+    if cmp_kv is not None:
+        leaves.append(cmp_kv.detach().clone().requires_grad_(True))
+    q, ori_ext, sink = leaves[:3]
+    cmp = leaves[3] if cmp_kv is not None else None
+    out = run_sparse_attention(
+        q, ori_ext, cmp, plan, selected, sink, 0.25, kernel=kernel, query_chunk=64
+    )
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return (out, *torch.autograd.grad((out * grad).sum(), leaves))
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize(
+    "layout,packed", [("contiguous", False), ("load_balanced", False), ("load_balanced", True)]
+)
+@pytest.mark.parametrize("block", [7, 64])
+def test_banded_matches_smallop(ratio, layout, packed, block, monkeypatch):
+    monkeypatch.setattr(banded, "BLOCK_ROWS", block)
+    seq = 600
+    cu = np.array([0, 37, 38, seq // 2, seq - 45, seq]) if packed else None
+    case = plan_case(ratio, layout, seq=seq, cu=cu)
+    ref = outputs_and_grads("smallop", *case)
+    got = outputs_and_grads("banded", *case)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.isfinite(a).all()
+        assert_close(a, b, 1e-5)
+
+
+def test_banded_rank_without_slots_and_bf16():
+    """Rank 0 of a contiguous layout at r = 128 sees no slot; bf16 inputs stay bf16 and track
+    the fp32 reference as closely as the small-op kernel in bf16."""
+    case = plan_case(128, "contiguous", rank=0, seq=200)
+    assert case[0].n_needed_slots == 0
+    for a, b in zip(outputs_and_grads("banded", *case), outputs_and_grads("smallop", *case)):
+        assert a.shape == b.shape
+        if b.numel():
+            assert_close(a, b, 1e-5)
+    case = plan_case(4, "load_balanced", seq=600)
+    half = [t.bfloat16() if t is not None and t.is_floating_point() else t for t in case[1:]]
+    got = outputs_and_grads("banded", case[0], *half)
+    ref32 = outputs_and_grads("smallop", *case)
+    ref16 = outputs_and_grads("smallop", case[0], *half)
+    assert got[0].dtype == torch.bfloat16
+    for a, b, c in zip(got, ref32, ref16):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= max(2 * (c.float() - b.float()).abs().max().item(), 2e-2 * b.abs().max())
