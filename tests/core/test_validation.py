@@ -366,10 +366,10 @@ CU_FIX = (
         (
             "layout",
             "CP ranks were given inconsistent inputs: DeepSeekV4CPConfig per rank "
-            "[DeepSeekV4CPConfig(layout='contiguous', attention_kernel='smallop', "
+            "[DeepSeekV4CPConfig(layout='contiguous', attention_kernel='banded', "
             "query_chunk=1024), DeepSeekV4CPConfig(layout='contiguous', attention_kernel="
-            "'smallop', query_chunk=1024), DeepSeekV4CPConfig(layout='load_balanced', "
-            "attention_kernel='smallop', query_chunk=1024)]. Expected enable_cp to get the same "
+            "'banded', query_chunk=1024), DeepSeekV4CPConfig(layout='load_balanced', "
+            "attention_kernel='banded', query_chunk=1024)]. Expected enable_cp to get the same "
             "DeepSeekV4CPConfig (layout, attention_kernel, query_chunk) on every rank.",
         ),
         (

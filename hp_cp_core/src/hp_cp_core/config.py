@@ -26,9 +26,11 @@ class DeepSeekV4CPConfig:
     Attributes:
         layout: ``"contiguous"`` (rank k holds rows ``[k*L, (k+1)*L)``) or ``"load_balanced"``
             (rank k holds chunks k and 2cp-1-k of 2cp equal chunks, so causal work is even).
-        attention_kernel: ``"smallop"`` (gather the selected rows; the exact reference),
-            ``"efficient"`` (chunked, recomputes in backward; memory does not grow with the
-            number of selected keys) or ``"triton"`` (fused GPU kernels, torch backend with
+        attention_kernel: ``"banded"`` (the default: the window, and HCA's visible slots, as
+            dense masked bands, only the indexer's top-k gathered, recomputed in backward),
+            ``"smallop"`` (gather the selected rows; the exact reference), ``"efficient"``
+            (gathered in chunks, recomputes in backward; memory does not grow with the number
+            of selected keys) or ``"triton"`` (fused GPU kernels, torch backend with
             ``hp-cp-torch[triton]``). Backends that have only one ignore the others.
         query_chunk: queries scored / attended per chunk by causal-aware kernels.
         check_inputs_across_ranks: all-gather a few integers (each rank's check verdict and
@@ -50,7 +52,7 @@ class DeepSeekV4CPConfig:
     """
 
     layout: str = "contiguous"
-    attention_kernel: str = "smallop"
+    attention_kernel: str = "banded"
     query_chunk: int = 1024
     check_inputs_across_ranks: bool = True
     plan_cache_size: int = 64
