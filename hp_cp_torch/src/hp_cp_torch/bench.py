@@ -7,14 +7,12 @@ Two kinds of measure, kept apart:
   indexer work, and the activation bytes the attention kernels keep for backward. These use
   DeepSeek V4-Flash attention shapes (:data:`FLASH`) at S = 131072, cp = 8 unless stated.
 * **timed on this machine** (ratios within one run): plan-build seconds at S = 1M (best
-  of 3), peak memory of one attention call, and the step time (forward + backward) of a
-  scaled-down reference CSA layer: cp = 2 (two gloo ranks, one thread each) against one
-  device, and ``enable_cp`` at cp = 1 against the plain module. Steps run in ``--repeat``
-  interleaved rounds (after a warm-up round); a step-time ratio is the median over rounds of
-  the ratio of the two steps of one round, in process CPU seconds, which other jobs on a
-  shared machine disturb far less than wall seconds. The wall-clock ratios (``*_wall``) and
-  best-over-best ratios (``*_best_over_best``) are reported beside them, and a cp = 2 step
-  counts as its slower rank.
+  of 3), peak memory of one attention call, the step time (forward + backward) of a
+  scaled-down reference CSA layer through the CP path at cp = 2 over cp = 1
+  (:mod:`hp_cp_torch.bench_scaling`), the attention kernel's useful FLOP/s over
+  ``torch.matmul``'s (:mod:`hp_cp_torch.bench_kernel`) and a Hugging Face model's
+  training-step memory at cp = 4 over one device (:mod:`hp_cp_torch.bench_memory`); each
+  module's docstring says exactly what it measures.
 
 Writes a flat JSON object of numbers (``--out``, default ``./bench.json``; per-rank lists
 become ``key_<rank>``; the strings that name a setup go to ``bench.notes.json``) and a PNG
@@ -30,7 +28,6 @@ strategies] there.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -44,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core import LayerSpec, build_rank_plan
+from hp_cp_torch.bench_scaling import STEP_VARIANTS
 from hp_cp_torch.bench_traffic import FLASH, Shapes, comm_per_rank, traffic_measures
 
 __all__ = ["FLASH", "Shapes", "comm_per_rank", "main", "work_per_rank"]
@@ -272,27 +270,6 @@ def step_config(index_topk: int = 64) -> Any:
     )
 
 
-STEP_VARIANTS = (
-    ("contiguous", "smallop"),
-    ("load_balanced", "smallop"),
-    ("contiguous", "efficient"),
-    ("load_balanced", "efficient"),
-)
-
-
-def _step(layer: Any, x: Any, g: Any) -> tuple[float, float]:
-    """``(wall, cpu)`` seconds of one forward + backward (cpu: this process, all threads)."""
-    import torch
-
-    for p in layer.parameters():
-        p.grad = None
-    x = x.detach().requires_grad_(True)
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = layer(x)
-    torch.autograd.backward(out, g)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def _predicted_recv(plan: Any, widths: dict[str, int], cp: int) -> int:
     """Forward + backward bytes this rank's byte counters should show for one step."""
     win, x_row, slot = widths["window"], widths["x"], widths["slot"]
@@ -304,127 +281,6 @@ def _predicted_recv(plan: Any, widths: dict[str, int], cp: int) -> int:
         fwd += plan.slot_exchange.n_halo * slot  # point to point (torch)
         bwd += plan.slot_exchange.send_total * slot
     return int(fwd + bwd)
-
-
-def _step_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, Any]:
-    """On 2 gloo ranks (1 thread each), in interleaved rounds: steps of one device on rank 0
-    alone while rank 1 waits in a barrier (it sleeps, it does not spin), then cp = 2 steps
-    of each variant on both ranks. Single-device steps: the plain CSA layer of
-    :func:`step_config` (small-op kernel, as the reference layer ships), the same layer with
-    the efficient kernel, and ``enable_cp`` at cp = 1 (a 1-rank group) against the plain
-    module, for the CSA layer and its sliding-window twin (r = 0)."""
-    import dataclasses
-
-    import torch
-    import torch.distributed as dist
-
-    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
-    from hp_cp_torch.efficient import sparse_attention_efficient
-    from hp_cp_torch.reference import DeepSeekV4Attention
-
-    torch.set_num_threads(1)
-    cfg = step_config()
-    torch.manual_seed(0)
-    plain = {"csa": DeepSeekV4Attention(cfg)}
-    torch.manual_seed(0)
-    plain["swa"] = DeepSeekV4Attention(dataclasses.replace(cfg, compress_ratio=0))
-    eff = copy.deepcopy(plain["csa"])
-    eff.attend = lambda q, pool, idx: sparse_attention_efficient(
-        q, pool, idx, eff.attn_sink, eff.softmax_scale
-    )
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(1, seq, cfg.hidden_size, generator=gen)
-    g = torch.randn(1, seq, cfg.hidden_size, generator=gen)
-    solo = dist.new_group([0])  # every rank takes part in creating it
-    handles = {}
-    for variant in STEP_VARIANTS:
-        layer = copy.deepcopy(plain["csa"])
-        layout, kernel = variant
-        h = enable_cp(layer, None, DeepSeekV4CPConfig(layout=layout, attention_kernel=kernel))
-        handles[variant] = (layer, h, h.shard(x, 1), h.shard(g, 1))
-    cp1 = {}
-    if rank == 0:
-        for kind, module in plain.items():
-            layer = copy.deepcopy(module)
-            cp1[kind] = (layer, enable_cp(layer, solo))
-    times: dict[str, list[tuple[float, float]]] = {}
-    recv0: dict[str, int] = {}
-    for rep in range(repeat + 1):  # the first round warms up (plan cache, allocator)
-        if rank == 0:
-            for kind in plain:  # alternate which of the pair runs first
-                pair = [("single", plain[kind]), ("cp1", cp1[kind][0])]
-                for name, layer in pair if rep % 2 else pair[::-1]:
-                    times.setdefault(f"{name}_{kind}", []).append(_step(layer, x, g))
-            times.setdefault("single_csa_efficient", []).append(_step(eff, x, g))
-        dist.barrier()
-        for variant, (layer, h, xl, gl) in handles.items():
-            name = "cp2_{}_{}".format(*variant)
-            if rep == 1:
-                recv0[name] = h.stats()["bytes_recv"]
-            dist.barrier()
-            times.setdefault(name, []).append(_step(layer, xl, gl))
-    # byte counters over the timed steps against the plan's prediction
-    counters = {}
-    f32 = 4
-    widths = {
-        "window": cfg.head_dim * f32,
-        "x": cfg.hidden_size * f32,
-        "slot": (cfg.head_dim + cfg.index_head_dim) * f32,
-    }
-    for variant, (_, h, _, _) in handles.items():
-        name = "cp2_{}_{}".format(*variant)
-        spec = LayerSpec(compress_ratio=4, window_size=cfg.window_size, has_indexer=True)
-        plan = build_rank_plan(
-            rank=rank, cp_size=world, spec=spec, layout_kind=variant[0], total_rows=seq
-        )
-        got = (h.stats()["bytes_recv"] - recv0[name]) / repeat
-        counters[name] = {"counted": got, "plan": _predicted_recv(plan, widths, world)}
-    # parity of the timed cp = 2 layers with one device (a guard, not a measure)
-    errors = {}
-    with torch.no_grad():
-        ref = plain["csa"](x)
-        for variant, (layer, h, xl, _) in handles.items():
-            full = h.unshard(layer(xl), 1)
-            errors["cp2_{}_{}".format(*variant)] = float((full - ref).abs().max() / ref.abs().max())
-    for _, h, _, _ in handles.values():
-        disable_cp(h)
-    for _, h in cp1.values():
-        disable_cp(h)
-    return {"times": {k: v[1:] for k, v in times.items()}, "counters": counters, "errors": errors}
-
-
-def step_times(seq: int, repeat: int) -> dict[str, Any]:
-    """Per-round step seconds of every series (``{"wall": [...], "cpu": [...]}``; a cp = 2
-    round counts as its slower rank), per-rank bests, and the counter and parity checks."""
-    from hp_cp_torch.launch import run_ranks
-
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
-    ranks = run_ranks(2, _step_worker, seq, repeat)
-    rounds: dict[str, dict[str, list[float]]] = {}
-    extra: dict[str, Any] = {}
-    for name, series in ranks[0]["times"].items():
-        if name.startswith("cp2_"):
-            both = np.asarray([r["times"][name] for r in ranks])  # [rank, round, clock]
-            series = both.max(axis=0).tolist()
-            for k in range(len(ranks)):
-                extra[f"step_{name}_rank{k}_s"] = float(both[k, :, 0].min())
-                extra[f"step_{name}_rank{k}_cpu_s"] = float(both[k, :, 1].min())
-        rounds[name] = {"wall": [t[0] for t in series], "cpu": [t[1] for t in series]}
-    for lay, ker in STEP_VARIANTS:
-        name = f"cp2_{lay}_{ker}"
-        extra[f"step_{name}_max_rel_err"] = ranks[0]["errors"][name]
-        counted = sum(r["counters"][name]["counted"] for r in ranks)
-        planned = sum(r["counters"][name]["plan"] for r in ranks)
-        extra[f"comm_counted_over_plan_{name}"] = counted / planned if planned else 1.0
-        extra[f"comm_counted_bytes_per_step_{name}"] = counted
-    return {"rounds": rounds, "extra": extra}
-
-
-def _step_ratios(num: dict[str, list[float]], den: dict[str, list[float]], clock: str):
-    """``(median over rounds of the paired ratio, best over best)`` of two step series."""
-    a, b = np.asarray(num[clock]), np.asarray(den[clock])
-    return float(np.median(a / b)), float(a.min() / b.min())
 
 
 # ----------------------------------------------------------------------------- charts
@@ -604,10 +460,13 @@ TARGETS = {
     "work_max_over_mean_balanced_r128": 1.05,
     "plan_build_seconds_s1m_cp8": 0.2,
     "saved_bytes_efficient_over_smallop": 0.15,
-    "step_time_cp2_over_cp1": 0.6,
-    "cp_enabled_cp1_overhead": 1.02,
+    "step_time_cp2_over_cp1": 0.55,
+    "cp_enabled_cp1_overhead": 1.05,
 }
 """Upper targets of the headline measures (the README's measures)."""
+
+LOWER_TARGETS = {"attn_flops_over_matmul_r4": 0.4}
+"""Lower targets (higher is better)."""
 
 
 def _lower_is_better_rows(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
@@ -741,46 +600,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["peak_memory_efficient_over_smallop"] = peaks["efficient"] / peaks["smallop"]
             res["peak_memory_rows"] = args.peak_rows
 
-    # step time (timed)
+    # step time through the CP path (timed): hp_cp_torch.bench_scaling
     if args.step_seq:
-        t0 = time.perf_counter()
-        st = step_times(args.step_seq, args.repeat)
-        rounds = st["rounds"]
-        res.update(st["extra"])
-        res["step_seq"] = args.step_seq
-        res["step_rounds"] = args.repeat
-        for name, series in rounds.items():
-            for clock, values in series.items():
-                suffix = "_cpu" if clock == "cpu" else ""
-                res[f"step_{name}{suffix}_s"] = min(values)  # best round
-                res[f"step_rounds_{name}_{clock}_s"] = values
-        single = {"smallop": rounds["single_csa"], "efficient": rounds["single_csa_efficient"]}
-        pairs = {}
-        for lay, ker in STEP_VARIANTS:
-            cp2 = rounds[f"cp2_{lay}_{ker}"]
-            # same kernel on one device and under CP: the speed-up of CP alone
-            pairs[f"step_time_cp2_over_cp1_{lay}_{ker}"] = (cp2, single[ker])
-            # against the plain layer as shipped (small-op kernel)
-            pairs[f"step_time_cp2_over_plain_{lay}_{ker}"] = (cp2, single["smallop"])
-        pairs["cp_enabled_cp1_overhead"] = (rounds["cp1_csa"], rounds["single_csa"])
-        pairs["cp_enabled_cp1_overhead_swa"] = (rounds["cp1_swa"], rounds["single_swa"])
-        pairs["efficient_over_smallop_single_step"] = (single["efficient"], single["smallop"])
-        for key, (num, den) in pairs.items():
-            for clock in ("cpu", "wall"):
-                median, best = _step_ratios(num, den, clock)
-                res[f"{key}_{clock}"] = median
-                res[f"{key}_{clock}_best_over_best"] = best
-        # headlines: CPU seconds (other jobs on a shared machine disturb them far less than
-        # wall seconds), the median over rounds of the paired ratio; for cp = 2 the best
-        # variant with the same kernel on both sides
-        best = min(STEP_VARIANTS, key=lambda v: res["step_time_cp2_over_cp1_{}_{}_cpu".format(*v)])
-        res["step_time_cp2_over_cp1"] = res["step_time_cp2_over_cp1_{}_{}_cpu".format(*best)]
-        res["step_time_cp2_best_variant"] = "_".join(best)
-        res["cp_enabled_cp1_overhead"] = res["cp_enabled_cp1_overhead_cpu"]
-        res["time_step_measures_s"] = time.perf_counter() - t0
+        from hp_cp_torch.bench_scaling import scaling_measures
+
+        res.update(scaling_measures(args.step_seq, args.repeat))
+
+    # the attention kernel against torch.matmul (timed): hp_cp_torch.bench_kernel
+    if args.kernel_repeat:
+        from hp_cp_torch.bench_kernel import kernel_measures
+
+        kernels = tuple(k for k in args.kernels.split(",") if k)
+        res.update(kernel_measures(kernels, repeat=args.kernel_repeat))
+
+    # a HF model's training-step memory, cp = 4 over one device: hp_cp_torch.bench_memory
+    if args.hf_mem_seqs:
+        from hp_cp_torch.bench_memory import hf_memory_measures
+
+        res.update(hf_memory_measures(tuple(int(v) for v in args.hf_mem_seqs.split(","))))
+
     # the desync report (timed): one store write per collective entered
     res.update(desync_cost())
-    step = res.get("step_cp2_{}_s".format(res.get("step_time_cp2_best_variant", "")))
+    step = res.get("step_cp2_{}_s".format(res.get("step_time_cp2_headline_variant", "")))
     if step:  # a cp = 2 layer step enters 5 collectives (3 forward, 2 backward)
         res["desync_record_share_of_cp2_step"] = 5 * res["desync_record_us"] * 1e-6 / step
     res["time_total_s"] = time.perf_counter() - t_start
@@ -797,23 +638,32 @@ def _table(res: dict[str, Any]) -> str:
         "comm_allgather_fallback_max_rank_over_own_lower_bound_contiguous_r4",
         "comm_allgather_fallback_total_over_sum_lower_bounds_contiguous_r4",
         "peak_memory_efficient_over_smallop",
-        "step_time_cp2_best_variant",
+        "step_time_cp2_headline_variant",
         *[
-            f"step_time_cp2_over_cp1_{lay}_{ker}_{c}"
+            f"step_time_cp2_over_cp1_{lay}_{ker}{c}"
             for lay, ker in STEP_VARIANTS
-            for c in ("cpu", "wall")
+            for c in ("", "_wall")
         ],
-        "efficient_over_smallop_single_step_cpu",
+        "step_plain_layer_s",
         "desync_record_us",
         "desync_record_over_small_all_gather",
         "desync_record_share_of_cp2_step",
         "cp_enabled_cp1_overhead_wall",
-        "cp_enabled_cp1_overhead_swa_cpu",
+        "cp_enabled_cp1_overhead_swa",
+        "attn_flops_over_matmul_r4",
+        "attn_flops_over_matmul_r128",
+        *[f"attn_flops_over_matmul_{k}_r{r}" for k in ("efficient", "smallop") for r in (4, 128)],
+        "matmul_gflops",
+        "hf_peak_mem_cp4_over_single",
+        "hf_max_seq_single_est",
+        "hf_max_seq_cp4_est",
         "time_total_s",
     ):
         if key in res:
-            v = res[key]
-            lines.append(f"{key:<48} {v:>10.4g}" if isinstance(v, float) else f"{key:<48} {v:>10}")
+            v, low = res[key], LOWER_TARGETS.get(key)
+            mark = "" if low is None else f">= {low:g} " + ("ok" if v >= low else "MISS")
+            text = f"{v:>10.4g}" if isinstance(v, float) else f"{v:>10}"
+            lines.append(f"{key:<48} {text} {mark}".rstrip())
     return "\n".join(lines)
 
 
@@ -842,6 +692,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--step-seq", type=int, default=8192, help="S of the step time (0: skip)")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds of the step time")
+    parser.add_argument(
+        "--kernel-repeat",
+        type=int,
+        default=2,
+        help="timed runs of the kernel FLOP/s measure (0: skip)",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="banded,efficient",
+        help="kernels of the FLOP/s measure (the default kernel first)",
+    )
+    parser.add_argument(
+        "--hf-mem-seqs",
+        default="512,1024,2048",
+        help="S of the HF training-step memory measure ('': skip)",
+    )
     args = parser.parse_args(argv)
     res = run(args)
     out = os.path.abspath(args.out)

@@ -124,13 +124,15 @@ def attention_seconds(kernel: str, case: dict[str, Any], repeat: int) -> float:
     return best
 
 
-def kernel_measures(
-    kernels: tuple[str, ...], default: str, threads: int = 2, repeat: int = 2
-) -> dict[str, Any]:
+def kernel_measures(kernels: tuple[str, ...], threads: int = 2, repeat: int = 2) -> dict[str, Any]:
     """``attn_flops_over_matmul_*`` keys (and the FLOP/s behind them) for ``kernels``; the
-    unsuffixed ``attn_flops_over_matmul_r{4,128}`` are the ``default`` kernel's."""
+    unsuffixed ``attn_flops_over_matmul_r{4,128}`` are the default kernel's (always run)."""
     import torch
 
+    from hp_cp_core import DeepSeekV4CPConfig
+
+    default = DeepSeekV4CPConfig().attention_kernel
+    kernels = (default, *[k for k in kernels if k != default])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
