@@ -145,6 +145,10 @@ def test_bench_main_small(tmp_path, capsys):
         "512",
         "--repeat",
         "1",
+        "--kernel-repeat",
+        "0",
+        "--hf-mem-seqs",
+        "",
     ]
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
@@ -167,6 +171,8 @@ def test_bench_main_small(tmp_path, capsys):
         "cp_enabled_cp1_overhead",
         "desync_record_us",
         "desync_record_over_small_all_gather",
+        "step_plain_layer_s",
+        *[f"step_time_cp2_over_cp1_{lay}_{ker}" for lay, ker in bench.STEP_VARIANTS],
     ]
     for key in required:
         assert isinstance(res[key], (int, float)) and np.isfinite(res[key]), key
@@ -176,5 +182,23 @@ def test_bench_main_small(tmp_path, capsys):
     for lay, ker in bench.STEP_VARIANTS:
         assert res[f"comm_counted_over_plan_cp2_{lay}_{ker}"] == 1.0
         assert res[f"step_cp2_{lay}_{ker}_max_rel_err"] < 1e-5
+        assert res[f"step_cp1_{lay}_{ker}_max_rel_err"] < 1e-5
     read_png(tmp_path / "sub" / "bench.png")
     assert "step_time_cp2_over_cp1" in capsys.readouterr().out
+
+
+def test_kernel_case_counts_only_attended_columns():
+    """The FLOP/s measure's inputs: every query has a full window and ``topk`` distinct
+    visible picks at r = 4, so the useful FLOPs are ``3.5 * 4 * B * S * H * K * D``."""
+    from hp_cp_torch.bench_kernel import attention_case
+
+    shapes = {"batch": 1, "seq": 64, "heads": 2, "dim": 8, "window": 8, "topk": 8}
+    case = attention_case(4, shapes)
+    sel, plan = case["selected"], case["plan"]
+    assert (sel >= 0).all() and (plan.window_len == 8).all()
+    start = plan.cmp_start[None, :, None]
+    assert ((sel.numpy() >= start) & (sel.numpy() < start + plan.cmp_count[None, :, None])).all()
+    assert all(len(set(row.tolist())) == 8 for row in sel[0])
+    assert case["useful_flops"] == 3.5 * 4 * 1 * 64 * 2 * (8 + 8) * 8
+    hca = attention_case(128, {**shapes, "seq": 512})
+    assert hca["mean_columns"] == 8 + float(hca["plan"].cmp_count.mean())
