@@ -168,7 +168,7 @@ def test_rank_and_cp_size_out_of_range() -> None:
         (
             {"attention_kernel": "flash"},
             "DeepSeekV4CPConfig.attention_kernel='flash' is not a kernel; expected one of "
-            "('smallop', 'efficient', 'triton').",
+            "('smallop', 'efficient', 'triton', 'banded').",
         ),
         ({"query_chunk": 0}, "DeepSeekV4CPConfig.query_chunk must be >= 1, got 0."),
     ],
