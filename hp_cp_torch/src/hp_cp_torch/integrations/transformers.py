@@ -225,7 +225,9 @@ class DeepseekV4AttentionAdapter:
         cmp = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
         q = query.transpose(0, 1)  # [B, L, H, D]
         ori = ori_ext.transpose(0, 1)  # [B, E, D]
-        if call.config.attention_kernel != "smallop":
+        # attention dropout in training: only HF's own op sequence applies it
+        dropout = m.training and m.attention_dropout > 0
+        if call.config.attention_kernel != "smallop" and not dropout:
             o = run_sparse_attention(
                 q,
                 ori,
