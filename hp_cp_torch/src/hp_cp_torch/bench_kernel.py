@@ -3,7 +3,9 @@
 ``attn_flops_over_matmul_r{4,128}`` (default kernel) and ``attn_flops_over_matmul_<kernel>_r*``:
 the FLOP/s one CSA / HCA attention forward + backward achieves, counting only useful work,
 over the FLOP/s of a plain fp32 ``torch.matmul`` measured in the same process with the same
-threads, just before.
+threads right before and right after that kernel's runs (the higher of the two). Rates are
+per CPU second of the process (all threads; other jobs on a shared machine disturb them far
+less than wall seconds), and per wall second in the ``_wall`` keys.
 
 Useful work is counted from the columns that are really attended (not from padding):
 ``4 * B * H * D * sum_t K_t`` forward (``q . k`` and ``p . v``, two flops per multiply-add)
@@ -33,8 +35,13 @@ CP_OF_CASE = 3
 """The queries are the last rank's of a contiguous layout over ``CP_OF_CASE * S`` rows."""
 
 
-def matmul_flops(n: int = 1024, repeat: int = 5) -> float:
-    """Best-of-``repeat`` FLOP/s of an fp32 ``[n, n] @ [n, n]`` ``torch.matmul``."""
+def _clock(cpu: bool) -> float:
+    return time.process_time() if cpu else time.perf_counter()
+
+
+def matmul_flops(n: int = 1024, repeat: int = 5, cpu: bool = False) -> float:
+    """Best-of-``repeat`` FLOP/s of an fp32 ``[n, n] @ [n, n]`` ``torch.matmul`` (``cpu``: per
+    CPU second of this process, all threads, instead of per wall second)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -42,9 +49,9 @@ def matmul_flops(n: int = 1024, repeat: int = 5) -> float:
     torch.matmul(a, b)  # warm up
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = _clock(cpu)
         torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _clock(cpu) - t0)
     return 2.0 * n**3 / best
 
 
@@ -92,8 +99,9 @@ def attention_case(ratio: int, shapes: dict[str, int] = KERNEL_SHAPES) -> dict[s
     }
 
 
-def attention_seconds(kernel: str, case: dict[str, Any], repeat: int) -> float:
-    """Best-of-``repeat`` seconds of one forward + backward through ``run_sparse_attention``."""
+def attention_seconds(kernel: str, case: dict[str, Any], repeat: int, cpu: bool = False) -> float:
+    """Best-of-``repeat`` seconds (``cpu``: CPU seconds of this process) of one forward +
+    backward through ``run_sparse_attention``."""
     import torch
 
     from hp_cp_torch.attention import run_sparse_attention
@@ -104,7 +112,7 @@ def attention_seconds(kernel: str, case: dict[str, Any], repeat: int) -> float:
     chunk = 256 if kernel == "smallop" else 1024  # small-op gathers [chunk, K, D] at once
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = _clock(cpu)
         out = run_sparse_attention(
             q,
             ori,
@@ -117,7 +125,7 @@ def attention_seconds(kernel: str, case: dict[str, Any], repeat: int) -> float:
             query_chunk=chunk,
         )
         torch.autograd.backward(out, grad)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _clock(cpu) - t0)
         for t in leaves:
             t.grad = None
         del out
@@ -137,22 +145,26 @@ def kernel_measures(kernels: tuple[str, ...], threads: int = 2, repeat: int = 2)
     torch.set_num_threads(threads)
     try:
         res: dict[str, Any] = {"attn_kernel_threads": threads}
-        peak = matmul_flops()
-        res["matmul_gflops"] = peak / 1e9
+        peaks = []
         for ratio in (4, 128):
             case = attention_case(ratio)
             res[f"attn_mean_columns_r{ratio}"] = case["mean_columns"]
             for kernel in kernels:
                 attention_seconds(kernel, case, 1)  # warm up
-                secs = attention_seconds(kernel, case, repeat)
-                achieved = case["useful_flops"] / secs
-                res[f"attn_seconds_{kernel}_r{ratio}"] = secs
-                res[f"attn_gflops_{kernel}_r{ratio}"] = achieved / 1e9
-                res[f"attn_flops_over_matmul_{kernel}_r{ratio}"] = achieved / peak
-            res[f"attn_flops_over_matmul_r{ratio}"] = res[
-                f"attn_flops_over_matmul_{default}_r{ratio}"
-            ]
-        res["matmul_gflops_after"] = matmul_flops() / 1e9  # drift of the machine over the run
+                for cpu, suffix in ((True, ""), (False, "_wall")):
+                    # the matmul rate right before and after (the higher one counts)
+                    rate_before = matmul_flops(cpu=cpu)
+                    secs = attention_seconds(kernel, case, repeat, cpu=cpu)
+                    peak = max(rate_before, matmul_flops(cpu=cpu))
+                    peaks.append(peak)
+                    achieved = case["useful_flops"] / secs
+                    res[f"attn_seconds_{kernel}_r{ratio}{suffix}"] = secs
+                    res[f"attn_matmul_gflops_{kernel}_r{ratio}{suffix}"] = peak / 1e9
+                    res[f"attn_flops_over_matmul_{kernel}_r{ratio}{suffix}"] = achieved / peak
+            for suffix in ("", "_wall"):
+                default_key = f"attn_flops_over_matmul_{default}_r{ratio}{suffix}"
+                res[f"attn_flops_over_matmul_r{ratio}{suffix}"] = res[default_key]
+        res["matmul_gflops_spread"] = max(peaks) / min(peaks)  # drift of the machine
         res["attn_default_kernel"] = default
         return res
     finally:
