@@ -43,6 +43,38 @@ __all__ = [
 
 
 @triton.jit
+def _row_tile(PTR, off, mask, UPCAST: tl.constexpr):
+    """A ``[BLOCK_H, BLOCK_D]`` tile of q or dO (fp32 under the interpreter)."""
+    tile = tl.load(PTR + off, mask=mask, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST: tl.constexpr):
+    """Columns ``k0 .. k0 + BLOCK_K`` of the row's list: ``(valid, KV offsets, KV rows)``;
+    ``-1`` and out-of-range columns load zeros."""
+    cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
+    ok = cols >= 0
+    kv_off = cols.to(tl.int64)[:, None] * D + offs_d[None, :]
+    kv = tl.load(kv_base + kv_off, mask=ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        kv = kv.to(tl.float32)
+    return ok, kv_off, kv
+
+
+@triton.jit
+def _probs_and_dp(q, do, kv, ok, lse, scale, PRECISION: tl.constexpr):
+    """The backward's recomputed probabilities ``p`` of one column block (from the saved
+    ``lse``) and ``dp = dO kv^T``."""
+    s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
+    p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
+    dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+    return p, dp
+
+
+@triton.jit
 def sparse_attention_fwd(
     Q,
     KV,
@@ -71,20 +103,13 @@ def sparse_attention_fwd(
     d_ok = offs_d < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _row_tile(Q, q_off, hd_ok, UPCAST)
     m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     l_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     kv_base = KV + b * P * D
     for k0 in range(0, K, BLOCK_K):
-        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-        ok = cols >= 0
-        kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-        kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
+        ok, _, kv = _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -129,40 +154,22 @@ def sparse_attention_bwd_dq(
     d_ok = offs_d < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    do = tl.load(DO + q_off, mask=hd_ok, other=0.0)
-    if UPCAST:
-        do = do.to(tl.float32)
+    q = _row_tile(Q, q_off, hd_ok, UPCAST)
+    do = _row_tile(DO, q_off, hd_ok, UPCAST)
     # padded heads get lse = +inf, so p = 0 there
     lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
     kv_base = KV + b * P * D
     delta = tl.zeros([BLOCK_H], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-        ok = cols >= 0
-        kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-        kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
-        p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
-        dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+        ok, _, kv = _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST)
+        p, dp = _probs_and_dp(q, do, kv, ok, lse, scale, PRECISION)
         delta += tl.sum(p * dp, 1)
     tl.store(DELTA + row * H + offs_h, delta, mask=h_ok)
     if DQ_PASS:  # else the fused dKV kernel computes dq
         dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-            ok = cols >= 0
-            kv_ptr = kv_base + cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-            kv = tl.load(kv_ptr, mask=ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                kv = kv.to(tl.float32)
-            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
-            p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
-            dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+            ok, _, kv = _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST)
+            p, dp = _probs_and_dp(q, do, kv, ok, lse, scale, PRECISION)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
         tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=hd_ok)
@@ -200,28 +207,17 @@ def sparse_attention_bwd_dkv(
     d_ok = offs_d < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    do = tl.load(DO + q_off, mask=hd_ok, other=0.0)
-    if UPCAST:
-        do = do.to(tl.float32)
+    q = _row_tile(Q, q_off, hd_ok, UPCAST)
+    do = _row_tile(DO, q_off, hd_ok, UPCAST)
     lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
     delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
     kv_base = KV + b * P * D
     dkv_base = DKV + b * P * D
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-        ok = cols >= 0
+        ok, kv_off, kv = _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST)
         kd_ok = ok[:, None] & d_ok[None, :]
-        kv_off = cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-        kv = tl.load(kv_base + kv_off, mask=kd_ok, other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
-        p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
-        dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+        p, dp = _probs_and_dp(q, do, kv, ok, lse, scale, PRECISION)
         ds = p * (dp - delta[:, None])
         dkv = tl.dot(tl.trans(p.to(kv.dtype)), do, input_precision=PRECISION)
         dkv += tl.dot(tl.trans((ds * scale).to(kv.dtype)), q, input_precision=PRECISION)
@@ -264,29 +260,19 @@ def sparse_attention_bwd_dkv_all_heads(
     kv_base = KV + b * P * D
     dkv_base = DKV + b * P * D
     for k0 in range(0, K, BLOCK_K):
-        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
-        ok = cols >= 0
+        ok, kv_off, kv = _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST)
         kd_ok = ok[:, None] & d_ok[None, :]
-        kv_off = cols.to(tl.int64)[:, None] * D + offs_d[None, :]
-        kv = tl.load(kv_base + kv_off, mask=kd_ok, other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
         dkv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < H
             hd_ok = h_ok[:, None] & d_ok[None, :]
             q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=hd_ok, other=0.0)
-            do = tl.load(DO + q_off, mask=hd_ok, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
+            q = _row_tile(Q, q_off, hd_ok, UPCAST)
+            do = _row_tile(DO, q_off, hd_ok, UPCAST)
             lse = tl.load(LSE + row * H + offs_h, mask=h_ok, other=float("inf"))
             delta = tl.load(DELTA + row * H + offs_h, mask=h_ok, other=0.0)
-            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
-            p = tl.exp(tl.where(ok[None, :], s, float("-inf")) - lse[:, None])
-            dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
+            p, dp = _probs_and_dp(q, do, kv, ok, lse, scale, PRECISION)
             ds = p * (dp - delta[:, None])
             dkv += tl.dot(tl.trans(p.to(kv.dtype)), do, input_precision=PRECISION)
             dkv += tl.dot(tl.trans((ds * scale).to(kv.dtype)), q, input_precision=PRECISION)
