@@ -26,6 +26,7 @@ import torch
 from cases import build_layer, make_inputs, rel_err, result
 from errors_cases import FAULT_TIMEOUT_S, zero_grad_cases, zero_grad_name
 
+from hp_cp_core import DeepSeekV4CPConfig
 from hp_cp_core.layout import SequenceLayout
 
 pytestmark = pytest.mark.slow
@@ -154,6 +155,9 @@ def test_patched_module_rejects_bad_tensors_on_every_rank(variant: str) -> None:
 # ------------------------------------------------------------------ cross-rank agreement
 
 
+DEFAULT_KERNEL = DeepSeekV4CPConfig().attention_kernel
+
+
 def _per_rank(world: int, good: str, odd: str) -> str:
     return "[" + ", ".join([good] * (world - 1) + [odd]) + "]"
 
@@ -184,8 +188,8 @@ def disagreement_parts(world: int, variant: str) -> list[str]:
             "DeepSeekV4CPConfig per rank "
             + _per_rank(
                 world,
-                cfg.format("contiguous", "smallop"),
-                cfg.format("load_balanced", "smallop"),
+                cfg.format("contiguous", DEFAULT_KERNEL),
+                cfg.format("load_balanced", DEFAULT_KERNEL),
             ),
             "the same DeepSeekV4CPConfig",
         ],
