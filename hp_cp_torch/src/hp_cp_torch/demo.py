@@ -123,12 +123,16 @@ def report(results: list[dict], title: str) -> bool:
         err = max(r[key] for r in results)
         ok &= err <= tol
         print(f"{label} {err:.3e}")
-    print(f"{'rank':<6}{'bytes sent':<14}{'bytes recv':<14}{'cp step s':<12}{'1-dev step s':<12}")
+    print(f"{'rank':<6}{'bytes sent':<14}{'bytes recv':<14}{'cp step s':<12}{'plain 1-dev s':<14}")
     for k, r in enumerate(results):
         print(
             f"{k:<6}{r['bytes_sent']:<14}{r['bytes_recv']:<14}{r['cp_s']:<12.3f}"
             f"{r['single_s']:<12.3f}"
         )
+    print(
+        "(step times: one run each, the plain layers on one device first, then the CP path: "
+        "not a scaling measure; `hp-cp bench` reports step_time_cp2_over_cp1)"
+    )
     print("PARITY OK" if ok else f"PARITY FAILED (tolerance out {OUT_TOL}, grad {GRAD_TOL})")
     return ok
 
