@@ -147,7 +147,13 @@ class PlanColumns:
     def score_chunks(self, query_chunk: int) -> list[ScoreChunk]:
         """The indexer's scoring work: per chunk of at most ``query_chunk`` queries (inside one
         run), the slot range its queries see. Chunks whose queries see no slot are left out
-        (their picks are all ``-1``)."""
+        (their picks are all ``-1``). Built once per plan and query chunk."""
+        key = ("score", int(query_chunk))
+        if key not in self.plan.column_work:
+            self.plan.column_work[key] = self._score_chunks(query_chunk)
+        return self.plan.column_work[key]
+
+    def _score_chunks(self, query_chunk: int) -> list[ScoreChunk]:
         start = self.plan.cmp_start
         stop = start + self.plan.cmp_count
         out = []
@@ -161,7 +167,14 @@ class PlanColumns:
 
     def dense_blocks(self, block_rows: int, *, with_slots: bool = False) -> list[DenseBlock]:
         """Every local query once, in blocks of at most ``block_rows`` queries: the block's
-        window band and, with ``with_slots`` (HCA), its band of visible slots."""
+        window band and, with ``with_slots`` (HCA), its band of visible slots. Built once per
+        plan and block size."""
+        key = ("dense", int(block_rows), bool(with_slots))
+        if key not in self.plan.column_work:
+            self.plan.column_work[key] = self._dense_blocks(block_rows, with_slots)
+        return self.plan.column_work[key]
+
+    def _dense_blocks(self, block_rows: int, with_slots: bool) -> list[DenseBlock]:
         p = self.plan
         first = p.window_start
         stop = p.window_start + p.window_len

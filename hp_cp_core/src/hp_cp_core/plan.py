@@ -139,6 +139,8 @@ class RankPlan:
         slot_exchange: the point-to-point alternative to the all-gather (only the slots this
             rank's queries see; Note [Causal-prefix slot exchange]); ``None`` when r = 0.
         send_bytes_rows / recv rows are in the HaloPlans; ``owned_counts`` per rank.
+        column_work: :class:`hp_cp_core.columns.PlanColumns`' chunk lists, built on first use
+            and kept with the (cached) plan, so a forward and its recompute reuse them.
     """
 
     rank: int
@@ -165,6 +167,7 @@ class RankPlan:
     cmp_cu_seqlens: np.ndarray | None
     slot_exchange: SlotExchangePlan | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    column_work: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     def attention_runs(self) -> list[AttentionRun]:
         """Per contiguous local run, its slice of the window ext frame (for adapters whose
