@@ -8,6 +8,7 @@ the per-token definitions say.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_planner_properties import _plans, plan_cases
@@ -76,6 +77,23 @@ def test_columns_match_brute_force(case: dict, chunk: int, block: int) -> None:
                 if b.slot_mask is not None:
                     got = (np.flatnonzero(b.slot_mask[i - b.lo]) + b.slot_start).tolist()
                 assert got == world.visible_slots(local[i])
+
+        # CSA: where a block's visible slots fit in picks_band_max, its picks are a band
+        for limit in (1, 8, 10**9):
+            csa = columns.dense_blocks(block, picks_band_max=limit)
+            assert [(b.lo, b.hi) for b in csa] == [(b.lo, b.hi) for b in blocks]
+            for b, hca in zip(csa, blocks):
+                assert b.slot_mask is None
+                if not b.picks_in_band:
+                    assert limit < 10**9 or hca.slot_mask is None
+                    continue
+                assert b.slot_stop - b.slot_start <= limit
+                assert (b.slot_start, b.slot_stop) == (hca.slot_start, hca.slot_stop)
+                for i in range(b.lo, b.hi):  # every visible slot (any pick) is in the band
+                    seen = world.visible_slots(local[i])
+                    assert all(b.slot_start <= j < b.slot_stop for j in seen)
+        with pytest.raises(ValueError, match="exclude"):
+            columns.dense_blocks(block, with_slots=True, picks_band_max=8)
 
 
 @settings(max_examples=60, deadline=None)

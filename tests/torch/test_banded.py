@@ -13,9 +13,11 @@ from hp_cp_core import LayerSpec, build_rank_plan
 from hp_cp_torch.attention import run_sparse_attention
 
 
-def plan_case(ratio, layout, *, rank=1, cp=2, seq=600, window=16, cu=None, batch=2, seed=3):
-    """A rank's plan and random inputs: queries, window KV, slots, picks (-1 and duplicates
-    included), sink."""
+def plan_case(
+    ratio, layout, *, rank=1, cp=2, seq=600, window=16, cu=None, batch=2, seed=3, distinct=False
+):
+    """A rank's plan and random inputs: queries, window KV, slots, picks (-1 included;
+    duplicates too unless ``distinct``, as the indexer's top-k gives), sink."""
     spec = LayerSpec(compress_ratio=ratio, window_size=window, has_indexer=ratio == 4)
     plan = build_rank_plan(
         rank=rank, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq, cu_seqlens=cu
@@ -31,6 +33,11 @@ def plan_case(ratio, layout, *, rank=1, cp=2, seq=600, window=16, cu=None, batch
         start = torch.as_tensor(plan.cmp_start)
         pick = torch.randint(0, 1 << 30, (batch, plan.n_local, topk), generator=g)
         pick = start[:, None] + pick % count.clamp(min=1)[:, None]  # duplicates happen
+        if distinct:  # a random top-k of the visible slots
+            slots = torch.arange(plan.n_needed_slots)
+            seen = (slots >= start[:, None]) & (slots < (start + count)[:, None])
+            keys = torch.rand(batch, plan.n_local, plan.n_needed_slots, generator=g)
+            pick = keys.masked_fill(~seen, -1.0).topk(topk, dim=-1).indices
         selected = torch.where(torch.arange(topk) < count[:, None], pick, -1)
     sink = torch.randn(heads, generator=g)
     return plan, q, ori_ext, cmp_kv, selected, sink
@@ -65,6 +72,54 @@ def test_banded_matches_smallop(ratio, layout, packed, block, monkeypatch):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert torch.isfinite(a).all()
         assert_close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("layout,packed", [("contiguous", False), ("load_balanced", True)])
+@pytest.mark.parametrize("factor", [2, 1000])
+def test_banded_picks_read_as_a_band(layout, packed, factor, monkeypatch):
+    """Distinct picks (the indexer's) in a narrow band are read as a masked slot band, not
+    gathered; the result is the small-op kernel's. A picks band that holds a duplicate or a
+    pick outside it falls back to the gather for that block."""
+    monkeypatch.setattr(banded, "PICKS_BAND_FACTOR", factor)
+    read_as_band = []
+    original = banded._picks_mask
+
+    def spy(sel, start, stop):
+        mask = original(sel, start, stop)
+        read_as_band.append(mask is not None)
+        return mask
+
+    monkeypatch.setattr(banded, "_picks_mask", spy)
+    seq = 600
+    cu = np.array([0, 37, 38, seq // 2, seq - 45, seq]) if packed else None
+    case = plan_case(4, layout, seq=seq, cu=cu, distinct=True)
+    ref = outputs_and_grads("smallop", *case)
+    got = outputs_and_grads("banded", *case)
+    for a, b in zip(got, ref):
+        assert_close(a, b, 1e-5)
+    if factor > 2:  # every block's band is narrow enough
+        assert read_as_band and all(read_as_band)
+
+    # a foreign pick list with a repeated pick: that block is gathered, repeats add up
+    plan, q, ori, cmp, sel, sink = case
+    sel = sel.clone()
+    row = int(np.flatnonzero(plan.cmp_count >= 2)[-1])
+    sel[0, row, 1] = sel[0, row, 0]
+    read_as_band.clear()
+    ref = outputs_and_grads("smallop", plan, q, ori, cmp, sel, sink)
+    got = outputs_and_grads("banded", plan, q, ori, cmp, sel, sink)
+    for a, b in zip(got, ref):
+        assert_close(a, b, 1e-5)
+    if factor > 2:
+        assert read_as_band.count(False) == 2  # that block, in forward and in backward
+
+
+def test_picks_mask_marks_each_pick_or_declines():
+    sel = torch.tensor([[[3, 5, -1], [4, 4, 6]]])
+    assert banded._picks_mask(sel, 3, 7) is None  # a repeat
+    assert banded._picks_mask(sel[:, :1], 4, 7) is None  # slot 3 is outside
+    mask = banded._picks_mask(sel[:, :1], 2, 7)
+    assert mask.tolist() == [[[False, True, False, True, False]]]
 
 
 def test_banded_rank_without_slots_and_bf16():

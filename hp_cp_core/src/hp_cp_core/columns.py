@@ -29,6 +29,12 @@ read them as one band of slots (the union of its queries' visible ranges, masked
                                        x x x . .               s s .
                                        . x x x .               s s s
                                        . . x x x               s s s
+
+The indexer's picks (CSA) are visible slots, so a block's picks lie in the same union of
+visible ranges. Where that union is narrow (at most ``picks_band_max`` slots: the early
+positions of a sequence, where a query sees few more slots than it picks), a kernel can read
+the picks as that band too, masked to the picks at run time, instead of gathering
+``[rows, topk, D]``; wider unions leave the band empty and the picks are gathered.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ class DenseBlock:
         slot_start, slot_stop: the band of global slots (an empty range when not asked for).
         slot_mask: ``[hi - lo, slot_stop - slot_start]``, True where the query sees the slot;
             ``None`` when slots were not asked for or no query of the block sees one.
+        picks_in_band: True when the block's indexer picks are to be read as the slot band
+            ``[slot_start, slot_stop)`` (masked to the picks by the kernel) instead of being
+            gathered; ``slot_mask`` is then ``None``.
     """
 
     lo: int
@@ -89,6 +98,7 @@ class DenseBlock:
     slot_start: int = 0
     slot_stop: int = 0
     slot_mask: np.ndarray | None = None
+    picks_in_band: bool = False
 
 
 class PlanColumns:
@@ -165,16 +175,24 @@ class PlanColumns:
             out.append(ScoreChunk(lo, hi, s0, s1, self.visibility(lo, hi, s0, s1)))
         return out
 
-    def dense_blocks(self, block_rows: int, *, with_slots: bool = False) -> list[DenseBlock]:
+    def dense_blocks(
+        self, block_rows: int, *, with_slots: bool = False, picks_band_max: int = 0
+    ) -> list[DenseBlock]:
         """Every local query once, in blocks of at most ``block_rows`` queries: the block's
-        window band and, with ``with_slots`` (HCA), its band of visible slots. Built once per
-        plan and block size."""
-        key = ("dense", int(block_rows), bool(with_slots))
+        window band and, with ``with_slots`` (HCA), its band of visible slots, or, with
+        ``picks_band_max > 0`` (CSA), the band its indexer picks lie in when that band is at
+        most ``picks_band_max`` slots wide (``picks_in_band``). Built once per plan and
+        arguments."""
+        if with_slots and picks_band_max:
+            raise ValueError("with_slots (HCA) and picks_band_max (CSA) exclude each other")
+        key = ("dense", int(block_rows), bool(with_slots), int(picks_band_max))
         if key not in self.plan.column_work:
-            self.plan.column_work[key] = self._dense_blocks(block_rows, with_slots)
+            self.plan.column_work[key] = self._dense_blocks(block_rows, with_slots, picks_band_max)
         return self.plan.column_work[key]
 
-    def _dense_blocks(self, block_rows: int, with_slots: bool) -> list[DenseBlock]:
+    def _dense_blocks(
+        self, block_rows: int, with_slots: bool, picks_band_max: int
+    ) -> list[DenseBlock]:
         p = self.plan
         first = p.window_start
         stop = p.window_start + p.window_len
@@ -184,16 +202,18 @@ class PlanColumns:
             k0, k1 = int(first[lo:hi].min()), int(stop[lo:hi].max())
             keys = np.arange(k0, k1, dtype=np.int64)[None, :]
             mask = (keys >= first[lo:hi, None]) & (keys < stop[lo:hi, None])
-            if not with_slots:
-                out.append(DenseBlock(lo, hi, k0, k1, mask))
-                continue
             seen = p.cmp_count[lo:hi] > 0  # a query that sees nothing may start anywhere
-            if not seen.any():
+            if not (with_slots or picks_band_max) or not seen.any():
                 out.append(DenseBlock(lo, hi, k0, k1, mask))
                 continue
             s0, s1 = int(p.cmp_start[lo:hi][seen].min()), int(slot_stop[lo:hi][seen].max())
-            visible = self.visibility(lo, hi, s0, s1)
-            out.append(DenseBlock(lo, hi, k0, k1, mask, s0, s1, visible))
+            if with_slots:
+                visible = self.visibility(lo, hi, s0, s1)
+                out.append(DenseBlock(lo, hi, k0, k1, mask, s0, s1, visible))
+            elif s1 - s0 <= picks_band_max:
+                out.append(DenseBlock(lo, hi, k0, k1, mask, s0, s1, picks_in_band=True))
+            else:
+                out.append(DenseBlock(lo, hi, k0, k1, mask))
         return out
 
 

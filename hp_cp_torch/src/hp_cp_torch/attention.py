@@ -213,13 +213,16 @@ def run_sparse_attention(
     """
     columns = PlanColumns(plan, ori_ext.shape[1])
     if kernel == "banded":
-        from hp_cp_torch.banded import block_rows_for, sparse_attention_banded
+        from hp_cp_torch.banded import PICKS_BAND_FACTOR, block_rows_for, sparse_attention_banded
 
         width = 0 if selected is None else selected.shape[-1]
         rows = block_rows_for(q.shape[0], width, q.shape[-1])
-        # HCA (slots, no picks): every visible slot, as a dense band per block
+        # HCA (slots, no picks): every visible slot, as a dense band per block; CSA: the
+        # picks as a masked band where the block's visible slots are few
         hca = selected is None and cmp_kv is not None
-        blocks = columns.dense_blocks(rows, with_slots=hca)
+        blocks = columns.dense_blocks(
+            rows, with_slots=hca, picks_band_max=PICKS_BAND_FACTOR * width
+        )
         return sparse_attention_banded(q, ori_ext, cmp_kv, selected, sink, scale, blocks)
     attend = sparse_attention_smallop
     if kernel == "efficient":

@@ -17,7 +17,14 @@ differ per query and are gathered::
     query lo+1 . x x x x . . .          masked: '.'       s s s s s s
     query hi-1 . . . . x x x x                            s s s s s s
 
-Both parts share one softmax with the sink: with ``m = max(max band logit, max slot logit,
+Where a block's visible slots are few (at most :data:`PICKS_BAND_FACTOR` times the top-k:
+early positions of a sequence), the core plans the picks as a band too
+(``DenseBlock.picks_in_band``): the block reads that slice of ``cmp_kv`` and masks it to its
+picks, one dense product instead of a ``[rows, K, D]`` gather and ``rows`` small ones. A mask
+counts a column once, so a block whose pick list repeats a slot (never the indexer's top-k)
+is gathered instead, where repeats add up as in the small-op kernel.
+
+All parts share one softmax with the sink: with ``m = max(max band logit, max slot logit,
 sink)`` (exactly the small-op kernel's max),
 ``denom = sum exp(band - m) + sum exp(slots - m) + exp(sink - m)`` and
 ``o = (P_band V_band + P_slots V_slots) / denom``; the forward keeps only
@@ -30,6 +37,7 @@ Masked band keys and ``-1`` slots have ``p = 0``: they add nothing anywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,13 +45,25 @@ import torch
 
 from hp_cp_core.columns import DenseBlock
 
-__all__ = ["BLOCK_ROWS", "GATHER_BUDGET_BYTES", "block_rows_for", "sparse_attention_banded"]
+__all__ = [
+    "BLOCK_ROWS",
+    "GATHER_BUDGET_BYTES",
+    "PICKS_BAND_FACTOR",
+    "block_rows_for",
+    "sparse_attention_banded",
+]
 
 BLOCK_ROWS = 64
 """Most query rows of one band block."""
 
 GATHER_BUDGET_BYTES = 32 << 20
 """Upper bound on one block's fp32 top-k gather ``[B, rows, K, D]`` (bytes)."""
+
+
+PICKS_BAND_FACTOR = 2
+"""A block reads its indexer picks as a masked band of slots (no gather) when that band is at
+most this many times the top-k wide: a dense product over ``2 K`` columns runs faster on a CPU
+than a per-query gather and product over ``K``."""
 
 
 def block_rows_for(batch: int, k: int, dim: int) -> int:
@@ -53,31 +73,77 @@ def block_rows_for(batch: int, k: int, dim: int) -> int:
     return max(1, min(BLOCK_ROWS, max(8, GATHER_BUDGET_BYTES // per_row)))
 
 
-class _Block:
-    """One block's fp32 queries and logits: dense parts (the window band, the HCA slot band),
-    each a slice of its pool with a mask, and the gathered top-k part."""
+class _Workspace:
+    """Reusable buffers of one forward or backward call. A block's top-k gather and its
+    KV-gradient product are tens of MiB; a fresh tensor that large is new pages on every
+    block, and on a CPU their faults cost more than the copy itself."""
 
-    def __init__(self, q, kv_ext, cmp, idx, blk: DenseBlock, masks, scale: float) -> None:
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor, dtype=None):
+        """A ``shape`` view of buffer ``name`` (grown when too small; contents undefined)."""
+        dtype = dtype or torch.float32
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+def _picks_mask(sel: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+    """``[B, n, stop - start]``: True at each pick of ``sel`` ``[B, n, K]`` (global slots,
+    ``-1`` = none) inside the band, or ``None`` when a pick lies outside it or repeats (a mask
+    cannot count a column twice; such blocks are gathered, where duplicates add up)."""
+    width = stop - start
+    valid = sel >= 0
+    inside = valid & (sel >= start) & (sel < stop)
+    column = torch.where(inside, sel - start, width)  # outside: a spare last column
+    mask = torch.zeros(*sel.shape[:2], width + 1, dtype=torch.bool, device=sel.device)
+    mask.scatter_(2, column, True)
+    mask = mask[..., :width]
+    return mask if int(mask.sum()) == int(valid.sum()) else None
+
+
+class _Block:
+    """One block's fp32 queries and logits: dense parts (the window band; HCA's slot band or
+    the band CSA's picks lie in), each a slice of its pool with a mask, and the gathered top-k
+    part (only when the picks are not read as a band)."""
+
+    def __init__(self, q, kv_ext, cmp, idx, blk: DenseBlock, masks, scale, ws: _Workspace):
         b, n, h, d = q.shape[0], blk.hi - blk.lo, q.shape[2], q.shape[3]
         self.shape = (b, n, h)
         self.q = q[:, blk.lo : blk.hi].float()  # [B, n, H, D]
-        q2 = self.q.reshape(b, n * h, d)
-        ranges = [(kv_ext, blk.key_start, blk.key_stop)]
+        ranges = [(kv_ext, blk.key_start, blk.key_stop, masks[0])]
         if blk.slot_mask is not None:
-            ranges.append((cmp, blk.slot_start, blk.slot_stop))
-        self.dense = []  # (keys [B, nb, D], logits [B, n, H, nb], pool, start)
-        for (pool, k0, k1), mask in zip(ranges, masks):
-            keys = pool[:, k0:k1].float()
-            logits = (torch.matmul(q2, keys.transpose(1, 2)) * scale).view(b, n, h, -1)
-            logits = logits.masked_fill(~mask[None, :, None, :], float("-inf"))
-            self.dense.append((keys, logits, pool, k0))
+            ranges.append((cmp, blk.slot_start, blk.slot_stop, masks[1]))
         self.k = idx.shape[-1]
-        self.kc = self.lc = None
         if self.k:
             sel = idx[:, blk.lo : blk.hi].long()  # [B, n, K]
+            picked = None
+            if blk.picks_in_band:
+                picked = _picks_mask(sel, blk.slot_start, blk.slot_stop)
+            if picked is not None:
+                ranges.append((cmp, blk.slot_start, blk.slot_stop, picked))
+                self.k = 0
+        q2 = self.q.reshape(b, n * h, d)
+        self.dense = []  # (keys [B, nb, D], logits [B, n, H, nb], pool, start)
+        for pool, k0, k1, mask in ranges:
+            keys = pool[:, k0:k1].float()
+            logits = (torch.matmul(q2, keys.transpose(1, 2)) * scale).view(b, n, h, -1)
+            logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+            self.dense.append((keys, logits, pool, k0))
+        self.kc = self.lc = None
+        if self.k:
             base = torch.arange(b, device=sel.device).view(-1, 1, 1) * cmp.shape[1]
             self.rows = (sel.clamp(min=0) + base).reshape(-1)
-            self.kc = cmp.reshape(-1, d).index_select(0, self.rows).float().view(b * n, self.k, d)
+            flat = cmp.reshape(-1, d)
+            shape = (b * n * self.k, d)
+            kc = torch.index_select(flat, 0, self.rows, out=ws.get("kc", shape, q, flat.dtype))
+            if kc.dtype != torch.float32:
+                kc = ws.get("kc32", shape, q).copy_(kc)
+            self.kc = kc.view(b * n, self.k, d)
             lc = torch.matmul(self.q.reshape(b * n, h, d), self.kc.transpose(1, 2)) * scale
             self.lc = lc.view(b, n, h, self.k).masked_fill(
                 ~(sel >= 0)[:, :, None, :], float("-inf")
@@ -101,11 +167,12 @@ class _Block:
 
 
 def _masks(blocks: Sequence[DenseBlock], device: Any) -> list[list[torch.Tensor]]:
+    """Each block's planned masks as ``[1, n, width]`` tensors (window, then HCA slots)."""
     out = []
     for blk in blocks:
-        masks = [torch.as_tensor(blk.mask, device=device)]
+        masks = [torch.as_tensor(blk.mask, device=device)[None]]
         if blk.slot_mask is not None:
-            masks.append(torch.as_tensor(blk.slot_mask, device=device))
+            masks.append(torch.as_tensor(blk.slot_mask, device=device)[None])
         out.append(masks)
     return out
 
@@ -129,8 +196,9 @@ class _BandedSparseAttention(torch.autograd.Function):
         sink_f = sink.detach().float().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
+        ws = _Workspace()
         for blk, mask in zip(blocks, masks):
-            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale)
+            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale, ws)
             logits = parts.logits()
             m = sink_f
             for lg in logits:
@@ -161,8 +229,9 @@ class _BandedSparseAttention(torch.autograd.Function):
         d_q = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
         d_sink = torch.zeros(heads, dtype=torch.float32, device=q.device)
         sink_f = sink.detach().float().view(1, 1, -1)
+        ws = _Workspace()
         for blk, mask in zip(ctx.blocks, ctx.masks):
-            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale)
+            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale, ws)
             b, n, h = parts.shape
             lse_c = lse[:, blk.lo : blk.hi]
             go = grad_out[:, blk.lo : blk.hi].float()  # [B, n, H, D]
@@ -189,7 +258,11 @@ class _BandedSparseAttention(torch.autograd.Function):
                     )
             if need_cmp and parts.k:
                 lhs = torch.cat([probs[-1], dss[-1]], dim=2).reshape(b * n, 2 * h, parts.k)
-                d_sel = torch.matmul(lhs.transpose(1, 2), rhs.reshape(b * n, 2 * h, dim))
+                d_sel = torch.matmul(
+                    lhs.transpose(1, 2),
+                    rhs.reshape(b * n, 2 * h, dim),
+                    out=ws.get("d_sel", (b * n, parts.k, dim), q),
+                )
                 grads[id(cmp)].view(-1, dim).index_add_(0, parts.rows, d_sel.reshape(-1, dim))
             del parts, probs, dps, dss
         d_cmp = grads[id(cmp)][:, : cmp_kv.shape[1]]

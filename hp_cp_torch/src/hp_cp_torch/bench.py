@@ -650,9 +650,12 @@ def _table(res: dict[str, Any]) -> str:
         "desync_record_share_of_cp2_step",
         "cp_enabled_cp1_overhead_wall",
         "cp_enabled_cp1_overhead_swa",
-        "attn_flops_over_matmul_r4",
-        "attn_flops_over_matmul_r128",
-        *[f"attn_flops_over_matmul_{k}_r{r}" for k in ("efficient", "smallop") for r in (4, 128)],
+        *[f"attn_flops_over_matmul_{c}" for c in ("r4", "r4_gathered", "r128")],
+        *[
+            f"attn_flops_over_matmul_{k}_{c}"
+            for k in ("efficient", "smallop")
+            for c in ("r4", "r4_gathered", "r128")
+        ],
         "matmul_gflops",
         "hf_peak_mem_cp4_over_single",
         "hf_max_seq_single_est",

@@ -1,22 +1,29 @@
 """The attention kernel against the machine: useful FLOP/s over ``torch.matmul`` FLOP/s.
 
-``attn_flops_over_matmul_r{4,128}`` (default kernel) and ``attn_flops_over_matmul_<kernel>_r*``:
-the FLOP/s one CSA / HCA attention forward + backward achieves, counting only useful work,
-over the FLOP/s of a plain fp32 ``torch.matmul`` measured in the same process with the same
-threads right before and right after that kernel's runs (the higher of the two). Rates are
-per CPU second of the process (all threads; other jobs on a shared machine disturb them far
-less than wall seconds), and per wall second in the ``_wall`` keys.
+``attn_flops_over_matmul_{r4,r128,r4_gathered}`` (default kernel) and
+``attn_flops_over_matmul_<kernel>_<case>``: the FLOP/s one CSA / HCA attention forward +
+backward achieves, counting only useful work, over the FLOP/s of a plain fp32
+``torch.matmul`` measured in the same process with the same threads right before and right
+after that kernel's runs (the higher of the two), per wall second. The ``_cpu`` keys give the
+same ratio per CPU second of the process (all threads; steadier when other jobs share the
+machine, but they charge a kernel for its threads' idle spinning).
 
 Useful work is counted from the columns that are really attended (not from padding):
 ``4 * B * H * D * sum_t K_t`` forward (``q . k`` and ``p . v``, two flops per multiply-add)
 and 2.5x that backward, where ``K_t`` is query t's window keys plus its valid compressed
 columns. The inputs are those of a real plan: the 1024 queries of the last rank of a
-contiguous cp = 3 layout (S = 3072), so every query has a full window of W = 128 keys and, at
-r = 4, picks ``topk = 512`` distinct slots out of >= 512 visible ones: ``K_t = 128 + 512`` for
-every query, i.e. exactly ``4 * B * S * H * K * D`` with ``K = 640``. At r = 128 every visible
-slot is attended (16 .. 23 per query). The call is
-:func:`hp_cp_torch.attention.run_sparse_attention`, column planning included, with gradients
-for q, the window KV, the slots and the sink.
+contiguous layout, so every query has a full window of W = 128 keys and, at r = 4, picks
+``topk = 512`` distinct slots (at random) out of the ones it sees: ``K_t = 128 + 512`` for
+every query, i.e. exactly ``4 * B * S * H * K * D`` with ``K = 640``. The cases:
+
+* ``r4``: cp = 3 (S = 3072): each query sees 512 .. 767 slots, so a block's picks lie in a
+  band under twice the top-k (the early part of a sequence);
+* ``r4_gathered``: cp = 16 (S = 16384): each query sees 3840 .. 4095 slots, so the picks are
+  gathered (any long context);
+* ``r128``: cp = 3, every visible slot is attended (16 .. 23 per query).
+
+The call is :func:`hp_cp_torch.attention.run_sparse_attention`, column planning included,
+with gradients for q, the window KV, the slots and the sink.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ __all__ = ["KERNEL_SHAPES", "attention_case", "kernel_measures", "matmul_flops"]
 KERNEL_SHAPES = {"batch": 1, "seq": 1024, "heads": 16, "dim": 512, "window": 128, "topk": 512}
 """Shapes of the measure (the issue's: B = 1, S = 1024, H = 16, D = 512, W = 128, top-k 512)."""
 
-CP_OF_CASE = 3
-"""The queries are the last rank's of a contiguous layout over ``CP_OF_CASE * S`` rows."""
+CASES = {"r4": (4, 3), "r4_gathered": (4, 16), "r128": (128, 3)}
+"""Case name: (compress ratio, cp); the queries are the last rank's of a contiguous layout
+over ``cp * S`` rows."""
 
 
 def _clock(cpu: bool) -> float:
@@ -55,8 +63,11 @@ def matmul_flops(n: int = 1024, repeat: int = 5, cpu: bool = False) -> float:
     return 2.0 * n**3 / best
 
 
-def attention_case(ratio: int, shapes: dict[str, int] = KERNEL_SHAPES) -> dict[str, Any]:
-    """Inputs of one attention call (see the module docstring) and its useful FLOPs."""
+def attention_case(
+    ratio: int, shapes: dict[str, int] = KERNEL_SHAPES, cp: int = 3
+) -> dict[str, Any]:
+    """Inputs of one attention call (the last of ``cp`` contiguous ranks; see the module
+    docstring) and its useful FLOPs."""
     import torch
 
     from hp_cp_core import LayerSpec, build_rank_plan
@@ -64,11 +75,11 @@ def attention_case(ratio: int, shapes: dict[str, int] = KERNEL_SHAPES) -> dict[s
     b, s, h, d = shapes["batch"], shapes["seq"], shapes["heads"], shapes["dim"]
     spec = LayerSpec(compress_ratio=ratio, window_size=shapes["window"], has_indexer=ratio == 4)
     plan = build_rank_plan(
-        rank=CP_OF_CASE - 1,
-        cp_size=CP_OF_CASE,
+        rank=cp - 1,
+        cp_size=cp,
         spec=spec,
         layout_kind="contiguous",
-        total_rows=CP_OF_CASE * s,
+        total_rows=cp * s,
     )
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, s, h, d, generator=g)
@@ -134,7 +145,7 @@ def attention_seconds(kernel: str, case: dict[str, Any], repeat: int, cpu: bool 
 
 def kernel_measures(kernels: tuple[str, ...], threads: int = 2, repeat: int = 2) -> dict[str, Any]:
     """``attn_flops_over_matmul_*`` keys (and the FLOP/s behind them) for ``kernels``; the
-    unsuffixed ``attn_flops_over_matmul_r{4,128}`` are the default kernel's (always run)."""
+    unsuffixed ``attn_flops_over_matmul_<case>`` are the default kernel's (always run)."""
     import torch
 
     from hp_cp_core import DeepSeekV4CPConfig
@@ -146,24 +157,24 @@ def kernel_measures(kernels: tuple[str, ...], threads: int = 2, repeat: int = 2)
     try:
         res: dict[str, Any] = {"attn_kernel_threads": threads}
         peaks = []
-        for ratio in (4, 128):
-            case = attention_case(ratio)
-            res[f"attn_mean_columns_r{ratio}"] = case["mean_columns"]
+        for name, (ratio, cp) in CASES.items():
+            case = attention_case(ratio, cp=cp)
+            res[f"attn_mean_columns_{name}"] = case["mean_columns"]
             for kernel in kernels:
                 attention_seconds(kernel, case, 1)  # warm up
-                for cpu, suffix in ((True, ""), (False, "_wall")):
+                for cpu, suffix in ((False, ""), (True, "_cpu")):
                     # the matmul rate right before and after (the higher one counts)
                     rate_before = matmul_flops(cpu=cpu)
                     secs = attention_seconds(kernel, case, repeat, cpu=cpu)
                     peak = max(rate_before, matmul_flops(cpu=cpu))
                     peaks.append(peak)
                     achieved = case["useful_flops"] / secs
-                    res[f"attn_seconds_{kernel}_r{ratio}{suffix}"] = secs
-                    res[f"attn_matmul_gflops_{kernel}_r{ratio}{suffix}"] = peak / 1e9
-                    res[f"attn_flops_over_matmul_{kernel}_r{ratio}{suffix}"] = achieved / peak
-            for suffix in ("", "_wall"):
-                default_key = f"attn_flops_over_matmul_{default}_r{ratio}{suffix}"
-                res[f"attn_flops_over_matmul_r{ratio}{suffix}"] = res[default_key]
+                    res[f"attn_seconds_{kernel}_{name}{suffix}"] = secs
+                    res[f"attn_matmul_gflops_{kernel}_{name}{suffix}"] = peak / 1e9
+                    res[f"attn_flops_over_matmul_{kernel}_{name}{suffix}"] = achieved / peak
+            for suffix in ("", "_cpu"):
+                default_key = f"attn_flops_over_matmul_{default}_{name}{suffix}"
+                res[f"attn_flops_over_matmul_{name}{suffix}"] = res[default_key]
         res["matmul_gflops_spread"] = max(peaks) / min(peaks)  # drift of the machine
         res["attn_default_kernel"] = default
         return res
