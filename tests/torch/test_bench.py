@@ -202,3 +202,25 @@ def test_kernel_case_counts_only_attended_columns():
     assert case["useful_flops"] == 3.5 * 4 * 1 * 64 * 2 * (8 + 8) * 8
     hca = attention_case(128, {**shapes, "seq": 512})
     assert hca["mean_columns"] == 8 + float(hca["plan"].cmp_count.mean())
+
+
+def test_bench_refuses_the_hf_measure_without_transformers_before_measuring(
+    tmp_path, capsys, monkeypatch
+):
+    """Without transformers the HF memory measure (on by default) is refused at once, exit 2,
+    naming the extra and the switch that skips it; nothing else has run."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("measures ran"))
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--out", str(tmp_path / "bench.json")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "hp-cp-torch[bench]" in err and "--hf-mem-seqs ''" in err
+    assert not (tmp_path / "bench.json").exists()

@@ -114,6 +114,25 @@ def test_deterministic_topk_breaks_ties_by_lower_index() -> None:
     assert ids[1].tolist() == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("k", [0, 1, 3, 8, 13, 40])
+@pytest.mark.parametrize("kind", ["random", "ties", "neg_inf", "nan"])
+def test_deterministic_topk_equals_a_stable_sort(k, kind) -> None:
+    """Both of its paths (top-k threshold for small k, whole-row sort otherwise) give what a
+    stable descending sort gives: values and indices, ties lowest index first."""
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randn(3, 5, 40, generator=g)
+    if kind == "ties":
+        scores = torch.round(scores)
+    if kind == "neg_inf":
+        scores = torch.where(torch.rand(scores.shape, generator=g) < 0.8, float("-inf"), scores)
+    if kind == "nan":
+        scores[1, 2, 7] = float("nan")
+    want_v, want_i = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, ids = deterministic_topk(scores, k)
+    assert torch.equal(ids, want_i[..., :k])
+    assert torch.equal(values.nan_to_num(), want_v[..., :k].nan_to_num())
+
+
 def test_select_slots_masks_invisible_and_breaks_ties_low() -> None:
     layer = make_layer(4)  # index_topk 4
     scores = torch.zeros(1, 3, 6)

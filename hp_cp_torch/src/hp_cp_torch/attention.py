@@ -28,6 +28,10 @@ __all__ = [
 ]
 
 
+TOPK_SORT_FRACTION = 4
+""":func:`deterministic_topk` sorts whole rows when ``k`` is more than 1 / this of the row."""
+
+
 def gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``pool[b, idx[b, ...]]`` per batch row: ``pool [B, P, ...]``, ``idx [B or 1, ...]`` in
     ``[0, P)`` -> ``[B, ..., *pool.shape[2:]]``; the same values as advanced indexing.
@@ -98,9 +102,13 @@ def sparse_attention_smallop(
 def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the ``k`` largest entries along the last dim, ties broken by the lower index.
 
-    ``torch.topk`` leaves the order of equal values unspecified (and device dependent); a
-    stable descending sort does not, so a sequence-parallel run that scores the same
-    candidate row picks the same columns.
+    ``torch.topk`` leaves the order of equal values unspecified (and device dependent); this
+    does not, so a sequence-parallel run that scores the same candidate row picks the same
+    columns. On the CPU, when ``k`` is a small part of the row (a full sort there costs more
+    than the rest of the indexer), ``torch.topk`` finds the k-th largest value, every larger
+    entry is kept and equal ones lowest index first; only the ``k`` kept entries are then
+    sorted (stably, by descending value). Otherwise (and for rows holding NaN) one stable
+    descending sort of the row. Both give the same result.
 
     Args:
         scores: Scores ``[..., N]``; ``-inf`` entries are allowed (they sort last).
@@ -109,8 +117,22 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     Returns:
         ``(values, indices)``, each ``[..., k]``, in descending-score order.
     """
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    small_k = 0 < k * TOPK_SORT_FRACTION <= scores.shape[-1]
+    if not small_k or scores.device.type != "cpu" or scores.isnan().any():
+        values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+        return values[..., :k], indices[..., :k]
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    keep = scores >= kth
+    crowded = (keep.sum(dim=-1) > k).nonzero(as_tuple=True)  # rows with too many ties at kth
+    if crowded[0].numel():
+        row, row_kth = scores[crowded], kth[crowded]
+        above, tied = row > row_kth, row == row_kth
+        room = k - above.sum(dim=-1, keepdim=True)  # ties that still fit, lowest index first
+        keep[crowded] = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+    indices = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)  # ascending per row
+    picked = torch.gather(scores, -1, indices)
+    values, order = torch.sort(picked, dim=-1, descending=True, stable=True)
+    return values, torch.gather(indices, -1, order)
 
 
 def select_topk_chunked(

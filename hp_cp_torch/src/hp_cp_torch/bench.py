@@ -28,6 +28,7 @@ strategies] there.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -642,13 +643,13 @@ def _table(res: dict[str, Any]) -> str:
         *[
             f"step_time_cp2_over_cp1_{lay}_{ker}{c}"
             for lay, ker in STEP_VARIANTS
-            for c in ("", "_wall")
+            for c in ("", "_cpu")
         ],
         "step_plain_layer_s",
         "desync_record_us",
         "desync_record_over_small_all_gather",
         "desync_record_share_of_cp2_step",
-        "cp_enabled_cp1_overhead_wall",
+        "cp_enabled_cp1_overhead_cpu",
         "cp_enabled_cp1_overhead_swa",
         *[f"attn_flops_over_matmul_{c}" for c in ("r4", "r4_gathered", "r128")],
         *[
@@ -712,6 +713,12 @@ def main(argv: list[str] | None = None) -> int:
         help="S of the HF training-step memory measure ('': skip)",
     )
     args = parser.parse_args(argv)
+    if args.hf_mem_seqs and importlib.util.find_spec("transformers") is None:
+        # refuse now rather than after the other measures have run for minutes
+        parser.error(
+            "the HF memory measure (--hf-mem-seqs) needs transformers: "
+            "pip install 'hp-cp-torch[bench]', or pass --hf-mem-seqs '' to skip it"
+        )
     res = run(args)
     out = os.path.abspath(args.out)
     png = args.png or os.path.splitext(out)[0] + ".png"
