@@ -107,8 +107,10 @@ def read_png(path):
         assert struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + body)
         chunks[kind] = chunks.get(kind, b"") + body
         pos += 12 + n
-    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
-    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + 3 * width)
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[color]  # matplotlib writes RGBA, the fallback RGB
+    row = 1 + (width * channels * depth + 7) // 8
+    assert len(zlib.decompress(chunks[b"IDAT"])) == height * row
     return width, height
 
 
