@@ -226,3 +226,34 @@ def test_bench_refuses_the_hf_measure_without_transformers_before_measuring(
     err = capsys.readouterr().err
     assert "hp-cp-torch[bench]" in err and "--hf-mem-seqs ''" in err
     assert not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.parametrize("true_limit", [700, 3000, 5000, 40000])
+def test_longest_fitting_seq_brackets_the_limit_without_far_probes(true_limit, monkeypatch):
+    """The search for the longest S that fits: it ends with measured S on both sides of the
+    limit within 10% (+ one probe quantum), and never probes past 1.5x the longest S measured
+    to fit so far."""
+    from hp_cp_torch import bench_memory
+
+    def peak(seq):  # quadratic memory, at the budget (1.0) exactly at true_limit
+        return 0.2 + 0.3 * seq / true_limit + 0.5 * (seq / true_limit) ** 2
+
+    probes = []
+
+    def fake_peak(seq, cp):
+        fits = [s for s in [512, 1024, 2048, *probes] if peak(s) <= 1.0]
+        assert seq <= 1.5 * max(fits) + 1, "a probe far past the budget"
+        probes.append(seq)
+        return peak(seq)
+
+    monkeypatch.setattr(bench_memory, "_peak", fake_peak)
+    start = {s: peak(s) for s in (512, 1024, 2048)}
+    fit, over, measured = bench_memory.longest_fitting_seq(4, 1.0, start, max_probes=12)
+    assert all(s % bench_memory.SEARCH_QUANTUM == 0 for s in probes)
+    if true_limit < 512:
+        assert fit == 0
+        return
+    assert fit <= true_limit and peak(fit) <= 1.0
+    assert over is not None and over > true_limit
+    assert over <= 1.1 * fit + bench_memory.SEARCH_QUANTUM
+    assert set(measured) == {512, 1024, 2048, *probes}

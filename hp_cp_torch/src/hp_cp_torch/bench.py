@@ -618,7 +618,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.hf_mem_seqs:
         from hp_cp_torch.bench_memory import hf_memory_measures
 
-        res.update(hf_memory_measures(tuple(int(v) for v in args.hf_mem_seqs.split(","))))
+        seqs = tuple(int(v) for v in args.hf_mem_seqs.split(","))
+        res.update(hf_memory_measures(seqs, search=not args.no_hf_max_seq))
 
     # the desync report (timed): one store write per collective entered
     res.update(desync_cost())
@@ -659,6 +660,9 @@ def _table(res: dict[str, Any]) -> str:
         ],
         "matmul_gflops",
         "hf_peak_mem_cp4_over_single",
+        "hf_max_seq_single",
+        "hf_max_seq_cp4",
+        "hf_max_seq_cp4_over_single",
         "hf_max_seq_single_est",
         "hf_max_seq_cp4_est",
         "time_total_s",
@@ -711,6 +715,11 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-mem-seqs",
         default="512,1024,2048",
         help="S of the HF training-step memory measure ('': skip)",
+    )
+    parser.add_argument(
+        "--no-hf-max-seq",
+        action="store_true",
+        help="skip the search for the longest S that fits (real steps; a few minutes)",
     )
     args = parser.parse_args(argv)
     if args.hf_mem_seqs and importlib.util.find_spec("transformers") is None:

@@ -9,11 +9,26 @@ not the weights or the Python / torch runtime (the same in every process). Where
 not allowed the bench reports nothing rather than a high-water mark of something else.
 
 Keys: ``hf_peak_mem_cp4_over_single`` (max over ranks at cp = 4 over single, at the largest
-measured S, ``hf_mem_seq``), the bytes behind it, and ``hf_max_seq_{single,cp4}_est``: the
-longest S whose step fits in ``hf_mem_budget_bytes`` (this machine's memory over 4, what each
-of 4 ranks gets), from the quadratic ``peak = a + b S + c S^2`` through the three measured S
-(linear through the two largest when the quadratic term comes out <= 0): an extrapolation,
-labelled ``_est``.
+measured S, ``hf_mem_seq``) and the bytes behind it; ``hf_max_seq_{single,cp4}``: the longest
+S measured to fit ``hf_mem_budget_bytes`` (this machine's memory over 8 per process, so four
+ranks and their runtimes stay well inside the machine) and ``hf_max_seq_{single,cp4}_over``,
+the shortest S measured not to: a search of real steps (Note [Longest S that fits]);
+``hf_max_seq_{single,cp4}_est`` is the extrapolation from the first S alone, for comparison.
+
+Note [Longest S that fits]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each probe is a real training step whose peak is compared with the budget. The next probe is
+where the curve through every measured peak (quadratic, as HF eager's dense masks grow)
+crosses the budget, kept inside the bracket and at most 1.5x the longest fitting S (a probe
+far past the budget could exhaust the machine); once a probe fails the search bisects until
+the bracket is within 10%::
+
+    peak
+      |                         x  over (shortest measured S not fitting)
+    B +-------------------- o --------------
+      |              o   fit (longest measured S fitting)
+      |     o
+      +------------------------------------ S
 """
 
 from __future__ import annotations
@@ -106,29 +121,80 @@ def _longest_seq(seqs: list[int], peaks: list[float], budget: float) -> float:
     return float((-b + math.sqrt(b * b - 4 * c * (a - budget))) / (2 * c))
 
 
-def hf_memory_measures(seqs: tuple[int, ...] = (512, 1024, 2048), cp: int = 4) -> dict[str, Any]:
-    """The ``hf_*`` memory keys (see the module docstring)."""
+SEARCH_QUANTUM = 512
+"""Probed lengths are multiples of this (any cp up to 256 shards them load-balanced)."""
+
+
+def _peak(seq: int, cp: int) -> float | None:
+    """Max over ranks of one step's peak extra bytes (``None``: the peak cannot be reset)."""
     from hp_cp_torch.launch import run_ranks
 
+    ranks = run_ranks(cp, _step_peak_worker, seq, cp, timeout=1800)
+    return None if any(r is None for r in ranks) else float(max(ranks))
+
+
+def longest_fitting_seq(
+    cp: int, budget: float, measured: dict[int, float], max_probes: int = 6
+) -> tuple[int, int | None, dict[int, float]]:
+    """``(fit, over, measured)``: the longest S measured to fit ``budget`` (0: none), the
+    shortest measured not to (``None``: not found in ``max_probes``), every measured peak
+    (Note [Longest S that fits])."""
+    measured = dict(measured)
+    for _ in range(max_probes):
+        fit = max((s for s, p in measured.items() if p <= budget), default=0)
+        over = min((s for s, p in measured.items() if p > budget), default=None)
+        if fit == 0 or (over is not None and over <= 1.1 * fit + SEARCH_QUANTUM):
+            break
+        if over is None:
+            seqs = sorted(measured)
+            guess = _longest_seq(seqs, [measured[s] for s in seqs], budget)
+            nxt = min(max(guess, 1.1 * fit), 1.5 * fit)
+        else:
+            nxt = math.sqrt(fit * over)
+        nxt = max(int(nxt // SEARCH_QUANTUM) * SEARCH_QUANTUM, fit + SEARCH_QUANTUM)
+        if over is not None and nxt >= over:
+            break
+        peak = _peak(nxt, cp)
+        if peak is None:
+            break
+        measured[nxt] = peak
+    fit = max((s for s, p in measured.items() if p <= budget), default=0)
+    over = min((s for s, p in measured.items() if p > budget), default=None)
+    return fit, over, measured
+
+
+def hf_memory_measures(
+    seqs: tuple[int, ...] = (512, 1024, 2048), cp: int = 4, search: bool = True
+) -> dict[str, Any]:
+    """The ``hf_*`` memory keys (see the module docstring); ``search``: also the measured
+    longest S (a few minutes)."""
     res: dict[str, Any] = {}
     peaks: dict[str, list[float]] = {"single": [], f"cp{cp}": []}
     for seq in seqs:
-        (single,) = run_ranks(1, _step_peak_worker, seq, 1, timeout=1800)
-        ranks = run_ranks(cp, _step_peak_worker, seq, cp, timeout=1800)
-        if single is None or any(r is None for r in ranks):
+        single, ranks = _peak(seq, 1), _peak(seq, cp)
+        if single is None or ranks is None:
             return {"hf_mem_note": "VmHWM cannot be reset here (/proc/self/clear_refs)"}
         res[f"hf_step_peak_bytes_single_s{seq}"] = single
-        res[f"hf_step_peak_bytes_cp{cp}_max_rank_s{seq}"] = max(ranks)
-        res[f"hf_step_peak_bytes_cp{cp}_per_rank_s{seq}"] = list(ranks)
-        peaks["single"].append(float(single))
-        peaks[f"cp{cp}"].append(float(max(ranks)))
+        res[f"hf_step_peak_bytes_cp{cp}_max_rank_s{seq}"] = ranks
+        peaks["single"].append(single)
+        peaks[f"cp{cp}"].append(ranks)
     res["hf_mem_seq"] = seqs[-1]
     res[f"hf_peak_mem_cp{cp}_over_single"] = peaks[f"cp{cp}"][-1] / peaks["single"][-1]
-    budget = _machine_bytes() // 4
+    budget = _machine_bytes() // 8
     res["hf_mem_budget_bytes"] = budget
     for name, values in peaks.items():
         res[f"hf_max_seq_{name}_est"] = _longest_seq(list(seqs), values, budget)
-    res[f"hf_max_seq_cp{cp}_over_single_est"] = (
-        res[f"hf_max_seq_cp{cp}_est"] / res["hf_max_seq_single_est"]
-    )
+        if not search:
+            continue
+        fit, over, measured = longest_fitting_seq(
+            1 if name == "single" else cp, budget, dict(zip(seqs, values))
+        )
+        res[f"hf_max_seq_{name}"] = fit
+        if over is not None:
+            res[f"hf_max_seq_{name}_over"] = over
+        for seq, peak in sorted(measured.items()):
+            if seq not in seqs:
+                res[f"hf_step_peak_bytes_{name}_probe_s{seq}"] = peak
+    if search and res["hf_max_seq_single"]:
+        res[f"hf_max_seq_cp{cp}_over_single"] = res[f"hf_max_seq_cp{cp}"] / res["hf_max_seq_single"]
     return res
