@@ -134,7 +134,7 @@ def _peak(seq: int, cp: int) -> float | None:
 
 
 def longest_fitting_seq(
-    cp: int, budget: float, measured: dict[int, float], max_probes: int = 6
+    cp: int, budget: float, measured: dict[int, float], max_probes: int = 8
 ) -> tuple[int, int | None, dict[int, float]]:
     """``(fit, over, measured)``: the longest S measured to fit ``budget`` (0: none), the
     shortest measured not to (``None``: not found in ``max_probes``), every measured peak
