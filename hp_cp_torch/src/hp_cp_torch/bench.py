@@ -642,6 +642,7 @@ def _table(res: dict[str, Any]) -> str:
         "peak_memory_efficient_over_smallop",
         "step_time_cp2_headline_variant",
         "step_time_cp2_over_cp1_best",
+        "step_cp1_concurrent_over_alone",
         *[
             f"step_time_cp2_over_cp1_{lay}_{ker}{c}"
             for lay, ker in STEP_VARIANTS

@@ -11,7 +11,9 @@ of cp = 2 counts as its slower rank. Ratios are medians over rounds of the paire
 ratio (the headline's every round: ``step_time_cp2_over_cp1_per_round``; its best round
 over the best round of cp = 1: ``step_time_cp2_over_cp1_best``), on wall seconds
 and on CPU seconds (``_cpu``: steadier when other jobs share the machine, but a rank blocked
-on its peer uses no CPU, so they leave out waiting).
+on its peer uses no CPU, so they leave out waiting). ``step_cp1_concurrent_over_alone`` is the
+machine's own share of the result: both ranks step the headline's cp = 1 layer at the same
+time, with no exchange, over one step alone (on separate devices this would be 1).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _scaling_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, A
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, seq, cfg.hidden_size, generator=gen)
     g = torch.randn(1, seq, cfg.hidden_size, generator=gen)
-    solo = dist.new_group([0])  # every rank takes part in creating it
+    solos = [dist.new_group([r]) for r in range(world)]  # every rank takes part in each
+    solo = solos[0]
     cp2, cp1, handles = {}, {}, []
     for layout, kernel in STEP_VARIANTS:
         options = DeepSeekV4CPConfig(layout=layout, attention_kernel=kernel)
@@ -85,6 +88,11 @@ def _scaling_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, A
         one = DeepSeekV4CPConfig(attention_kernel="smallop", single_rank_bypass=False)
         handles.append(enable_cp(layer, solo, one))
         cp1["cp1_swa_smallop"] = layer
+    # the machine's share: both ranks step the headline's cp = 1 layer at once, no exchange
+    twin = copy.deepcopy(plain["csa"])
+    lay, ker = HEADLINE
+    one = DeepSeekV4CPConfig(layout=lay, attention_kernel=ker, single_rank_bypass=False)
+    handles.append(enable_cp(twin, solos[rank], one))
     times: dict[str, list[tuple[float, float]]] = {}
     recv0: dict[str, int] = {}
     for rep in range(repeat + 1):  # the first round warms up (plan cache, allocator)
@@ -98,6 +106,8 @@ def _scaling_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, A
                 recv0[name] = h.stats()["bytes_recv"]
             dist.barrier()
             times.setdefault(name, []).append(_step(layer, xl, gl))
+        dist.barrier()
+        times.setdefault("cp1_concurrent", []).append(_step(twin, x, g))
     # byte counters over the timed steps against the plan's prediction
     counters = {}
     f32 = 4
@@ -145,7 +155,7 @@ def scaling_measures(seq: int, repeat: int) -> dict[str, Any]:
     rounds: dict[str, dict[str, list[float]]] = {}
     res: dict[str, Any] = {"step_seq": seq, "step_rounds": repeat}
     for name, series in ranks[0]["times"].items():
-        if name.startswith("cp2_"):
+        if name.startswith("cp2_") or name == "cp1_concurrent":
             both = np.asarray([r["times"][name] for r in ranks])  # [rank, round, clock]
             series = both.max(axis=0).tolist()
         rounds[name] = {"wall": [t[0] for t in series], "cpu": [t[1] for t in series]}
@@ -175,6 +185,8 @@ def scaling_measures(seq: int, repeat: int) -> dict[str, Any]:
     res["step_time_cp2_over_cp1_per_round"] = [float(v) for v in per_round]
     # best round over best round: noise on a shared machine only ever adds time
     res["step_time_cp2_over_cp1_best"] = min(rounds[head]["wall"]) / min(rounds[one]["wall"])
+    # two ranks sharing this machine: a cp = 1 step of each at once over one alone
+    res["step_cp1_concurrent_over_alone"] = _ratio(rounds["cp1_concurrent"], rounds[one], "wall")
     res["step_time_cp2_headline_variant"] = "_".join(HEADLINE)
     for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
         res[f"cp_enabled_cp1_overhead{suffix}"] = _ratio(
