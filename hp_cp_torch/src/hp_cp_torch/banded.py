@@ -81,9 +81,15 @@ class _Workspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor, dtype=None):
-        """A ``shape`` view of buffer ``name`` (grown when too small; contents undefined)."""
-        dtype = dtype or torch.float32
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        like: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """A ``shape`` view of buffer ``name`` on ``like``'s device (grown when too small;
+        contents undefined)."""
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
