@@ -2,8 +2,9 @@
 
 * :class:`ReferenceLayerAdapter` for :class:`hp_cp_torch.reference.DeepSeekV4Attention`.
 * :class:`TorchDeepSeekV4CSAAdapter` for any module whose forward is
-  ``module(query, key, x, qr[, cu_seqlens=])``, given its compressor(s) and attention function (the design
-  note's torch adapter), installed with :func:`patch_torch_deepseek_v4_csa_forward`.
+  ``module(query, key, x, qr[, cu_seqlens=])``, given its compressor(s) and attention
+  function (the design note's torch adapter), installed with
+  :func:`patch_torch_deepseek_v4_csa_forward`.
 * the Hugging Face ``DeepseekV4Attention`` adapter in
   :mod:`hp_cp_torch.integrations.transformers`.
 
