@@ -210,11 +210,11 @@ class TorchDeepSeekV4CSAAdapter:
 
     The patched ``module(query, key, x, qr, cu_seqlens=None)`` receives sequence-major local
     rows (``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L, B, hidden]``,
-    ``qr [L, B, q_lora]``); packed input is the same tensors (``B`` = 1 for one packed
-    stream; ``B`` > 1 rows share the boundaries) with ``cu_seqlens``, the global document
-    boundaries ``[0, ..., S]`` (the same on every rank), checked and agreed on every rank
-    before any exchange. The callables see one document at a time, exactly what they would
-    see running the module on that document alone on one process:
+    ``qr [L, B, q_lora]``); packed input is the same tensors (``B`` = 1: one packed
+    stream) with ``cu_seqlens``, the global document boundaries ``[0, ..., S]`` (the same
+    on every rank), checked and agreed on every rank before any exchange. The callables
+    see one document at a time, exactly what they would see running the module on that
+    document alone on one process:
 
     * ``compressor(x, rope_pos_offset=int)`` gets the rows of one document starting on one
       of its block boundaries (maybe one block early, for r = 4's predecessor; that slot is
