@@ -186,6 +186,34 @@ def _check_rank(world: World, plans: list, rank: int, x: np.ndarray, toy) -> Non
         assert ext_rows[run.ext_start : run.ext_stop] == list(range(h, b))
         assert run.halo_len == a - h
 
+    # the runs cut at document boundaries: what a CP-unaware attention function is handed
+    pieces = plan.document_runs
+    assert [i for p in pieces for i in range(p.local_start, p.local_stop)] == list(
+        range(len(local))
+    )
+    needed_here = world.needed_slots(rank)
+    for k, p in enumerate(pieces):
+        rows = local[p.local_start : p.local_stop]
+        assert rows == list(range(rows[0], rows[0] + len(rows))), "a piece is one run"
+        assert {world.doc_of[t] for t in rows} == {p.doc}
+        if k:  # maximal: a piece starts a run or a document
+            prev = local[p.local_start - 1]
+            starts_run = p.local_start in [lo for lo, _, _ in runs]
+            assert world.doc_of[prev] != p.doc or starts_run
+        h = world.window_keys(rows[0])[0]
+        assert world.doc_of[h] == p.doc
+        assert ext_rows[p.ext_start : p.ext_stop] == list(range(h, rows[-1] + 1))
+        assert p.halo_len == rows[0] - h
+        assert p.pos_offset == world.position(rows[0])
+        doc_slots = [s for s in world.slots_of_doc.get(p.doc, []) if s < needed_here]
+        if doc_slots:  # the document's slots in the buffer, first slot first
+            assert (p.cmp_start, p.cmp_stop) == (doc_slots[0], doc_slots[-1] + 1)
+        else:
+            assert p.cmp_start == p.cmp_stop <= needed_here
+        for t in rows:  # each query sees a prefix of them
+            vis = world.visible_slots(t)
+            assert vis == list(range(p.cmp_start, p.cmp_start + len(vis)))
+
     # compressed slots: table size, ownership, RoPE, visibility
     assert plan.n_slots_total == len(world.slots)
     owned = world.owned(rank)

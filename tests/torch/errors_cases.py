@@ -14,6 +14,7 @@ default group lines the ranks up again for the next case.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -150,6 +151,18 @@ def csa_bad_inputs() -> dict[str, Any]:
         "dtype": lambda: module(q, k, x, on_bad(qr, qr.double())),
         "extra_args": lambda: module(q, k, x, qr, *on_bad((), (1,))),
     }
+    total = world * q.shape[0]
+    good_cu = torch.tensor([0, 5, total])
+    bad_cu = {  # packed input: a bad or disagreeing cu_seqlens on the last rank only
+        "cu_decreasing": torch.tensor([0, 9, 5, total]),
+        "cu_end": torch.tensor([0, 5, total + 2]),
+        "cu_dims": torch.tensor([[0, 5, total]]),
+        "cu_disagree": torch.tensor([0, 7, total]),
+    }
+    for name, cu in bad_cu.items():
+        variants[name] = functools.partial(
+            lambda cu: module(q, k, x, qr, cu_seqlens=on_bad(good_cu, cu)), cu
+        )
     try:
         out = _run_variants(handle, variants)
         with torch.no_grad():

@@ -337,7 +337,9 @@ MODULES: dict[str, type[nn.Module]] = {
 
 @dataclass(frozen=True)
 class ForeignCase:
-    """One module under CP. ``S`` global rows of a padded batch of 2 (sequence-major)."""
+    """One module under CP. ``S`` global rows of a padded batch of 2 (sequence-major), or
+    with ``docs`` (document lengths summing to ``S``) one packed stream (batch 1) passed with
+    ``cu_seqlens``."""
 
     module: str
     cp: int
@@ -346,11 +348,27 @@ class ForeignCase:
     window: int = 16
     layout: str = "contiguous"
     seed: int = 0
+    docs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert not self.docs or sum(self.docs) == self.S, (self.docs, self.S)
 
     @property
     def name(self) -> str:
         lay = "lb" if self.layout == "load_balanced" else "contig"
-        return f"{self.module}-cp{self.cp}-r{self.r}-W{self.window}-S{self.S}-{lay}"
+        docs = f"-docs{'_'.join(map(str, self.docs))}" if self.docs else ""
+        return f"{self.module}-cp{self.cp}-r{self.r}-W{self.window}-S{self.S}-{lay}{docs}"
+
+    @property
+    def batch(self) -> int:
+        return 1 if self.docs else 2
+
+    @property
+    def cu_seqlens(self) -> list[int] | None:
+        """The packed document boundaries, ``None`` when padded."""
+        if not self.docs:
+            return None
+        return [0, *(int(c) for c in torch.tensor(self.docs).cumsum(0))]
 
     @property
     def local(self) -> int:
@@ -363,10 +381,11 @@ def build_module(case: ForeignCase) -> nn.Module:
 
 def make_inputs(case: ForeignCase) -> tuple[list[torch.Tensor], torch.Tensor]:
     gen = torch.Generator().manual_seed(6000 + case.seed)
-    key = (case.S, 2, 1, DIM) if MODULES[case.module].KEY_HEAD_DIM else (case.S, 2, DIM)
-    shapes = [(case.S, 2, HEADS, DIM), key, (case.S, 2, HIDDEN), (case.S, 2, QR)]
+    S, B = case.S, case.batch
+    key = (S, B, 1, DIM) if MODULES[case.module].KEY_HEAD_DIM else (S, B, DIM)
+    shapes = [(S, B, HEADS, DIM), key, (S, B, HIDDEN), (S, B, QR)]
     return [torch.randn(s, generator=gen) for s in shapes], torch.randn(
-        case.S, 2, HEADS, DIM, generator=gen
+        S, B, HEADS, DIM, generator=gen
     )
 
 
@@ -408,7 +427,10 @@ def run_cp(case: ForeignCase) -> dict:
     handle = handles[0]
     try:
         local = [handle.shard(t, 0).requires_grad_(True) for t in inputs]
-        out = module(*local)
+        if case.docs:
+            out = module(*local, cu_seqlens=torch.tensor(case.cu_seqlens))
+        else:
+            out = module(*local)
         params = list(module.parameters())
         grads = torch.autograd.grad(
             _loss(out, handle.shard(g, 0)), [*local, *params], allow_unused=True
@@ -431,11 +453,17 @@ def run_cp(case: ForeignCase) -> dict:
 
 @functools.cache
 def single_device(case: ForeignCase) -> dict:
-    """The same module, weights and inputs on one device (the pytest process)."""
+    """The same module, weights and inputs on one device (the pytest process); packed: the
+    module on each document alone, the outputs concatenated."""
     module = build_module(case)
     inputs, g = make_inputs(case)
     inputs = [t.requires_grad_(True) for t in inputs]
-    out = module(*inputs)
+    if case.docs:
+        cu = case.cu_seqlens
+        spans = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+        out = torch.cat([module(*(t[a:b] for t in inputs)) for a, b in spans])
+    else:
+        out = module(*inputs)
     params = list(module.parameters())
     grads = torch.autograd.grad(_loss(out, g), [*inputs, *params], allow_unused=True)
     names = [n for n, _ in module.named_parameters()]
@@ -448,7 +476,12 @@ def single_device(case: ForeignCase) -> dict:
 
 
 def foreign_cases(world: int) -> list[ForeignCase]:
-    """The cases of one cp size (cp = world)."""
+    """The cases of one cp size (cp = world): padded, then packed."""
+    return [*padded_cases(world), *packed_cases(world)]
+
+
+def padded_cases(world: int) -> list[ForeignCase]:
+    """The padded cases of one cp size."""
     cp = world
     if cp == 4:
         return [
@@ -492,6 +525,37 @@ def foreign_cases(world: int) -> list[ForeignCase]:
             ForeignCase("cmpfirst", 8, 128, 320, window=16, layout="load_balanced"),
         ]
     return []
+
+
+def packed_cases(world: int) -> list[ForeignCase]:
+    """Packed cases of one cp size: documents shorter than the window and than r (and
+    empty), documents spanning several ranks, ranks holding only the tail of one."""
+    lb = "load_balanced"
+    P = ForeignCase
+    return {
+        2: [
+            P("concat", 2, 4, 32, window=8, docs=(3, 21, 8)),
+            P("cmpfirst", 2, 128, 256, window=64, layout=lb, docs=(130, 70, 56)),
+            P("skipempty", 2, 4, 24, layout=lb, docs=(5, 0, 19)),
+        ],
+        3: [
+            P("skipempty", 3, 4, 36, layout=lb, docs=(2, 25, 9)),
+            P("concat", 3, 128, 300, window=32, docs=(200, 100)),  # rank 1: doc 0's tail
+            P("cmpfirst", 3, 4, 30, window=8, docs=(7, 23)),
+        ],
+        4: [
+            P("cmpfirst", 4, 4, 32, window=8, docs=(5, 27)),  # rank 3: doc 1's tail only
+            P("skipempty", 4, 4, 32, layout=lb, docs=(3, 13, 1, 15)),
+            P("concat", 4, 128, 384, window=64, docs=(150, 90, 144)),
+            P("concat", 4, 4, 48, window=8, layout=lb, docs=(11, 30, 7)),
+            P("skipempty", 4, 0, 32, layout=lb, docs=(9, 23)),
+        ],
+        8: [
+            P("concat", 8, 4, 64, window=8, layout=lb, docs=(3, 40, 21)),
+            P("skipempty", 8, 4, 64, docs=(2, 54, 8)),  # rank 6: doc 1's tail only
+            P("cmpfirst", 8, 4, 64, layout=lb, docs=(6, 50, 8)),
+        ],
+    }.get(world, [])
 
 
 def foreign_suite(world: int) -> dict[str, tuple[Callable, tuple]]:

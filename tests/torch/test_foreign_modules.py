@@ -7,9 +7,12 @@ queries on some ranks see no slot, compressors returning fresh / detached / ``ne
 tensors for empty input, attention that never touches ``cmp_kv`` on such ranks, and two
 patched modules in a row.
 
-Padded input only: the adapter API (``patch_torch_deepseek_v4_csa_forward``) takes padded
-sequence-major tensors and no ``cu_seqlens`` (packed input is the reference layer's and the
-MindSpore backend's).
+Packed input too (issue 27): each module takes one packed stream with ``cu_seqlens`` and
+is compared with the same module run on each document alone, the outputs concatenated, at
+cp 2, 3, 4, 8 and both layouts: documents shorter than the window and than r (and empty),
+documents spanning several ranks, a rank holding only the tail of one document. The modules'
+indexers train through the attention logits (their picked score is a logit bonus); none has
+an indexer KL loss, so there is none to compare.
 
 One spawned job per cp size runs all of its cases on a default process group whose
 collectives time out after ``PG_TIMEOUT_S`` seconds, under a wall limit: a hang fails the
@@ -24,6 +27,7 @@ import pytest
 from cases import job
 from foreign_cases import PG_TIMEOUT_S, ForeignCase, check, foreign_cases
 
+from hp_cp_core.layout import SequenceLayout
 from hp_cp_torch.launch import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -74,6 +78,43 @@ def test_the_suite_covers_the_issue() -> None:
     assert any(c.r == 4 and c.local < 4 for c in cases)
     assert any(c.r == 128 and c.local < 128 for c in cases)
     assert any(c.local < c.window - 1 for c in cases)
+
+
+def _ranks_of_docs(case: ForeignCase) -> list[set[int]]:
+    """Per document, the ranks holding its rows."""
+    owner = SequenceLayout(case.layout, case.cp, case.S).rank_of(list(range(case.S)))
+    cu = case.cu_seqlens
+    return [{int(k) for k in owner[a:b]} for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _tail_only(case: ForeignCase) -> bool:
+    """Some rank's rows all lie in the last part of one document that starts on another rank."""
+    layout = SequenceLayout(case.layout, case.cp, case.S)
+    cu = case.cu_seqlens
+    for rank in range(case.cp):
+        rows = layout.rank_rows(rank).tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            if a < rows[0] and rows[-1] == b - 1 and all(a <= t < b for t in rows):
+                return True
+    return False
+
+
+def test_the_packed_cases_cover_the_issue() -> None:
+    packed = [c for w in WORLDS for c in foreign_cases(w) if c.docs]
+    assert {c.cp for c in packed} == set(WORLDS)
+    assert {c.module for c in packed} >= {"concat", "cmpfirst", "skipempty"}
+    assert {c.layout for c in packed} == {"contiguous", "load_balanced"}
+    assert {c.r for c in packed} == {0, 4, 128}
+    lengths = [(c, n) for c in packed for n in c.docs]
+    assert any(0 < n < c.window for c, n in lengths)
+    assert any(0 < n < c.r for c, n in lengths)
+    assert any(n == 0 for _, n in lengths)
+    assert any(len(ranks) >= 3 for c in packed for ranks in _ranks_of_docs(c))
+    assert any(_tail_only(c) for c in packed)
+    for w in WORLDS:  # at every cp size, both layouts and a document across ranks
+        here = [c for c in packed if c.cp == w]
+        assert {c.layout for c in here} == {"contiguous", "load_balanced"}
+        assert any(len(ranks) > 1 for c in here for ranks in _ranks_of_docs(c))
 
 
 def test_the_three_modules_are_one_semantics() -> None:

@@ -152,6 +152,31 @@ def test_patched_module_rejects_bad_tensors_on_every_rank(variant: str) -> None:
     assert all(r["after"] == (14, 2, 2, 16) for r in per_rank)
 
 
+CU_VARIANTS = {
+    # variant: (raised as a failed check on the last rank, substrings)
+    "cu_decreasing": (True, ["cu_seqlens must be non-decreasing", "cu_seqlens[2] = 5 <"]),
+    "cu_end": (True, ["cu_seqlens ends at 30 but the ranks hold 14 x 2 = 28 rows"]),
+    "cu_dims": (True, ["cu_seqlens must be a 1-D sequence", "got shape [1, 3]"]),
+    "cu_disagree": (False, ["cu_seqlens per rank [[0, 5, 28], [0, 7, 28]]", "same global"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(CU_VARIANTS))
+def test_patched_module_rejects_bad_cu_seqlens_on_every_rank(variant: str) -> None:
+    """Packed input through the adapter API: a bad (or another rank's) ``cu_seqlens`` on
+    the last rank raises the same PlanError on every rank before any data moves."""
+    per_rank = _case_result(2, "csa_bad_inputs")
+    cls, msg, _ = _one_outcome(per_rank, variant)
+    on_last, parts = CU_VARIANTS[variant]
+    assert cls == "PlanError", (cls, msg)
+    if on_last:
+        assert msg.startswith(_on_last_rank(2)), msg
+    else:
+        assert msg.startswith("CP ranks were given inconsistent inputs: "), msg
+    for part in parts:
+        assert part in msg, (part, msg)
+
+
 # ------------------------------------------------------------------ cross-rank agreement
 
 

@@ -122,6 +122,21 @@ def compressed_visibility(
     return start, np.maximum(stop - start, 0)
 
 
+def document_slot_ranges(
+    docs: Documents, compress_ratio: int, grid: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, stop)`` per document: its slots in global slot order (``stop >= start``)."""
+    r = int(compress_ratio)
+    if r <= 0:
+        z = np.zeros(docs.n_docs, dtype=np.int64)
+        return z, z
+    if grid == "global":  # blocks fully inside the document
+        start = -(-docs.cu_seqlens[:-1] // r)
+        return start, np.maximum(docs.cu_seqlens[1:] // r, start)
+    cmp_cu = build_cmp_cu_seqlens(docs.cu_seqlens, r)
+    return cmp_cu[:-1], cmp_cu[1:]
+
+
 def window_start_rows(rows: np.ndarray, docs: Documents, window_size: int) -> np.ndarray:
     """First key row of each query's window: ``max(doc_start, t - W + 1)``."""
     rows = np.asarray(rows, dtype=np.int64)

@@ -33,6 +33,7 @@ from hp_cp_core.indices import (
     build_select_pad_gather_index,
     build_slot_table,
     compressed_visibility,
+    document_slot_ranges,
     slot_owners,
     window_start_rows,
 )
@@ -112,6 +113,35 @@ class AttentionRun:
     halo_len: int
 
 
+@dataclass(frozen=True)
+class DocumentRun:
+    """One contiguous run of local queries inside one document: what an attention function
+    that knows nothing of CP needs to treat the run as rows of that document alone.
+
+    Attributes:
+        local_start, local_stop: the run's local rows.
+        doc: the document (index into ``cu_seqlens``; 0 when padded).
+        pos_offset: position of the run's first row on the layer's grid (inside its document
+            on the per-document grid; the global row when padded or on the global grid).
+        ext_start, ext_stop: the run's rows of the window ext frame (halo first); the halo
+            never crosses the document's start.
+        halo_len: halo rows at the front of that slice.
+        cmp_start, cmp_stop: the document's slots in the global slot buffer (``0 ..
+            n_needed_slots``), the document's first slot first; the run's query at position
+            ``t`` sees the first ``(t + 1) // r`` of them (per-document grid).
+    """
+
+    local_start: int
+    local_stop: int
+    doc: int
+    pos_offset: int
+    ext_start: int
+    ext_stop: int
+    halo_len: int
+    cmp_start: int
+    cmp_stop: int
+
+
 @dataclass(frozen=True, eq=False)
 class RankPlan:
     """Everything one rank needs to run one layer forward under CP.
@@ -138,6 +168,8 @@ class RankPlan:
         cmp_cu_seqlens: compressed document boundaries (per-document grid), else ``None``.
         slot_exchange: the point-to-point alternative to the all-gather (only the slots this
             rank's queries see; Note [Causal-prefix slot exchange]); ``None`` when r = 0.
+        document_runs: the runs cut at document boundaries (:class:`DocumentRun`; one per
+            run when padded).
         send_bytes_rows / recv rows are in the HaloPlans; ``owned_counts`` per rank.
         column_work: :class:`hp_cp_core.columns.PlanColumns`' chunk lists, built on first use
             and kept with the (cached) plan, so a forward and its recompute reuse them.
@@ -166,6 +198,7 @@ class RankPlan:
     n_needed_slots: int
     cmp_cu_seqlens: np.ndarray | None
     slot_exchange: SlotExchangePlan | None = None
+    document_runs: tuple[DocumentRun, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
     column_work: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
@@ -189,6 +222,35 @@ class RankPlan:
     @property
     def n_owned(self) -> int:
         return int(self.owned_slots.size)
+
+
+def _document_runs(
+    runs: tuple[tuple[int, int, int], ...],
+    local_doc: np.ndarray,
+    positions: np.ndarray,
+    window_start: np.ndarray,
+    window_len: np.ndarray,
+    doc_slots: tuple[np.ndarray, np.ndarray],
+    n_needed: int,
+) -> tuple[DocumentRun, ...]:
+    """Cut the local runs where the document changes (see :class:`DocumentRun`)."""
+    n = local_doc.size
+    if n == 0:
+        return ()
+    brk = np.zeros(n, dtype=bool)
+    brk[[lo for lo, hi, _ in runs if hi > lo]] = True
+    brk[1:] |= local_doc[1:] != local_doc[:-1]
+    first = np.flatnonzero(brk)
+    stop = np.concatenate([first[1:], [n]])
+    last = stop - 1
+    ext_start = window_start[first]
+    halo = window_start[first] + window_len[first] - 1 - ext_start
+    ext_stop = window_start[last] + window_len[last]
+    doc = local_doc[first]
+    slot_a = np.minimum(doc_slots[0][doc], n_needed)
+    slot_b = np.maximum(np.minimum(doc_slots[1][doc], n_needed), slot_a)
+    cols = (first, stop, doc, positions[first], ext_start, ext_stop, halo, slot_a, slot_b)
+    return tuple(DocumentRun(*(int(v) for v in row)) for row in zip(*cols))
 
 
 def _intervals_to_rows(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -348,6 +410,15 @@ def build_rank_plan(
     for a, b in layout.runs(rank):
         runs.append((off, off + (b - a), a))
         off += b - a
+    doc_runs = _document_runs(
+        tuple(runs),
+        docs.doc_of(local_rows),
+        positions,
+        window_start,
+        window_len,
+        document_slot_ranges(docs, r, grid),
+        needed,
+    )
     return RankPlan(
         rank=rank,
         cp_size=cp_size,
@@ -372,6 +443,7 @@ def build_rank_plan(
         n_needed_slots=needed,
         cmp_cu_seqlens=build_cmp_cu_seqlens(docs.cu_seqlens, r) if packed and r else None,
         slot_exchange=slot_exchange,
+        document_runs=doc_runs,
     )
 
 

@@ -2,8 +2,9 @@
 
 * :class:`ReferenceLayerAdapter` for :class:`hp_cp_torch.reference.DeepSeekV4Attention`.
 * :class:`TorchDeepSeekV4CSAAdapter` for any module whose forward is
-  ``module(query, key, x, qr)``, given its compressor(s) and attention function (the design
-  note's torch adapter), installed with :func:`patch_torch_deepseek_v4_csa_forward`.
+  ``module(query, key, x, qr[, cu_seqlens=])``, given its compressor(s) and attention
+  function (the design note's torch adapter), installed with
+  :func:`patch_torch_deepseek_v4_csa_forward`.
 * the Hugging Face ``DeepseekV4Attention`` adapter in
   :mod:`hp_cp_torch.integrations.transformers`.
 
@@ -173,7 +174,7 @@ class ReferenceLayerAdapter:
                 checks.kernel(cp_forward.config.attention_kernel, x.device)
             check = cp_forward.inspect(
                 rows_hint(x, -2),
-                _to_numpy(cu_seqlens),
+                checks.host_cu_seqlens(cu_seqlens),
                 problems=checks.problems,
                 signature=checks.signature,
             )
@@ -207,10 +208,29 @@ class ReferenceLayerAdapter:
 class TorchDeepSeekV4CSAAdapter:
     """The design note's torch adapter: functions in place of module attributes.
 
-    The patched ``module(query, key, x, qr)`` receives sequence-major local rows
-    (``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L, B, hidden]``,
-    ``qr [L, B, q_lora]``) and calls ``attention_fn(query=, ori_kv=, x=, qr=, pos_offset=,
-    cmp_kv_global=, ori_halo_len=, cmp_idx_global=)`` once per contiguous run of local rows.
+    The patched ``module(query, key, x, qr, cu_seqlens=None)`` receives sequence-major local
+    rows (``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L, B, hidden]``,
+    ``qr [L, B, q_lora]``); packed input is the same tensors (``B`` = 1: one packed
+    stream) with ``cu_seqlens``, the global document boundaries ``[0, ..., S]`` (the same
+    on every rank), checked and agreed on every rank before any exchange. The callables
+    see one document at a time, exactly what they would see running the module on that
+    document alone on one process:
+
+    * ``compressor(x, rope_pos_offset=int)`` gets the rows of one document starting on one
+      of its block boundaries (maybe one block early, for r = 4's predecessor; that slot is
+      dropped), ``rope_pos_offset`` the document-relative position of that first row; and
+      once with 0 rows (``rope_pos_offset=0``) on a rank that owns no slot.
+    * ``attention_fn(query=, ori_kv=, x=, qr=, pos_offset=, cmp_kv_global=, ori_halo_len=,
+      cmp_idx_global=)`` is called once per contiguous run of local rows inside one document
+      (:class:`hp_cp_core.plan.DocumentRun`): ``query``, ``x``, ``qr`` the run's rows;
+      ``pos_offset`` the document-relative position of its first row (the global row when
+      padded); ``ori_kv`` the run's keys with ``ori_halo_len`` earlier rows of the same
+      document in front (``ori_kv[ori_halo_len + i]`` is query ``i``'s own key);
+      ``cmp_kv_global`` / ``cmp_idx_global`` the document's compressed slots, row j its
+      slot j (RoPE position ``j*r`` in the document), of which the query at position ``t``
+      sees the first ``(t + 1) // r`` (rows past the last query's horizon may be absent or
+      zero); ``None`` when r = 0 / without an indexer. The outputs are concatenated in
+      local row order.
 
     Args:
         module: the module whose forward is replaced.
@@ -279,8 +299,11 @@ class TorchDeepSeekV4CSAAdapter:
         return self._compress(self.indexer_compressor, x, halo_x, call)
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> Any:
+        def slots(t: Any, run: Any) -> Any:
+            return None if t is None else t[run.cmp_start : run.cmp_stop]
+
         outs = []
-        for run in call.plan.attention_runs():
+        for run in call.plan.document_runs:
             rows = slice(run.local_start, run.local_stop)
             outs.append(
                 self.attention_fn(
@@ -289,24 +312,28 @@ class TorchDeepSeekV4CSAAdapter:
                     x=x[rows],
                     qr=None if qr is None else qr[rows],
                     pos_offset=run.pos_offset,
-                    cmp_kv_global=call.cmp_kv_global,
+                    cmp_kv_global=slots(call.cmp_kv_global, run),
                     ori_halo_len=run.halo_len,
-                    cmp_idx_global=call.cmp_idx_global,
+                    cmp_idx_global=slots(call.cmp_idx_global, run),
                 )
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        def forward(query, key, x, qr=None, *args, **kwargs):
+        def forward(query, key, x, qr=None, *args, cu_seqlens=None, **kwargs):
             checks = check_csa_inputs(getattr(group, "device", None), query, key, x, qr)
             if args or kwargs:
                 checks.fail(
                     "a module patched by patch_torch_deepseek_v4_csa_forward takes "
-                    f"(query, key, x, qr) under CP; got extra arguments {list(kwargs) or args}. "
-                    "Call it with those four only."
+                    f"(query, key, x, qr, cu_seqlens=None) under CP; got extra arguments "
+                    f"{list(kwargs) or args}. Call it with those four only (and cu_seqlens= "
+                    "for packed input)."
                 )
             check = cp_forward.inspect(
-                rows_hint(query, 0), problems=checks.problems, signature=checks.signature
+                rows_hint(query, 0),
+                checks.host_cu_seqlens(cu_seqlens),
+                problems=checks.problems,
+                signature=checks.signature,
             )
             return cp_forward(query, key, x, qr, call=cp_forward.agree(check))
 
@@ -325,6 +352,16 @@ def patch_torch_deepseek_v4_csa_forward(
     window_size: int | None = None,
 ) -> Any:
     """Run ``module(query, key, x, qr)`` under CP through :class:`TorchDeepSeekV4CSAAdapter`.
+
+    The patched module also takes packed input, ``module(query, key, x, qr,
+    cu_seqlens=cu)`` with the global document boundaries; what the compressors and
+    ``attention_fn`` then see (one document at a time) is in the adapter's docstring::
+
+        handle = patch_torch_deepseek_v4_csa_forward(module, cp_mesh=mesh)
+        cu = torch.tensor([0, 5, 32])  # two documents of one packed stream of S = 32 rows
+        q, k, x, qr = (handle.shard(t, 0) for t in (query, key, x_full, qr_full))
+        out = module(q, k, x, qr, cu_seqlens=cu)  # [S / cp, 1, heads, head_dim]
+        full = handle.unshard(out, 0)  # == the module on each document alone, concatenated
 
     Missing arguments are read from the module (``compressor``, ``indexer.compressor`` or
     ``indexer_compressor``, ``attention_fn``, ``compress_ratio``, ``window_size``).
@@ -380,7 +417,3 @@ def adapter_for(module: Any) -> Any:
 
         return hf_adapter_for(module)
     return None
-
-
-def _to_numpy(t: Any) -> Any:
-    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t

@@ -86,6 +86,19 @@ class TensorChecks:
             return False
         return True
 
+    def host_cu_seqlens(self, cu_seqlens: Any) -> Any:
+        """``cu_seqlens`` as a host array for the core's checks (which read and agree on it);
+        a tensor it cannot read is recorded here (and ``None`` returned)."""
+        if cu_seqlens is None or not isinstance(cu_seqlens, torch.Tensor):
+            return cu_seqlens
+        if is_dtensor(cu_seqlens):
+            self.fail(
+                "cu_seqlens is a DTensor; pass the global document boundaries as a plain "
+                "tensor or list, the same on every rank."
+            )
+            return None
+        return cu_seqlens.detach().cpu().numpy()
+
     def kernel(self, name: str, device: torch.device) -> None:
         """The attention kernel ``name`` (``DeepSeekV4CPConfig.attention_kernel``) can run on
         ``device`` (the Triton kernel needs Triton and a GPU, or its CPU interpreter)."""
