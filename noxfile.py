@@ -63,7 +63,7 @@ def torch(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(
         "./hp_cp_core[testing]",
-        "./hp_cp_torch[triton]",
+        "./hp_cp_torch[triton,transformers]",
         "./tests/fakes",
         TRANSFORMERS,
         *TEST_DEPS,
