@@ -9,6 +9,7 @@ on every rank. One 4-rank gloo job (``hf_distributed_cases.py``).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -76,3 +77,44 @@ def test_cp_on_tp_is_refused_on_every_rank(suite: list[dict]) -> None:
     for rank in range(4):
         msg = suite[rank]["refused"]
         assert "axis='tp'" in msg and "axis='fsdp'" in msg and "same batch" in msg, (rank, msg)
+
+
+class _Manager:  # transformers 5.23's mesh manager, as cp_layout_from_hf_model reads it
+    def get_mesh(self, dims: str) -> str:
+        return f"mesh[{dims}]"
+
+
+def _model(manager: object = None, **sizes: int) -> object:
+    from types import SimpleNamespace
+
+    from transformers import DistributedConfig
+
+    config = SimpleNamespace(distributed_config=DistributedConfig(**sizes) if sizes else None)
+    return SimpleNamespace(config=config, _mesh_manager=manager)
+
+
+@pytest.mark.parametrize(
+    ("model", "axis", "want"),
+    [
+        (_model(), "fsdp", "not loaded with a DistributedConfig"),
+        (_model(_Manager(), tp_size=2, fsdp_size=2), "tp", "same batch"),
+        (_model(_Manager(), ep_size=2, fsdp_size=2), "ep", "axis='fsdp' or axis='dp_replicate'"),
+        (_model(_Manager(), fsdp_size=4), "cp", "not an axis of HF's device mesh"),
+        (_model(object(), fsdp_size=4), "fsdp", "transformers 5.23"),  # HF changed its layout
+    ],
+)
+def test_bad_layouts_raise_a_clear_error(model: object, axis: str, want: str) -> None:
+    from hp_cp_core import HpCpError
+    from hp_cp_torch.integrations.transformers import cp_layout_from_hf_model
+
+    with pytest.raises(HpCpError, match=re.escape(want)):
+        cp_layout_from_hf_model(model, axis=axis)
+
+
+def test_the_layout_reads_hf_s_meshes_and_divide_factor() -> None:
+    from hp_cp_torch.integrations.transformers import cp_layout_from_hf_model
+
+    model = _model(_Manager(), ep_size=2, dp_replicate_size=2, fsdp_size=2)
+    layout = cp_layout_from_hf_model(model, axis="dp_replicate")
+    assert (layout.cp_mesh, layout.dp_mesh) == ("mesh[dp_replicate]", "mesh[fsdp]")
+    assert layout.grad_divide_factor == 4
