@@ -13,7 +13,8 @@ FSDP2 applied by HF), CP on one of HF's data-parallel axes through
   SAVE_AT steps;
 * ``resumed``: RESUME_ON loads that checkpoint into a fresh model and optimizer and trains
   the remaining steps;
-* ``refused``: what ``cp_layout_from_hf_model(model, axis="tp")`` raised, on every rank.
+* ``refused``: what ``cp_layout_from_hf_model`` raised on every rank, for ``axis="tp"`` and
+  for a ``tp_plan`` that shards the attention.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def save_tiny_model(path: str) -> None:
     dist.barrier()
 
 
-def load(path: str, sizes: dict[str, int] | None = None) -> Any:
+def load(path: str, sizes: dict[str, Any] | None = None) -> Any:
     from transformers import DeepseekV4ForCausalLM, DistributedConfig
 
     kwargs = {} if sizes is None else {"distributed_config": DistributedConfig(**sizes)}
@@ -135,16 +136,24 @@ def cp_run(
     return res if dist.get_rank() == 0 else {"losses": losses}
 
 
-def refused(path: str) -> str:
-    """The error of CP on HF's ``tp`` axis (raised on every rank, before any collective)."""
+def refused(path: str) -> dict[str, str]:
+    """The errors of CP on HF's ``tp`` axis and of a ``tp_plan`` sharding the attention
+    (raised on every rank, before any collective)."""
     from hp_cp_torch.integrations.transformers import cp_layout_from_hf_model
 
-    model = load(path, {"tp_size": 2, "fsdp_size": 2})
-    try:
-        cp_layout_from_hf_model(model, axis="tp")
-    except HpCpError as exc:
-        return str(exc)
-    return "no error"
+    out = {}
+    attn_plan = {"model.layers.*.self_attn.q_b_proj": "colwise"}
+    for name, sizes, axis in [
+        ("tp", {"tp_size": 2, "fsdp_size": 2}, "tp"),
+        ("tp_attention", {"tp_size": 2, "fsdp_size": 2, "tp_plan": attn_plan}, "fsdp"),
+    ]:
+        model = load(path, sizes)
+        try:
+            cp_layout_from_hf_model(model, axis=axis)
+            out[name] = "no error"
+        except HpCpError as exc:
+            out[name] = str(exc)
+    return out
 
 
 def hf_distributed_suite(rank: int, world: int, model_dir: str, ckpt_dir: str) -> dict[str, Any]:

@@ -75,8 +75,14 @@ def test_checkpoint_saved_on_one_layout_resumes_on_another(suite: list[dict]) ->
 
 def test_cp_on_tp_is_refused_on_every_rank(suite: list[dict]) -> None:
     for rank in range(4):
-        msg = suite[rank]["refused"]
+        msg = suite[rank]["refused"]["tp"]
         assert "axis='tp'" in msg and "axis='fsdp'" in msg and "same batch" in msg, (rank, msg)
+
+
+def test_a_tp_plan_sharding_the_attention_is_refused_on_every_rank(suite: list[dict]) -> None:
+    for rank in range(4):
+        msg = suite[rank]["refused"]["tp_attention"]
+        assert "self_attn.q_b_proj" in msg and "replicated" in msg, (rank, msg)
 
 
 class _Manager:  # transformers 5.23's mesh manager, as cp_layout_from_hf_model reads it

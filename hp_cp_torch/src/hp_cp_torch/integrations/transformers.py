@@ -670,6 +670,22 @@ def _hf_mesh_manager(model: nn.Module) -> tuple[Any, Any]:
     return manager, config
 
 
+def _check_attention_replicated(model: nn.Module) -> None:
+    """CP runs the attention on whole heads: refuse a ``tp_plan`` that shards it (no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in getattr(model, "named_parameters", lambda: ())():
+        if ".self_attn." not in name or not isinstance(p, DTensor):
+            continue
+        if "tp" in (p.device_mesh.mesh_dim_names or ()):
+            raise HpCpError(
+                f"cp_layout_from_hf_model: the attention parameter {name} is sharded over HF's "
+                "'tp' axis (a tp_plan rule names it); CP needs the attention replicated on the "
+                "tensor-parallel ranks. Drop the attention rules from DistributedConfig(tp_plan="
+                "...) (the default DeepSeek V4 plan shards only the experts)."
+            )
+
+
 def cp_layout_from_hf_model(model: nn.Module, axis: str = "fsdp") -> HFCPLayout:
     """The CP mesh, data-parallel mesh and loss scale for a model HF parallelised itself.
 
@@ -694,7 +710,8 @@ def cp_layout_from_hf_model(model: nn.Module, axis: str = "fsdp") -> HFCPLayout:
     Raises:
         HpCpError: the model was not loaded with a ``DistributedConfig``, ``axis`` is not one
             of HF's data-parallel axes (``"tp"``, ``"ep"``, ``"efsdp"``, ``"pp"``, unknown),
-            or this transformers release lays out its meshes differently.
+            a ``tp_plan`` shards the attention, ``pp_size > 1``, or this transformers
+            release lays out its meshes differently.
     """
     manager, config = _hf_mesh_manager(model)
     if axis not in HF_DP_AXES:
@@ -711,6 +728,7 @@ def cp_layout_from_hf_model(model: nn.Module, axis: str = "fsdp") -> HFCPLayout:
             f"cp_layout_from_hf_model: DistributedConfig(pp_size={config.pp_size}) is not "
             "supported with CP; use pp_size=1."
         )
+    _check_attention_replicated(model)
     other = HF_DP_AXES[1 - HF_DP_AXES.index(axis)]
     try:
         cp_mesh, dp_mesh = manager.get_mesh(axis), manager.get_mesh(other)
