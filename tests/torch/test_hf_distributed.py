@@ -124,3 +124,17 @@ def test_the_layout_reads_hf_s_meshes_and_divide_factor() -> None:
     layout = cp_layout_from_hf_model(model, axis="dp_replicate")
     assert (layout.cp_mesh, layout.dp_mesh) == ("mesh[dp_replicate]", "mesh[fsdp]")
     assert layout.grad_divide_factor == 4
+
+
+def test_the_recipe_parses_hf_parallel() -> None:
+    from training_cases import recipe
+
+    parse = recipe().parse_hf_parallel
+    assert parse("tp2,ep2,fsdp2") == {"tp_size": 2, "ep_size": 2, "fsdp_size": 2}
+    assert parse("ep2, dp_replicate2,fsdp2") == {
+        "ep_size": 2,
+        "dp_replicate_size": 2,
+        "fsdp_size": 2,
+    }
+    with pytest.raises(SystemExit, match="'cp2' is not tpN, epN, fsdpN or dp_replicateN"):
+        parse("tp2,cp2")
