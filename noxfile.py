@@ -50,6 +50,7 @@ def core(session: nox.Session) -> None:
         "tests/core",
         "tests/test_hooks_documented.py",
         "tests/test_no_framework_imports.py",
+        "tests/test_doc_snippets.py",
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake"},
     )
@@ -63,7 +64,7 @@ def torch(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(
         "./hp_cp_core[testing]",
-        "./hp_cp_torch[triton]",
+        "./hp_cp_torch[triton,transformers]",
         "./tests/fakes",
         TRANSFORMERS,
         *TEST_DEPS,
@@ -140,7 +141,9 @@ def example_jax(session: nox.Session) -> None:
 @nox.session(python=PYTHONS)
 def example_train(session: nox.Session) -> None:
     """examples/train_deepseek_v4_cp.py on 4 gloo ranks (dp 2 x cp 2, FSDP2): 3 steps and a
-    checkpoint, then resumed from it for 2 more steps; checks the loss-curve PNG."""
+    checkpoint, then resumed from it for 2 more steps; checks the loss-curve PNG. Then the
+    recipe under HF's DistributedConfig (``--hf-parallel tp2,ep2,fsdp2``, CP on ``fsdp``, 2
+    steps) and docs/training.md's snippet (examples/snippets/hf_distributed_config.py)."""
     session.install(TORCH)
     session.install("./hp_cp_core", "./hp_cp_torch[train]", TRANSFORMERS)
     tmp = session.create_tmp()
@@ -154,6 +157,10 @@ def example_train(session: nox.Session) -> None:
     session.run(*run, *args, "--steps", "5", "--resume", ckpt, env=env)
     if not os.path.getsize(png):
         session.error(f"no loss curve at {png}")
+    hf = ["--hf-parallel", "tp2,ep2,fsdp2", "--cp-axis", "fsdp", "--seq-len", "101"]
+    session.run(*run, *hf, "--steps", "2", "--plot", png, env=env)
+    snippet = "examples/snippets/hf_distributed_config.py"
+    session.run(*run[:-1], snippet, env=env)
 
 
 @nox.session(python=PYTHONS, default=False)

@@ -9,6 +9,13 @@ sequences, and FSDP2 (or DDP) shards and reduces the parameters over all dp x cp
     torchrun --standalone --nproc-per-node 4 examples/train_deepseek_v4_cp.py \\
         --dp 2 --cp 2 --steps 40 --resume ckpt --save ckpt
 
+Or next to Hugging Face's own parallelism: ``--hf-parallel tp2,fsdp2 --cp-axis fsdp`` loads the
+model with ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``
+(TP / EP on the experts, FSDP2 by HF) and runs CP on HF's ``fsdp`` (or ``dp_replicate``) axis::
+
+    torchrun --standalone --nproc-per-node 4 examples/train_deepseek_v4_cp.py \
+        --hf-parallel tp2,ep2,fsdp2 --cp-axis fsdp --steps 20
+
 CPU: gloo; GPUs: NCCL, one rank per GPU (``LOCAL_RANK``). The model is tiny by default
 (``--config model.json`` overrides any ``DeepseekV4Config`` field); the data are synthetic
 token sequences (``--text FILE`` trains on the bytes of a local text file instead). Prints
@@ -21,7 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +46,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hp_cp_core import CPHandle, DeepSeekV4CPConfig, enable_cp
-from hp_cp_torch.integrations.transformers import cp_causal_lm_batch, cp_causal_lm_loss
+from hp_cp_torch.integrations.transformers import (
+    HFCPLayout,
+    cp_causal_lm_batch,
+    cp_causal_lm_loss,
+    cp_layout_from_hf_model,
+    freeze_csa_indexer,
+)
 from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
 
 
@@ -51,6 +67,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallel", default="fsdp", choices=["fsdp", "ddp"])
+    p.add_argument(
+        "--hf-parallel",
+        help="HF's own parallelism instead of --dp/--parallel: DistributedConfig sizes as "
+        "tpN,epN,fsdpN,dp_replicateN (e.g. tp2,fsdp2); CP on --cp-axis",
+    )
+    p.add_argument(
+        "--cp-axis",
+        default="fsdp",
+        help="with --hf-parallel: HF's data-parallel axis CP splits sequences over "
+        "(fsdp or dp_replicate)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="with --hf-parallel: a saved DeepseekV4ForCausalLM directory (default: the tiny "
+        "model, saved by rank 0 to a temporary directory on this machine)",
+    )
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--config", type=Path, help="JSON of DeepseekV4Config overrides")
     p.add_argument("--text", type=Path, help="train on this file's bytes (vocab 256)")
@@ -63,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- setup
 
 
-def setup_mesh(dp: int, cp: int | None) -> tuple[DeviceMesh, torch.device]:
-    """The (dp, cp) device mesh: NCCL with one GPU per rank, else gloo on CPU."""
+def setup_device() -> torch.device:
+    """This rank's device, with the process group: NCCL with one GPU per rank, else gloo."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -72,6 +105,12 @@ def setup_mesh(dp: int, cp: int | None) -> tuple[DeviceMesh, torch.device]:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def setup_mesh(dp: int, cp: int | None) -> tuple[DeviceMesh, torch.device]:
+    """The (dp, cp) device mesh: NCCL with one GPU per rank, else gloo on CPU."""
+    device = setup_device()
     world = dist.get_world_size()
     cp = world // dp if cp is None else cp
     if dp * cp != world:
@@ -103,7 +142,7 @@ def parallelize(
     gradient of its own tokens), so FSDP / DDP span the flattened (dp, cp) mesh.
     """
     handle = enable_cp(model, mesh["cp"], DeepSeekV4CPConfig(layout=layout))
-    freeze_indexer(model)
+    freeze_csa_indexer(model)  # it gets no gradient: keep it out of the optimizer
     if checkpointing:  # HF's switch: torch's non-reentrant checkpoint per decoder layer
         model.gradient_checkpointing_enable({"use_reentrant": False})
     dp_cp = mesh["dp", "cp"]._flatten()
@@ -119,13 +158,51 @@ def parallelize(
     return ddp, handle
 
 
-def freeze_indexer(model: Any) -> None:
-    """HF's CSA indexer only feeds integer top-k ids: it never gets a gradient. Freezing it
-    keeps it out of the optimizer, so the optimizer state (and the checkpoint) has the same
-    keys on every run, resumed or not."""
-    for name, p in model.named_parameters():
-        if ".compressor.indexer." in name:
-            p.requires_grad_(False)
+def parse_hf_parallel(spec: str) -> dict[str, int]:
+    """``"tp2,fsdp2"`` -> ``{"tp_size": 2, "fsdp_size": 2}`` (DistributedConfig's sizes)."""
+    sizes = {}
+    for part in spec.split(","):
+        m = re.fullmatch(r"(tp|ep|fsdp|dp_replicate)([1-9][0-9]*)", part.strip())
+        if m is None:
+            raise SystemExit(
+                f"--hf-parallel {spec!r}: {part!r} is not tpN, epN, fsdpN or dp_replicateN; "
+                "write e.g. --hf-parallel tp2,fsdp2"
+            )
+        sizes[f"{m[1]}_size"] = int(m[2])
+    return sizes
+
+
+def hf_parallelize(
+    model_dir: Path | None,
+    spec: str,
+    cp_axis: str,
+    overrides: dict[str, Any],
+    seed: int,
+    layout: str = "load_balanced",
+    checkpointing: bool = False,
+) -> tuple[Any, CPHandle, HFCPLayout]:
+    """``from_pretrained(..., distributed_config=DistributedConfig(...))``, then CP on HF's
+    ``cp_axis`` (:func:`cp_layout_from_hf_model`; the indexer frozen). Without
+    ``model_dir``, rank 0 saves :func:`build_model`'s model to a temporary directory."""
+    from transformers import DeepseekV4ForCausalLM, DistributedConfig
+
+    sizes = parse_hf_parallel(spec)
+    path = [str(model_dir) if model_dir is not None else None]
+    if model_dir is None and dist.get_rank() == 0:
+        path[0] = tempfile.mkdtemp(prefix="hp_cp_model_")
+        build_model(overrides, seed, torch.device("cpu")).save_pretrained(path[0])
+    dist.broadcast_object_list(path)
+    model = DeepseekV4ForCausalLM.from_pretrained(
+        path[0], attn_implementation="eager", distributed_config=DistributedConfig(**sizes)
+    )
+    dist.barrier()
+    if model_dir is None and dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    hf = cp_layout_from_hf_model(model, axis=cp_axis)
+    handle = hf.enable_cp(model, DeepSeekV4CPConfig(layout=layout))
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model, handle, hf
 
 
 def make_optimizer(model: Any, lr: float) -> torch.optim.Optimizer:
@@ -186,6 +263,25 @@ def train_step(
     return float(total)
 
 
+def hf_train_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    handle: CPHandle,
+    ids: torch.Tensor,
+    hf: HFCPLayout,
+) -> float:
+    """:func:`train_step` under HF's parallelism: HF's FSDP2 divides the gradients by
+    ``hf.grad_divide_factor`` (it counts the CP ranks), which ``hf.causal_lm_loss`` applies,
+    with the targets summed over the real data-parallel ranks. Returns the global loss."""
+    batch = cp_causal_lm_batch(handle, ids)
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    loss = hf.causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return hf.global_loss(loss)
+
+
 def save_checkpoint(path: Path, model: Any, optimizer: Any, step: int, losses: list) -> None:
     """Model and optimizer with torch.distributed.checkpoint (sharded, any mesh can load it),
     plus the step and loss history (rank 0, JSON). CP itself has no state to save."""
@@ -236,23 +332,46 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    mesh, device = setup_mesh(args.dp, args.cp)
-    rank, dp_rank = dist.get_rank(), mesh["dp"].get_local_rank()
     overrides = json.loads(args.config.read_text()) if args.config else {}
     text = None
     if args.text is not None:
         text = np.frombuffer(args.text.read_bytes(), dtype=np.uint8)
         overrides["vocab_size"] = 256
-    model = build_model(overrides, args.seed, device)
-    vocab = int(model.config.vocab_size)
-    model, handle = parallelize(model, mesh, args.layout, args.parallel, args.checkpointing)
-    optimizer = make_optimizer(model, args.lr)
+    if args.hf_parallel:
+        device = setup_device()
+        model, handle, hf = hf_parallelize(
+            args.model,
+            args.hf_parallel,
+            args.cp_axis,
+            overrides,
+            args.seed,
+            args.layout,
+            args.checkpointing,
+        )
+        dp, dp_rank = hf.dp_size, hf.dp_mesh.get_local_rank()
+        what = f"HF {args.hf_parallel}, CP on {args.cp_axis}"
+        optimizer = make_optimizer(model, args.lr)
+
+        def step_fn(ids: torch.Tensor) -> float:
+            return hf_train_step(model, optimizer, handle, ids, hf)
+    else:
+        mesh, device = setup_mesh(args.dp, args.cp)
+        dp, dp_rank = args.dp, mesh["dp"].get_local_rank()
+        model = build_model(overrides, args.seed, device)
+        model, handle = parallelize(model, mesh, args.layout, args.parallel, args.checkpointing)
+        what = args.parallel
+        optimizer = make_optimizer(model, args.lr)
+
+        def step_fn(ids: torch.Tensor) -> float:
+            return train_step(model, optimizer, handle, ids, mesh)
+
+    rank, vocab = dist.get_rank(), int(getattr(model, "module", model).config.vocab_size)
     start, losses = 0, []
     if args.resume is not None:
         start, losses = load_checkpoint(args.resume, model, optimizer)
     if rank == 0:
         print(
-            f"dp {args.dp} x cp {handle.cp_size} ({args.layout}, {args.parallel}) on "
+            f"dp {dp} x cp {handle.cp_size} ({args.layout}, {what}) on "
             f"{device.type}; seq {args.seq_len} (padded to "
             f"{handle.padding(args.seq_len).padded_rows}), {args.batch_size} seq / replica; "
             f"steps {start} -> {args.steps}",
@@ -266,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             ids = text_batch(text, step, first, args.batch_size, args.seq_len, args.seed)
         t0 = time.perf_counter()
-        loss = train_step(model, optimizer, handle, ids.to(device), mesh)
+        loss = step_fn(ids.to(device))
         seconds = time.perf_counter() - t0
         losses.append(loss)
         local_tokens = args.batch_size * handle.padding(args.seq_len).padded_rows // handle.cp_size
@@ -283,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"saved checkpoint at step {args.steps} to {args.save}", flush=True)
     if rank == 0 and losses:
-        title = f"DeepSeek V4, dp {args.dp} x cp {handle.cp_size}, seq {args.seq_len}"
+        title = f"DeepSeek V4, dp {dp} x cp {handle.cp_size}, seq {args.seq_len}"
         plot_losses(losses, args.plot, title)
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; curve: {args.plot}", flush=True)
     dist.destroy_process_group()

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+from hp_cp_torch.integrations.transformers import freeze_csa_indexer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_deepseek_v4_cp.py"
 DP, BATCH, SEQ, STEPS, SAVE_AT, LR = 2, 1, 37, 3, 2, 0.2
@@ -73,7 +74,7 @@ def single_process(optimizer: str) -> dict[str, Any]:
     """One process, no CP, the global batch (DP * BATCH sequences) each step."""
     r = recipe()
     model = r.build_model(CONFIG, 0, torch.device("cpu"))
-    r.freeze_indexer(model)
+    freeze_csa_indexer(model)
     opt = _optimizer(model, optimizer)
     vocab, losses = model.config.vocab_size, []
     for step in range(STEPS):
