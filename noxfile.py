@@ -75,7 +75,7 @@ def _wheels(session: nox.Session, *requirements: str) -> list[str]:
         )
         with open(_BUILT, "w") as fh:
             fh.write(run_id)
-    args = ["--find-links", DIST]
+    paths, args = [], ["--find-links", DIST]
     for req in requirements:
         name, bracket, extras = req.partition("[")
         if name not in WHEEL_SOURCES:
@@ -83,7 +83,10 @@ def _wheels(session: nox.Session, *requirements: str) -> list[str]:
         found = glob.glob(os.path.join(DIST, f"{name.replace('-', '_')}-*.whl"))
         if len(found) != 1:
             session.error(f"_wheels: expected one {name} wheel in {DIST}, found {found}")
+        paths.append(found[0])
         args.append(found[0] + bracket + extras)
+    # a reused virtualenv holds the same version from an earlier run: replace it by this build
+    session.install("--no-deps", "--force-reinstall", "--quiet", *paths)
     return args
 
 

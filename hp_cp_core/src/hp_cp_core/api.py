@@ -18,7 +18,7 @@ from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
 from hp_cp_core.validation import check_group, check_layer_spec
-from hp_cp_core.versions import check_group_api
+from hp_cp_core.versions import check_api_usable, check_group_api
 
 _MARK = "_hp_cp_handle"
 
@@ -177,6 +177,8 @@ def enable_cp(
         )
     host = plugins if plugins is not None else get_plugin_host()
     name, be = host.choose_backend(module, backend)
+    version = host.backend_api(name)
+    check_api_usable(version, name)  # before the backend finds layers or makes its group
     layers = be.find_layers(module)
     if not layers:
         raise BackendNotFoundError(
@@ -191,7 +193,6 @@ def enable_cp(
                 f"{prev.mesh!r}); call disable_cp(handle) on the first handle before enabling "
                 "it again."
             )
-    version = host.backend_api(name)
     group = check_group_api(be.group(mesh), version, name, module)
     check_group(group, mesh, name)
     cache = PlanCache(config.plan_cache_size)

@@ -72,18 +72,22 @@ def _missing(group: Any, names: Sequence[str]) -> list[str]:
     return [n for n in names if not callable(getattr(group, n, None))]
 
 
-def check_group_api(group: Any, version: str, backend: str, module: Any) -> Any:
-    """The group the core runs: ``group`` itself for a current plugin, a :class:`LegacyGroup`
-    for a 0.1 one (with a ``DeprecationWarning``); an ``HpCpError`` for an unusable one."""
-    status = api_status(version)
-    if status == UNUSABLE:
+def check_api_usable(version: str, backend: str) -> None:
+    """An ``HpCpError`` when this core can neither run nor adapt backend API ``version``."""
+    if api_status(version) == UNUSABLE:
         raise HpCpError(
             f"backend {backend!r} implements hp_cp backend API {version!r}; this hp-cp-core "
             f"implements {BACKEND_API} and adapts {LEGACY_API}. Install a release of the "
             f"backend for backend API {BACKEND_API}, or an hp-cp-core that implements "
             f"{version} (see CHANGELOG.md)."
         )
-    if status == CURRENT:
+
+
+def check_group_api(group: Any, version: str, backend: str, module: Any) -> Any:
+    """The group the core runs: ``group`` itself for a current plugin, a :class:`LegacyGroup`
+    for a 0.1 one (with a ``DeprecationWarning``); an ``HpCpError`` for an unusable one."""
+    check_api_usable(version, backend)
+    if api_status(version) == CURRENT:
         missing = _missing(group, GROUP_METHODS_0_2)
         if missing:
             raise HpCpError(

@@ -1,5 +1,5 @@
-"""A backend written against the 0.1 backend API, kept as it was (entry point
-``hp_cp.contract: legacy``; not an ``hp_cp`` entry point, so discovery never loads it).
+"""A backend written against the 0.1 backend API, kept as it was (entry points ``hp_cp:
+legacy`` and ``hp_cp.contract: legacy``; it claims only :class:`LegacyToyAttention`).
 
 Its group has the 0.1 ``Group`` protocol: ``exchange_rows(items) -> list`` and
 ``all_gather_rows(tensor) -> tensor``, no ``begin_order`` / ``end_order``, no tokens, and the
