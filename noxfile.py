@@ -1,10 +1,10 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, example_jax, example_train, bench,
+"""Sessions: lint, docs, core (no framework), torch, mindformers, example_jax, example_train, bench,
 bench_mindformers, dist, device, fuzz.
 
-`nox` runs lint, core, torch, mindformers, example_jax and example_train; each installs its
+`nox` runs lint, docs, core, torch, mindformers, example_jax and example_train; each installs its
 own distributions into a fresh virtualenv, so the core is proven framework-free and every
 backend is tested with its framework for real. Every backend passes the same installed
 contract suite (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under
@@ -22,7 +22,15 @@ import nox
 
 nox.needs_version = ">=2024.3"
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax", "example_train"]
+nox.options.sessions = [
+    "lint",
+    "docs",
+    "core",
+    "torch",
+    "mindformers",
+    "example_jax",
+    "example_train",
+]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11"]
@@ -96,6 +104,21 @@ def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6")  # format output differs between releases
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHONS)
+def docs(session: nox.Session) -> None:
+    """The MkDocs (Material) site of docs/ with its API reference (mkdocstrings), built with
+    ``--strict`` so a broken link, nav entry or docstring reference fails."""
+    session.install(
+        *_wheels(session, "hp-cp-core"),
+        "mkdocs==1.6.1",
+        "mkdocs-material==9.8.1",
+        "mkdocstrings==1.0.8",
+        "mkdocstrings-python==2.0.11",
+    )
+    site = os.path.join(session.create_tmp(), "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHONS)

@@ -180,8 +180,7 @@ def hp_cp_backend_api() -> Any:
         def hp_cp_backend_api() -> str:
             return hp_cp_core.BACKEND_API  # "0.2" with hp-cp-core 0.2
 
-    Args:
-        none (the answer describes the plugin, not a module).
+    It takes no arguments: the answer describes the plugin, not a module.
 
     Returns:
         ``"0.2"`` (current: groups thread order tokens), ``"0.1"`` (the protocol without
