@@ -11,6 +11,9 @@ claiming one module is a :class:`~hp_cp_core.errors.BackendConflictError`, never
 answer wins, so a narrower plugin marked ``tryfirst`` (a fused kernel, say) can take over one
 stage for the modules it knows and leave the rest to the generic backend.
 
+``hp_cp_backend_api`` is read from each plugin on its own: the backend API version it
+implements (:mod:`hp_cp_core.versions`; a plugin without it is a 0.1 plugin).
+
 The stage hooks are called from :class:`hp_cp_core.forward.DeepSeekV4CPForward` in this order
 on every forward: extract KV, compress main, compress indexer (r = 4 with an indexer), run
 attention. Tensors are *sequence-major*: dim 0 is the row (token) dimension.
