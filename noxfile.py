@@ -1,10 +1,10 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, example_jax, example_train, bench,
+"""Sessions: lint, docs, core (no framework), torch, mindformers, example_jax, example_train, bench,
 bench_mindformers, dist, device, fuzz.
 
-`nox` runs lint, core, torch, mindformers, example_jax and example_train; each installs its
+`nox` runs lint, docs, core, torch, mindformers, example_jax and example_train; each installs its
 own distributions into a fresh virtualenv, so the core is proven framework-free and every
 backend is tested with its framework for real. Every backend passes the same installed
 contract suite (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under
@@ -13,6 +13,7 @@ the entry-point group `hp_cp.contract`.
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import shutil
@@ -21,7 +22,15 @@ import nox
 
 nox.needs_version = ">=2024.3"
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax", "example_train"]
+nox.options.sessions = [
+    "lint",
+    "docs",
+    "core",
+    "torch",
+    "mindformers",
+    "example_jax",
+    "example_train",
+]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11"]
@@ -31,6 +40,62 @@ TRANSFORMERS = "transformers==5.23.0"
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]
 JAX = "jax==0.10.2"  # CPU
 CONTRACT = ("pytest", "-p", "hp_cp_core.testing.contract")
+DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist")
+WHEEL_SOURCES = {
+    "hp-cp-core": "hp_cp_core",
+    "hp-cp-torch": "hp_cp_torch",
+    "hp-cp-mindformers": "hp_cp_mindformers",
+}
+"""The three distributions CI builds once per nox run; test sessions install these wheels."""
+_BUILT = os.path.join(DIST, ".built-by-nox")  # marker: the pid of the nox run that built them
+
+
+def _wheels(session: nox.Session, *requirements: str) -> list[str]:
+    """The built wheels of ``requirements`` (``"hp-cp-core[testing]"``, ``"hp-cp-torch"``,
+    extras kept) as ``session.install`` arguments, building the three wheels into ``dist/``
+    on the first call of this nox run (a marker holds the run's pid). Installing a wheel
+    rather than a source folder makes a file missing from the wheel fail the tests.
+
+    Switching a session: ``session.install("./hp_cp_core[testing]", "./hp_cp_torch", ...)``
+    becomes ``session.install(*_wheels(session, "hp-cp-core[testing]", "hp-cp-torch"), ...)``.
+    """
+    run_id = str(os.getpid())  # the nox process: one per run, all its sessions share it
+    try:
+        with open(_BUILT) as fh:
+            built = fh.read().strip() == run_id
+    except OSError:
+        built = False
+    if not built:
+        os.makedirs(DIST, exist_ok=True)
+        for name in WHEEL_SOURCES:
+            for old in glob.glob(os.path.join(DIST, f"{name.replace('-', '_')}-*.whl")):
+                os.remove(old)
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--quiet",
+            "--wheel-dir",
+            DIST,
+            *(f"./{d}" for d in WHEEL_SOURCES.values()),
+        )
+        with open(_BUILT, "w") as fh:
+            fh.write(run_id)
+    paths, args = [], ["--find-links", DIST]
+    for req in requirements:
+        name, bracket, extras = req.partition("[")
+        if name not in WHEEL_SOURCES:
+            session.error(f"_wheels: {name!r} is not one of {sorted(WHEEL_SOURCES)}")
+        found = glob.glob(os.path.join(DIST, f"{name.replace('-', '_')}-*.whl"))
+        if len(found) != 1:
+            session.error(f"_wheels: expected one {name} wheel in {DIST}, found {found}")
+        paths.append(found[0])
+        args.append(found[0] + bracket + extras)
+    # a reused virtualenv holds the same version from an earlier run: replace it by this build
+    session.install("--no-deps", "--force-reinstall", "--quiet", *paths)
+    return args
 
 
 @nox.session(python=PYTHONS)
@@ -42,19 +107,37 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHONS)
+def docs(session: nox.Session) -> None:
+    """The MkDocs (Material) site of docs/ with its API reference (mkdocstrings), built with
+    ``--strict`` so a broken link, nav entry or docstring reference fails."""
+    session.install(
+        *_wheels(session, "hp-cp-core"),
+        "mkdocs==1.6.1",
+        "mkdocs-material==9.8.1",
+        "mkdocstrings==1.0.8",
+        "mkdocstrings-python==2.0.11",
+    )
+    site = os.path.join(session.create_tmp(), "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session(python=PYTHONS)
 def core(session: nox.Session) -> None:
     """hp-cp-core alone (pluggy + numpy) with the numpy fake backend: no framework."""
-    session.install("./hp_cp_core[testing]", "./tests/fakes", *TEST_DEPS)
+    session.install(*_wheels(session, "hp-cp-core[testing]"), "./tests/fakes", *TEST_DEPS)
     session.run(
         "pytest",
         "tests/core",
         "tests/test_hooks_documented.py",
         "tests/test_no_framework_imports.py",
-        "tests/test_doc_snippets.py",
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake"},
     )
-    session.run(*CONTRACT, "--hp-cp-backend=fake", "--hp-cp-require=fake", *session.posargs)
+    # fake: the current backend API; legacy: a backend written against 0.1, adapted
+    backends = "fake,legacy"
+    session.run(
+        *CONTRACT, f"--hp-cp-backend={backends}", f"--hp-cp-require={backends}", *session.posargs
+    )
 
 
 @nox.session(python=PYTHONS)
@@ -63,16 +146,16 @@ def torch(session: nox.Session) -> None:
     Triton (its kernels run in Triton's CPU interpreter, tests/torch/conftest.py)."""
     session.install(TORCH)
     session.install(
-        "./hp_cp_core[testing]",
-        "./hp_cp_torch[triton,transformers]",
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[triton,transformers]"),
         "./tests/fakes",
         TRANSFORMERS,
         *TEST_DEPS,
     )
     session.install("-e", "./tests/contract")  # the torch driver runs tests/torch helpers
     out = session.run("python", "-m", "hp_cp_core", silent=True)
-    if "torch" not in out or "ok" not in out:
-        session.error(f"python -m hp_cp_core does not report `torch ok`:\n{out}")
+    rows = [line.split() for line in out.splitlines()]
+    if ["torch", "hp-cp-torch", "0.2.0", "0.2", "current", "ok"] not in rows:
+        session.error(f"python -m hp_cp_core does not report `torch ... 0.2 current ok`:\n{out}")
     session.run(
         "pytest",
         "tests/torch",
@@ -85,7 +168,10 @@ def torch(session: nox.Session) -> None:
 def _install_mindformers(session: nox.Session) -> None:
     session.install(*MINDSPORE)
     session.install(
-        "./hp_cp_core[testing]", "./hp_cp_mindformers", "./tests/fakes", *TEST_DEPS, "numpy<2"
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-mindformers"),
+        "./tests/fakes",
+        *TEST_DEPS,
+        "numpy<2",
     )
     session.install("-e", "./tests/contract")  # the mindformers driver runs msrun workers
     # mindformers' own dependencies are not all on PyPI; these three let the real
@@ -124,7 +210,7 @@ def example_jax(session: nox.Session) -> None:
     layer) and hp-cp-core[testing], installed (not editable) into a fresh virtualenv, pass the
     installed contract suite at cp 1..4, run outside the repository (no file from tests/)."""
     session.install(JAX)
-    session.install("./hp_cp_core[testing]", "./examples/hp-cp-jax")
+    session.install(*_wheels(session, "hp-cp-core[testing]"), "./examples/hp-cp-jax")
     tmp = session.create_tmp()
     with open(os.path.join(tmp, "pytest.ini"), "w") as fh:  # not the repository's config
         fh.write("[pytest]\n")
@@ -145,7 +231,7 @@ def example_train(session: nox.Session) -> None:
     recipe under HF's DistributedConfig (``--hf-parallel tp2,ep2,fsdp2``, CP on ``fsdp``, 2
     steps) and docs/training.md's snippet (examples/snippets/hf_distributed_config.py)."""
     session.install(TORCH)
-    session.install("./hp_cp_core", "./hp_cp_torch[train]", TRANSFORMERS)
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[train]"), TRANSFORMERS)
     tmp = session.create_tmp()
     ckpt, png = os.path.join(tmp, "ckpt"), os.path.join(tmp, "train_loss.png")
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -179,19 +265,15 @@ def bench_mindformers(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """`hp-cp bench`: bench.json and bench.png (traffic, balance, memory, time)."""
     session.install(TORCH)
-    session.install("./hp_cp_core", "./hp_cp_torch[bench]")
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[bench]"))
     session.run("hp-cp", "bench", *session.posargs)
 
 
 @nox.session(python=PYTHONS, default=False)
 def dist(session: nox.Session) -> None:
-    """Build the three wheels, install them non-editable and check the entry points."""
-    session.install("build")
-    for d in ("hp_cp_core", "hp_cp_torch", "hp_cp_mindformers"):
-        session.run("python", "-m", "build", "--wheel", "--outdir", "dist", d)
-    session.install(
-        "--no-deps", "--find-links", "dist", "hp-cp-core", "hp-cp-torch", "hp-cp-mindformers"
-    )
+    """The three wheels the test sessions install (built once per nox run into ``dist/``),
+    installed without their frameworks: the entry points and the core's CLI work from them."""
+    session.install("--no-deps", *_wheels(session, *WHEEL_SOURCES))
     session.install("pluggy", "numpy")
     session.run(
         "python",
@@ -199,6 +281,9 @@ def dist(session: nox.Session) -> None:
         "import importlib.metadata as m; names = {e.name for e in m.entry_points(group='hp_cp')};"
         "assert {'torch', 'mindformers'} <= names, names; print(sorted(names))",
     )
+    out = session.run("python", "-m", "hp_cp_core", silent=True)
+    if "0.2 current" not in out:
+        session.error(f"python -m hp_cp_core does not report the backends current:\n{out}")
 
 
 @nox.session(python=PYTHONS, default=False)
@@ -210,7 +295,7 @@ def fuzz(session: nox.Session) -> None:
     ``tests/torch/fuzz_cases.py``, the same generator the torch session runs with a fixed seed.
     """
     session.install(TORCH)
-    session.install("./hp_cp_core", "./hp_cp_torch", *TEST_DEPS)
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch"), *TEST_DEPS)
     seed = os.environ.get("HP_CP_FUZZ_SEED") or str(random.SystemRandom().randrange(2**31))
     cases = os.environ.get("HP_CP_FUZZ_CASES", "200")
     worlds = os.environ.get("HP_CP_FUZZ_WORLDS", "2,3,4,8")
@@ -227,6 +312,6 @@ def fuzz(session: nox.Session) -> None:
 def device(session: nox.Session) -> None:
     """GPU checks: the Triton kernel's parity and benchmark (scripts/device_triton.py, JSON to
     ``$HP_CP_DEVICE_JSON`` or ./device-triton.json), then multi-GPU torchrun (NCCL)."""
-    session.install("./hp_cp_core", "./hp_cp_torch[triton]")
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[triton]"))
     session.run("python", "scripts/device_triton.py", *session.posargs)
     session.run("bash", "scripts/device_check.sh", external=True)

@@ -1,8 +1,9 @@
 """hp_cp_core: backend-agnostic context parallelism for DeepSeek V4 compressed sparse attention.
 
 Public entry points: :func:`enable_cp`, :func:`disable_cp`, :class:`DeepSeekV4CPConfig`,
-:data:`hookimpl` (for backend plugins), :class:`LayerSpec`, :class:`DeepSeekV4CPContext`,
-:class:`DeepSeekV4CPForward`, and the errors under :class:`HpCpError`.
+:data:`hookimpl` and :data:`BACKEND_API` (for backend plugins), :class:`LayerSpec`,
+:class:`DeepSeekV4CPContext`, :class:`DeepSeekV4CPForward`, and the errors under
+:class:`HpCpError`.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from hp_cp_core.forward import DeepSeekV4CPForward
 from hp_cp_core.indices import build_cmp_cu_seqlens, build_select_pad_gather_index
 from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import RankPlan, build_rank_plan
+from hp_cp_core.versions import BACKEND_API
 
 hookimpl = pluggy.HookimplMarker("hp_cp")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "BACKEND_API",
     "Backend",
     "BackendConflictError",
     "BackendLoadError",

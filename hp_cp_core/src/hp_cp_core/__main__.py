@@ -1,5 +1,9 @@
 """``python -m hp_cp_core``: the core version, the active discovery switches and the
-backends discovery loaded, as a table (``--json`` for JSON)."""
+backends discovery loaded, as a table (``--json`` for JSON).
+
+The ``api`` column is the backend API each plugin declares (``hp_cp_backend_api``) and what
+this core makes of it: ``current``, ``adapted`` (0.1, run with placeholder order tokens and a
+``DeprecationWarning`` where that is correct) or ``unusable`` (:mod:`hp_cp_core.versions`)."""
 
 from __future__ import annotations
 
@@ -31,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"`pip install hp-cp-mindformers`, or write one ({GUIDE})"
             )
         return 0
-    print(f"{'backend':<14}{'distribution':<22}{'version':<10}status")
+    print(f"{'backend':<14}{'distribution':<22}{'version':<10}{'api':<18}status")
     for r in rows:
         status = "ok" if r["status"] == "ok" else f"error: {r['error']}"
-        print(f"{r['name']:<14}{r['dist'] or '-':<22}{r['version'] or '-':<10}{status}")
+        api = f"{r['backend_api'] or '?'} {r['api_status']}" if r["api_status"] else "-"
+        print(f"{r['name']:<14}{r['dist'] or '-':<22}{r['version'] or '-':<10}{api:<18}{status}")
     return 0
 
 

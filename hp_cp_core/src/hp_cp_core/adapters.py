@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hp_cp_core import hookimpl
+from hp_cp_core.versions import BACKEND_API
 
 
 class AdapterHooks:
@@ -75,6 +76,11 @@ class AdapterHooks:
         if group.size == 1 and (config is None or config.single_rank_bypass):
             return lambda: None
         return self._install_forward(layer, self.adapter(layer).make_forward(cp_forward, group))
+
+    @hookimpl
+    def hp_cp_backend_api(self) -> str:
+        """The backend API these hooks implement: the core's own (:mod:`hp_cp_core.versions`)."""
+        return BACKEND_API
 
     @hookimpl
     def hp_cp_backend(self, module: Any) -> Any:

@@ -18,6 +18,7 @@ from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
 from hp_cp_core.validation import check_group, check_layer_spec
+from hp_cp_core.versions import check_api_usable, check_group_api
 
 _MARK = "_hp_cp_handle"
 
@@ -165,7 +166,8 @@ def enable_cp(
     Raises:
         BackendNotFoundError, BackendConflictError, BackendLoadError: no / several / a broken
             backend for the module.
-        HpCpError: the module already runs under CP, or the mesh is unusable.
+        HpCpError: the module already runs under CP, the mesh is unusable, or the backend's
+            API version is one this core cannot run (:mod:`hp_cp_core.versions`).
     """
     config = config if config is not None else DeepSeekV4CPConfig()
     if not isinstance(config, DeepSeekV4CPConfig):
@@ -175,6 +177,8 @@ def enable_cp(
         )
     host = plugins if plugins is not None else get_plugin_host()
     name, be = host.choose_backend(module, backend)
+    version = host.backend_api(name)
+    check_api_usable(version, name)  # before the backend finds layers or makes its group
     layers = be.find_layers(module)
     if not layers:
         raise BackendNotFoundError(
@@ -189,7 +193,7 @@ def enable_cp(
                 f"{prev.mesh!r}); call disable_cp(handle) on the first handle before enabling "
                 "it again."
             )
-    group = be.group(mesh)
+    group = check_group_api(be.group(mesh), version, name, module)
     check_group(group, mesh, name)
     cache = PlanCache(config.plan_cache_size)
     handle = CPHandle(module, mesh, name, be, group, config, cache=cache)

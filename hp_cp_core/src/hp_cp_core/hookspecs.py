@@ -11,6 +11,9 @@ claiming one module is a :class:`~hp_cp_core.errors.BackendConflictError`, never
 answer wins, so a narrower plugin marked ``tryfirst`` (a fused kernel, say) can take over one
 stage for the modules it knows and leave the rest to the generic backend.
 
+``hp_cp_backend_api`` is read from each plugin on its own: the backend API version it
+implements (:mod:`hp_cp_core.versions`; a plugin without it is a 0.1 plugin).
+
 The stage hooks are called from :class:`hp_cp_core.forward.DeepSeekV4CPForward` in this order
 on every forward: extract KV, compress main, compress indexer (r = 4 with an indexer), run
 attention. Tensors are *sequence-major*: dim 0 is the row (token) dimension.
@@ -164,4 +167,35 @@ def hp_cp_run_attention(module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, 
     The first non-``None`` answer wins (``firstresult``).
 
     .. versionadded:: 0.1
+    """
+
+
+@_hookspec
+def hp_cp_backend_api() -> Any:
+    """Return the version of the backend API (the ``Backend`` and ``Group`` protocols of
+    :mod:`hp_cp_core.backend` and these hooks) this plugin implements, as ``"MAJOR.MINOR"``.
+
+    Called once per plugin, without arguments: by :func:`hp_cp_core.enable_cp` on the plugin
+    whose backend was chosen, before its group runs any collective, and by
+    ``python -m hp_cp_core`` for the "backend API" column. A plugin implements it as::
+
+        @hookimpl
+        def hp_cp_backend_api() -> str:
+            return hp_cp_core.BACKEND_API  # "0.2" with hp-cp-core 0.2
+
+    It takes no arguments: the answer describes the plugin, not a module.
+
+    Returns:
+        ``"0.2"`` (current: groups thread order tokens), ``"0.1"`` (the protocol without
+        tokens: the core adapts its groups with placeholder tokens and a
+        ``DeprecationWarning`` where that is correct, else refuses them), or another version
+        (unusable with this core: ``enable_cp`` raises :class:`~hp_cp_core.errors.HpCpError`).
+        A plugin that does not implement the hook, or answers ``None``, was written against
+        0.1, before the hook existed, and is treated as ``"0.1"``.
+
+    Only this plugin's own implementation is read (not a collected or first result), so one
+    plugin's answer never stands for another's. See :mod:`hp_cp_core.versions` and the
+    migration section of ``docs/writing-a-backend.md``.
+
+    .. versionadded:: 0.2
     """

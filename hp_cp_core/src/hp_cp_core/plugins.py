@@ -30,6 +30,7 @@ from hp_cp_core.errors import (
     BackendNotFoundError,
     HpCpError,
 )
+from hp_cp_core.versions import BACKEND_API, UNUSABLE, api_status, declared_api
 
 ENTRY_POINT_GROUP = "hp_cp"
 PROJECT = "hp_cp"
@@ -54,6 +55,16 @@ class BackendStatus:
     ok: bool
     error: str | None = None
     exc: BaseException | None = None
+    backend_api: str | None = None
+    """The backend API the plugin declares (``hp_cp_backend_api``; ``"0.1"`` without it)."""
+
+    @property
+    def api_status(self) -> str | None:
+        """``current``, ``adapted`` or ``unusable`` (:mod:`hp_cp_core.versions`); ``None``
+        for a plugin that did not load."""
+        if not self.ok:
+            return None
+        return api_status(self.backend_api) if self.backend_api else UNUSABLE
 
     def describe(self) -> str:
         where = f"{self.dist} {self.version}" if self.dist else "in-process"
@@ -66,6 +77,8 @@ class BackendStatus:
             "version": self.version,
             "status": "ok" if self.ok else "error",
             "error": self.error,
+            "backend_api": self.backend_api,
+            "api_status": self.api_status,
         }
 
 
@@ -135,7 +148,24 @@ class PluginHost:
             exc = HpCpError("; ".join(unknown))
             self._record(BackendStatus(name, dist, version, False, str(exc), exc))
             return
+        try:
+            status.backend_api = declared_api(plugin)
+        except Exception as exc:  # noqa: BLE001 - a broken hook makes the plugin unusable
+            status.backend_api = None
+            status.error = f"hp_cp_backend_api failed: {_fmt(exc)}"
         self._record(status)
+
+    def backend_api(self, name: str) -> str:
+        """The backend API plugin ``name`` declares (``"0.1"`` without ``hp_cp_backend_api``);
+        an ``HpCpError`` when its hook failed."""
+        status = self.statuses.get(name)
+        if status is None or status.backend_api is None:
+            why = status.error if status is not None else "it is not registered"
+            raise HpCpError(
+                f"cannot tell which hp_cp backend API plugin {name!r} implements: {why}. Its "
+                f"hp_cp_backend_api hook must return a version such as {BACKEND_API!r}."
+            )
+        return status.backend_api
 
     def remove(self, name: str) -> None:
         """Unregister backend ``name`` (tests)."""

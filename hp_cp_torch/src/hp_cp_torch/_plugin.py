@@ -27,6 +27,7 @@ _HOOKS = AdapterHooks(
 
 find_layers = _HOOKS.find_layers
 install = _HOOKS.install
+hp_cp_backend_api = _HOOKS.hp_cp_backend_api
 hp_cp_backend = _HOOKS.hp_cp_backend
 hp_cp_layer_spec = _HOOKS.hp_cp_layer_spec
 hp_cp_extract_ori_kv = _HOOKS.hp_cp_extract_ori_kv

@@ -21,6 +21,12 @@ class FakeDriver:
     rtol = 1e-12  # float64 numpy, the same sums in the same order up to summation length
     differentiable = False
 
+    def plugin(self) -> tuple[str, Any, type]:
+        """The backend under test: its name, plugin module and layer class."""
+        from hp_cp_fake import fake_backend as fb
+
+        return "fake", fb, fb.ToyAttention
+
     def run(self, cases: Sequence[ContractCase]) -> dict[str, Any]:
         return {case.name: self._run_case(case) for case in cases}
 
@@ -30,13 +36,14 @@ class FakeDriver:
         from hp_cp_core.testing import ThreadWorld
         from hp_cp_fake import fake_backend as fb
 
+        name, plugin, layer_cls = self.plugin()
         host = PluginHost(autoload=False)
-        host.add(fb, "fake")
+        host.add(plugin, name)
         x = np.random.default_rng(case.seed).normal(size=(case.rows, 6))
         world = ThreadWorld(case.cp, timeout=30)
 
         def layer() -> fb.ToyAttention:
-            return fb.ToyAttention(compress_ratio=case.r, window_size=case.window, index_topk=3)
+            return layer_cls(compress_ratio=case.r, window_size=case.window, index_topk=3)
 
         def rank_fn(rank: int) -> dict:
             lay = layer()

@@ -18,6 +18,7 @@ from hp_cp_core import HpCpError, LayerSpec, hookimpl, stage1_compress_with_halo
 from hp_cp_core.indices import compressed_index_dense, window_index_dense
 from hp_cp_core.stats import ALL_GATHER, HALO_EXCHANGE
 from hp_cp_core.testing import ThreadGroup, ThreadMesh
+from hp_cp_core.versions import BACKEND_API
 
 # --------------------------------------------------------------------------------------------
 # the world: N ranks in one process
@@ -335,6 +336,11 @@ class FakeBackend:
 
 
 BACKEND = FakeBackend()
+
+
+@hookimpl
+def hp_cp_backend_api() -> str:
+    return BACKEND_API  # the version this fake implements: the core's current one
 
 
 @hookimpl

@@ -22,6 +22,11 @@ def _ours(module: Any) -> bool:
 
 
 @hookimpl
+def hp_cp_backend_api() -> str:
+    return "0.2"  # the backend API of hp-cp-core 0.2 (CHANGELOG.md, "Backend API")
+
+
+@hookimpl
 def hp_cp_backend(module: Any) -> Any:
     if not _ours(module):
         return None
