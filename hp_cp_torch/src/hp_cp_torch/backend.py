@@ -136,7 +136,7 @@ class TorchGroup:
 
     point_to_point = True  # batched isend / irecv: compressed slots go point to point
 
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: Any, scope: str = "") -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
@@ -149,8 +149,9 @@ class TorchGroup:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.calls: dict[str, int] = {}
-        self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks))
+        self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))
         self.n_layers = 0  # installed so far; a layer's index in the desync report
+        self.closed = False  # disable_cp ran (its record is published)
 
     def count(self, kind: str, sent: int, recv: int) -> None:
         self.bytes_sent += int(sent)
@@ -431,13 +432,38 @@ class _AllGatherRows(torch.autograd.Function):
         return None, _token_grad(ctx, 1, group.device), out
 
 
+class _Restore:
+    """What :meth:`TorchBackend.install` returns: the layer's restore, and its group."""
+
+    def __init__(self, restore: Any, group: TorchGroup) -> None:
+        self.restore, self.group = restore, group
+
+    def __call__(self) -> None:
+        self.restore()
+
+
 class TorchBackend(InstallingBackend):
     """The torch backend: ops for the core helpers, groups, and forward install."""
 
     name = "torch"
 
     def group(self, mesh: Any) -> TorchGroup:
-        return TorchGroup(resolve_process_group(mesh))
+        """A :class:`TorchGroup`; its desync records are scoped by the process group's name
+        and this group's number on it (the same on every rank running the same program)."""
+        pg = resolve_process_group(mesh)
+        name = str(dist.distributed_c10d._get_process_group_name(pg))
+        handles = self.__dict__.setdefault("_handles_per_pg", {})
+        handles[name] = handles.get(name, 0) + 1
+        return TorchGroup(pg, f"{name}.{handles[name]}")
+
+    def uninstall(self, layer: Any, token: Any) -> None:
+        """Restore ``layer``; the handle's first uninstall publishes this rank's last
+        collective (a peer left waiting in one reports where this rank stopped)."""
+        group = token.group if isinstance(token, _Restore) else None
+        if group is not None and not group.closed:
+            group.closed = True
+            group.log.publish()
+        super().uninstall(layer, token)
 
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
         """Install ``layer`` with a CP forward that names it (by its index among the
@@ -446,7 +472,8 @@ class TorchBackend(InstallingBackend):
         config = getattr(cp_forward, "config", None)
         if config is not None and not config.desync_report:
             group.log.store = None  # keep only this rank's own record
-        return super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
+        restore = super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
+        return _Restore(restore, group)
 
     # ops (dim 0 = rows); index arrays arrive as numpy
     def cat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
