@@ -7,11 +7,10 @@ CSA, HCA, CSA) trains at cp = 2 on gloo, ``enable_cp`` with the defaults. After
 
 * ``host_syncs_per_step``: device-to-host reads inside the CP code, i.e. calls of
   ``Tensor.cpu / item / tolist / numpy`` and ``bool / int / float`` of a tensor made while
-  a CP layer's forward runs or a CP collective's backward runs. A ``TorchFunctionMode``
+  with a frame of ``hp_cp_core`` / ``hp_cp_torch`` on the stack (CP layer forwards, their
+  input checks and agreement, the CP autograd functions' backward). A ``TorchFunctionMode``
   sees every such call; on this CPU they cost nothing, on a GPU each one drains the launch
-  queue. Attribution: the mode counts only while the handle's flight recorder shows a CP
-  layer running (``log.layer`` set) or inside the CP backward functions (their collectives
-  enter the recorder), so the model's own reads (HF's, the loss's) are left out; the
+  queue. The model's own reads (HF's mask building) are left out; the
   model-wide count is ``host_syncs_per_step_model``.
 * ``store_ops_per_step``: operations on the desync report's store (a counting wrapper
   around it, :class:`CountingStore`).
@@ -28,6 +27,8 @@ CSA, HCA, CSA) trains at cp = 2 on gloo, ``enable_cp`` with the defaults. After
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 __all__ = ["CountingStore", "hotpath_measures"]
@@ -56,6 +57,16 @@ class CountingStore:
             return attr(*args, **kwargs)
 
         return counted
+
+
+def _from_cp_code(frame: FrameType | None) -> bool:
+    """Whether a frame of ``hp_cp_core`` or ``hp_cp_torch`` (not this bench) is on the stack."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith(("hp_cp_core", "hp_cp_torch")) and name != __name__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[str, float]:
@@ -95,18 +106,21 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
         opt.step()
         opt.zero_grad()
 
-    counts = {"cp": 0, "model": 0}
-    seq_before = [0]
+    counts = {"cp": 0, "model": 0, "agreement": 0}
+    copied: list[Any] = [None]  # the last ``.cpu()`` result: reading it is no second sync
 
     class Reads(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            if getattr(func, "__name__", "") in READS:
+            name = getattr(func, "__name__", "")
+            out = func(*args, **(kwargs or {}))
+            if name in READS and not (args and args[0] is copied[0]):
                 counts["model"] += 1
-                # inside a CP layer's forward, or a CP backward (it enters the recorder)
-                if group.log.layer is not None or group.log.seq != seq_before[0]:
+                if _from_cp_code(sys._getframe(1)):
                     counts["cp"] += 1
-            seq_before[0] = group.log.seq
-            return func(*args, **(kwargs or {}))
+                    counts["agreement"] += int(name == "cpu")  # agreement / input check
+            if name == "cpu":
+                copied[0] = out
+            return out
 
     for _ in range(warmup):
         step()
@@ -119,6 +133,7 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
     res = {
         "host_syncs": counts["cp"] / steps,
         "host_syncs_model": counts["model"] / steps,
+        "host_syncs_agreement": counts["agreement"] / steps,
         "store_ops": store.ops / steps,
         "collectives": (group.log.seq - seq0) / steps,
         "agreements": (memo.collectives - agreed0) / steps,
@@ -144,6 +159,7 @@ def hotpath_measures(
     return {
         "host_syncs_per_step": worst["host_syncs"],
         "host_syncs_per_step_model": worst["host_syncs_model"],
+        "host_syncs_per_step_agreement": worst["host_syncs_agreement"],
         "store_ops_per_step": worst["store_ops"],
         "cp_collectives_per_step": worst["collectives"],
         "agreements_per_step": worst["agreements"],
