@@ -24,6 +24,7 @@ where this rank waits and what every peer last entered (Note [Desync report] in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -116,6 +117,9 @@ def _peer_failure(group: TorchGroup, name: str, exc: BaseException, where: str) 
     )
 
 
+SEND_INDEX_CACHE = 256
+"""Plans (per device) whose send-row index tensors a :class:`TorchGroup` keeps."""
+
 _CURRENT = -1
 """``_collective(layer=...)``: the layer whose CP forward runs now."""
 
@@ -152,6 +156,23 @@ class TorchGroup:
         self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))
         self.n_layers = 0  # installed so far; a layer's index in the desync report
         self.closed = False  # disable_cp ran (its record is published)
+        self._send_index: collections.OrderedDict[tuple[int, str], tuple[Any, list]] = (
+            collections.OrderedDict()
+        )
+
+    def send_index(self, plan: Any, peer: int, device: torch.device) -> torch.Tensor:
+        """``plan.send_rows[peer]`` as a device index tensor, cached per plan and device (no
+        host-to-device copy per layer call; the plan is kept alive with its entry)."""
+        key = (id(plan), str(device))
+        hit = self._send_index.get(key)
+        if hit is None or hit[0] is not plan:
+            rows = [_index(r, device) for r in plan.send_rows]
+            hit = self._send_index[key] = (plan, rows)
+            while len(self._send_index) > SEND_INDEX_CACHE:
+                self._send_index.popitem(last=False)
+        else:
+            self._send_index.move_to_end(key)
+        return hit[1][peer]
 
     def count(self, kind: str, sent: int, recv: int) -> None:
         self.bytes_sent += int(sent)
@@ -335,7 +356,7 @@ class _HaloExchange(torch.autograd.Function):
         sends, recv_sizes = {}, {}
         for peer in range(group.size):
             parts = [
-                _as_bytes(t[_index(p.send_rows[peer], t.device)])
+                _as_bytes(t[group.send_index(p, peer, t.device)])
                 for t, p in zip(tensors, plans)
                 if p.send_rows[peer].size
             ]
@@ -400,7 +421,7 @@ class _HaloExchange(torch.autograd.Function):
                 if rows.size:
                     nb = rows.size * _row_bytes(t)
                     got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
-                    out[i].index_add_(0, _index(rows, got.device), got)
+                    out[i].index_add_(0, group.send_index(p, peer, got.device), got)
                     off += nb
         return (None, None, _token_grad(ctx, 2, group.device), *out)
 
