@@ -504,3 +504,44 @@ def test_without_the_cross_rank_check_only_the_failing_rank_raises(host) -> None
         "the whole packed sequence: [0, len(doc0), len(doc0) + len(doc1), ..., S]."
     )
     assert type(outcome[0]).__name__ == "BrokenBarrierError"
+
+
+class _Stack:
+    """Three toy layers under one handle (the fake backend finds ``layers``)."""
+
+    def __init__(self) -> None:
+        self.layers = [fb.ToyAttention(compress_ratio=r, window_size=6) for r in (4, 0, 4)]
+
+
+def test_later_layers_reuse_the_forward_agreement(host, meta_calls) -> None:
+    """The first forward agrees in every layer; later forwards with the same inputs agree
+    once, in their first layer, and the other layers reuse it (the same on every rank)."""
+
+    def step(rank: int, model: Any) -> None:
+        for _ in range(3):
+            for lay in model.layers:
+                lay(_x(4))
+
+    errors, _, _ = run_ranks(host, 3, step, layer=lambda rank: _Stack())
+    assert errors == [None] * 3
+    assert sorted(meta_calls) == [r for r in range(3) for _ in range(3 + 1 + 1)]
+
+
+def test_a_bad_input_after_reused_agreements_still_raises_on_every_rank(host, meta_calls) -> None:
+    """Steady state (agreements reused), then rank 1's input changes: the forward's first
+    layer agrees again, so every rank raises the same error before its exchanges."""
+    seen: list[int] = []
+
+    def step(rank: int, model: Any) -> None:
+        for _ in range(2):
+            for lay in model.layers:
+                lay(_x(4))
+        seen.append(rank)
+        for lay in model.layers:
+            lay(_x(4 + (rank == 1)))
+
+    errors, _, _ = run_ranks(host, 3, step, layer=lambda rank: _Stack())
+    assert sorted(seen) == [0, 1, 2]
+    assert all(type(e) is PlanError for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
+    assert "local rows" in str(errors[0]), errors[0]

@@ -4,7 +4,8 @@ wait in a CP collective until the group's short timeout, and report where everyo
 Run through the job machinery of ``cases.py`` as the suite ``"desync_cases:desync_suite"``
 on 3 ranks. Each case builds a fresh CP process group with a :data:`TIMEOUT_S` timeout
 (abandoned after the failure; a barrier on the default group lines the ranks up again) and
-a two-layer stack of reference layers under one ``enable_cp`` handle.
+a two-layer stack of reference layers under one ``enable_cp`` handle; two healthy steps
+run first, the store wrapped to count what the desync report does with it.
 """
 
 from __future__ import annotations
@@ -42,18 +43,42 @@ class Stack(nn.Module):
         return x
 
 
+class CountingStore:
+    """A store that counts the operations the desync report runs on it (the flight
+    recorder must leave the store alone until a collective fails)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.ops += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
 def skipped_backward_case(skippers: tuple[int, ...]) -> dict[str, Any]:
     """Every rank runs the forward; ``skippers`` take a loss that does not depend on it, so
-    they run no backward collective. Returns what this rank raised (class, message)."""
+    they run no backward collective. Returns what this rank raised (class, message) and the
+    store operations it ran before the failure (``ops_before``) and in all."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pg = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
     model = Stack().eval()  # eval: no indexer-loss all-reduce in the forward
     x = torch.randn(2, 8 * world, 32, generator=torch.Generator().manual_seed(1))
     handle = enable_cp(model, pg, DeepSeekV4CPConfig())
-    error = None
+    store = handle.group.log.store = CountingStore(handle.group.log.store)
+    error, ops_before = None, None
     try:
         xl = handle.shard(x, 1).requires_grad_(True)
+        for _ in range(2):  # a healthy step first: no store traffic
+            model(xl).sum().backward()
         out = model(xl)
+        ops_before = store.ops
         loss = (xl * 2).sum() if rank in skippers else out.sum()
         loss.backward()
     except HpCpError as exc:
@@ -61,7 +86,7 @@ def skipped_backward_case(skippers: tuple[int, ...]) -> dict[str, Any]:
     finally:
         disable_cp(handle)
     dist.barrier()  # the default group (long timeout) lines the ranks up for the next case
-    return {"error": error}
+    return {"error": error, "ops_before": ops_before, "ops": store.ops}
 
 
 def desync_suite(world: int) -> dict[str, tuple[Callable, tuple]]:

@@ -151,6 +151,8 @@ def test_bench_main_small(tmp_path, capsys):
         "0",
         "--hf-mem-seqs",
         "",
+        "--hotpath-steps",
+        "0",  # test_hotpath_counts runs it
     ]
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
@@ -257,3 +259,22 @@ def test_longest_fitting_seq_brackets_the_limit_without_far_probes(true_limit, m
     assert over is not None and over > true_limit
     assert over <= 1.1 * fit + bench_memory.SEARCH_QUANTUM
     assert set(measured) == {512, 1024, 2048, *probes}
+
+
+@pytest.mark.slow
+def test_hotpath_counts():
+    """The hot-path keys of ``hp-cp bench`` (one warm-up and one counted step, 2 ranks): no
+    store operation while all goes well, one agreement per model forward (the later layers
+    reuse it), the old code's extrapolated store load from the collectives counted."""
+    from hp_cp_torch.bench_hotpath import N_LAYERS, hotpath_measures
+
+    res = hotpath_measures(warmup=1, steps=1)
+    assert res["store_ops_per_step"] == 0
+    assert res["store_ops_per_step_1024_ranks_61_layers"] == 0
+    assert res["agreements_per_step"] == res["model_forwards_per_step"] == 1
+    assert res["agreements_reused_per_step"] == N_LAYERS - 1
+    old = (res["cp_collectives_per_step"] + N_LAYERS - 1) * 61 / N_LAYERS * 1024
+    assert res["store_ops_per_step_1024_ranks_61_layers_old"] == old > 0
+    # the agreement's gather and the HF input check: one host copy each per forward
+    assert res["host_syncs_per_step_agreement"] <= 2 * res["model_forwards_per_step"]
+    assert res["host_syncs_per_step"] >= res["host_syncs_per_step_agreement"]

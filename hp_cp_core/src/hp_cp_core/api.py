@@ -17,7 +17,7 @@ from hp_cp_core.layout import SequenceLayout
 from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
-from hp_cp_core.validation import check_group, check_layer_spec
+from hp_cp_core.validation import AgreementMemo, check_group, check_layer_spec
 from hp_cp_core.versions import check_api_usable, check_group_api
 
 _MARK = "_hp_cp_handle"
@@ -48,6 +48,9 @@ class CPHandle:
     config: DeepSeekV4CPConfig
     layers: list[tuple[Any, LayerSpec]] = field(default_factory=list)
     cache: PlanCache = field(default_factory=PlanCache)
+    agreements: AgreementMemo = field(default_factory=AgreementMemo)
+    """What the ranks agreed (Note [Validate, agree, then communicate]): its ``collectives``
+    and ``reused`` count agreements run and skipped."""
     _tokens: list[tuple[Any, Any]] = field(default_factory=list)
     _cleanups: list[Callable[[], None]] = field(default_factory=list)
     active: bool = True
@@ -199,8 +202,10 @@ def enable_cp(
     handle = CPHandle(module, mesh, name, be, group, config, cache=cache)
     hooks = host.hooks
     specs = [(layer, check_layer_spec(hooks.layer_spec(layer), layer)) for layer in layers]
-    for layer, spec in specs:
-        cp_forward = DeepSeekV4CPForward(layer, hooks, be, group, spec, config, handle.cache)
+    for index, (layer, spec) in enumerate(specs):
+        cp_forward = DeepSeekV4CPForward(
+            layer, hooks, be, group, spec, config, handle.cache, handle.agreements, index
+        )
         handle._tokens.append((layer, be.install(layer, cp_forward, group)))
         handle.layers.append((layer, spec))
     for obj in {id(o): o for o in [module, *layers]}.values():

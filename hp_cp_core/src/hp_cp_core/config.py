@@ -45,10 +45,11 @@ class DeepSeekV4CPConfig:
         single_rank_bypass: with a CP group of one, keep each layer's original forward
             (the default: nothing to exchange). ``False`` runs the full CP path on a group of
             one (plan, agreement, exchanges): what tests and benchmarks of the CP path use.
-        desync_report: publish each collective a rank enters to a store its peers can read,
-            so that a timed-out collective names where every rank is (the torch backend:
-            one ``store.set`` per collective; ``False`` keeps only this rank's own record,
-            for very large jobs where the store's host would be a bottleneck).
+        desync_report: when a CP collective fails or times out, publish this rank's record
+            of the collectives it entered (kept in memory, a bounded ring) to a store its
+            peers can read, and read theirs, so the error names where every rank is (the
+            torch backend: no store traffic while all goes well). ``False`` keeps only this
+            rank's own record and never touches the store.
     """
 
     layout: str = "contiguous"

@@ -15,6 +15,7 @@ from hp_cp_core.errors import HpCpError
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
 from hp_cp_core.validation import (
+    AgreementMemo,
     LocalCheck,
     agree,
     agreed_config_text,
@@ -34,6 +35,8 @@ class DeepSeekV4CPForward:
         spec: the layer's :class:`LayerSpec`.
         config: the ``enable_cp`` options.
         cache: where plans are kept (shared by the layers of one ``enable_cp`` call).
+        memo, index: the handle's :class:`AgreementMemo` (shared by its layers) and this
+            layer's index among them; ``None``: every forward agrees.
     """
 
     def __init__(
@@ -45,6 +48,8 @@ class DeepSeekV4CPForward:
         spec: LayerSpec,
         config: DeepSeekV4CPConfig | None = None,
         cache: PlanCache | None = None,
+        memo: AgreementMemo | None = None,
+        index: int = 0,
     ) -> None:
         self.module = module
         self.hooks = hooks
@@ -53,6 +58,7 @@ class DeepSeekV4CPForward:
         self.spec = spec
         self.config = config or DeepSeekV4CPConfig()
         self.cache = cache if cache is not None else PlanCache()
+        self.memo, self.index = memo, index
         self._spec_text, self._config_text = repr(spec), agreed_config_text(self.config)
 
     def __call__(
@@ -162,6 +168,11 @@ class DeepSeekV4CPForward:
                 check.cause = exc
         return check
 
+    def reuses_agreement(self) -> bool:
+        """Whether this layer's next :meth:`agree` reuses the handle's agreement (no
+        collective); the same on every rank."""
+        return self.memo is not None and self.group.size > 1 and self.memo.reuses(self.index)
+
     def agree(self, check: LocalCheck, extra: dict[str, Any] | None = None) -> DeepSeekV4CPContext:
         """One small collective: raise on every rank if any rank's check failed or the ranks
         disagree on the global metadata; else the context of this forward.
@@ -179,6 +190,8 @@ class DeepSeekV4CPForward:
             spec_text=self._spec_text,
             config_text=self._config_text,
             count=loss_rows,
+            memo=self.memo,
+            index=self.index,
         )
         return DeepSeekV4CPContext(
             cp_rank=self.group.rank,

@@ -17,10 +17,28 @@ answer). Neither can happen if every forward runs, on every rank, before any dat
 If any rank found a problem, or the ranks' digests differ, every rank learns it from the same
 gathered array, joins one more tiny all-gather of the messages (error path only) and raises the
 same :class:`~hp_cp_core.HpCpError`, saying which rank failed and why. Otherwise the exchanges
-start. The agreement runs every forward, not once per cached plan: whether a plan is cached is
-a local fact, so a rank that skipped the collective because its plan was cached would leave a
-peer with a new plan waiting in it (the hang this prevents). It costs one all-gather of seven
-integers next to the layer's halo exchange.
+start. Whether a rank runs the agreement must never depend on a local fact (a cached plan, its
+own inputs): a rank that skipped the collective would leave a peer that runs it waiting (the
+hang this prevents). So the decision depends only on program order and on what the ranks
+already agreed (:class:`AgreementMemo`, one per ``enable_cp`` handle):
+
+* the first CP layer of each model forward (a layer whose index among the handle's layers is
+  not above the previous call's: a new forward, or a recompute) always agrees; the gathered
+  array, the same on every rank, is the forward's *fingerprint*;
+* a later layer agrees unless it already agreed under this same fingerprint (in an earlier
+  forward: the steady state of training); every rank reaches the same answer, since the
+  fingerprint and the layer's agreement history are common knowledge.
+
+A layer that skips compares its local vector with the one it agreed under this fingerprint.
+Identical (the same model on the same inputs, every step after the first): it reuses the
+agreed sums, with no collective and no host read. Different (this rank's layer changed while
+its inputs did not, e.g. a layer cast or replaced on one rank): it cannot tell its peers
+without a collective they do not run, so it raises :class:`~hp_cp_core.HpCpError` alone and
+its peers fail in the layer's first exchange within the group's timeout (the desync report
+names this rank's layer); still no silent wrong answer and no unbounded wait. Bad *inputs* on
+one rank (rows, cu_seqlens, batch, dtype, masks) enter at the first layer and so still make
+every rank raise the same error before any data moves. Steady-state cost: one all-gather of
+seven integers per model forward per handle.
 """
 
 from __future__ import annotations
@@ -303,6 +321,42 @@ def _decode(row: np.ndarray) -> str:
     return np.ascontiguousarray(row, dtype=np.int64).tobytes().rstrip(b"\0").decode()
 
 
+class AgreementMemo:
+    """What the ranks of one ``enable_cp`` handle agreed, so later layers of a forward reuse
+    it (Note [Validate, agree, then communicate]); every field is the same on every rank.
+
+    Attributes:
+        last_index: the handle's layer index of the previous agreement call.
+        fingerprint: the gathered agreement array of this forward's first layer (bytes).
+        agreed: layer index -> (fingerprint, local vector, agreed count sum) of its last
+            agreement.
+        collectives: agreements run (``all_gather_meta`` calls on the success path).
+        reused: agreements skipped.
+    """
+
+    def __init__(self) -> None:
+        self.last_index: int | None = None
+        self.fingerprint: bytes | None = None
+        self.agreed: dict[int, tuple[bytes | None, bytes, int | None]] = {}
+        self.collectives = 0
+        self.reused = 0
+        self.checked: Any = None
+        """A backend's key for the per-forward inputs the forward's first layer checked on
+        the device (the torch HF integration: the mask and position_ids objects), so later
+        layers that reuse the agreement skip that check's host read."""
+
+    def reuses(self, index: int) -> bool:
+        """Whether layer ``index``'s next :func:`agree` reuses an agreement (the same answer
+        on every rank: it depends only on program order and agreed facts)."""
+        past = self.agreed.get(index)
+        return (
+            self.last_index is not None
+            and index > self.last_index
+            and past is not None
+            and past[0] == self.fingerprint
+        )
+
+
 def agree(
     group: Any,
     check: LocalCheck,
@@ -312,6 +366,8 @@ def agree(
     spec_text: str | None = None,
     config_text: str | None = None,
     count: int | None = None,
+    memo: AgreementMemo | None = None,
+    index: int = 0,
 ) -> int | None:
     """Raise the same :class:`HpCpError` on every rank unless every rank's checks passed and
     the ranks agree on the global metadata (see Note [Validate, agree, then communicate]).
@@ -327,6 +383,8 @@ def agree(
         spec_text, config_text: cached ``repr`` of ``spec`` / ``config``.
         count: a per-rank integer to sum over the ranks in the same collective (the rows
             that count in the indexer loss), or ``None``.
+        memo, index: the handle's :class:`AgreementMemo` and this layer's index among the
+            handle's layers; with a memo, later layers of a forward reuse the agreement.
 
     Returns:
         The sum of ``count`` over the ranks that gave one, ``None`` when none did.
@@ -341,13 +399,43 @@ def agree(
     spec_text = spec_text if spec_text is not None else repr(spec)
     config_text = config_text if config_text is not None else agreed_config_text(config)
     mine = agreement_vector(check, digest(spec_text), digest(config_text), count)
+    if memo is not None:
+        new_forward = memo.last_index is None or index <= memo.last_index
+        reuse, past = memo.reuses(index), memo.agreed.get(index)
+        memo.last_index = index
+        if reuse and past is not None:
+            # every rank skips here (common knowledge); this rank's vector must match
+            if past[1] == mine.tobytes():
+                memo.reused += 1
+                return past[2]
+            raise HpCpError(
+                f"CP layer {index} on rank {group.rank} of {group.size}: "
+                + (
+                    check.message
+                    if check.problems
+                    else "its inputs (rows, cu_seqlens, tensor shapes or dtypes, layer spec, "
+                    "config or indexer-loss rows) differ from the ones every rank agreed on in "
+                    "an earlier forward of the same model inputs"
+                )
+                + ". The ranks already agreed on this forward, so only this rank raises; its "
+                "peers fail in the layer's first exchange (see Note [Validate, agree, then "
+                "communicate]). Change a layer on every rank, not on one."
+            ) from check.cause
     every = group.all_gather_meta(mine)
     failed = np.flatnonzero(every[:, 0]).tolist()
     agreed = every[:, 1 : 1 + len(FIELDS)]
     differ = [f for i, f in enumerate(FIELDS) if np.any(agreed[:, i] != agreed[0, i])]
     if not failed and not differ:
         counts = every[:, -1]
-        return int(counts[counts >= 0].sum()) if np.any(counts >= 0) else None
+        total = int(counts[counts >= 0].sum()) if np.any(counts >= 0) else None
+        if memo is not None:
+            memo.collectives += 1
+            if new_forward:
+                memo.fingerprint = np.ascontiguousarray(every, dtype=np.int64).tobytes()
+            memo.agreed[index] = (memo.fingerprint, mine.tobytes(), total)
+        return total
+    if memo is not None:
+        memo.agreed.pop(index, None)
     text = json.dumps(
         {
             "problem": check.message,

@@ -24,6 +24,7 @@ where this rank waits and what every peer last entered (Note [Desync report] in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -116,6 +117,9 @@ def _peer_failure(group: TorchGroup, name: str, exc: BaseException, where: str) 
     )
 
 
+SEND_INDEX_CACHE = 256
+"""Plans (per device) whose send-row index tensors a :class:`TorchGroup` keeps."""
+
 _CURRENT = -1
 """``_collective(layer=...)``: the layer whose CP forward runs now."""
 
@@ -136,7 +140,7 @@ class TorchGroup:
 
     point_to_point = True  # batched isend / irecv: compressed slots go point to point
 
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: Any, scope: str = "") -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
@@ -149,8 +153,26 @@ class TorchGroup:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.calls: dict[str, int] = {}
-        self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks))
+        self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))
         self.n_layers = 0  # installed so far; a layer's index in the desync report
+        self.closed = False  # disable_cp ran (its record is published)
+        self._send_index: collections.OrderedDict[tuple[int, str], tuple[Any, list]] = (
+            collections.OrderedDict()
+        )
+
+    def send_index(self, plan: Any, peer: int, device: torch.device) -> torch.Tensor:
+        """``plan.send_rows[peer]`` as a device index tensor, cached per plan and device (no
+        host-to-device copy per layer call; the plan is kept alive with its entry)."""
+        key = (id(plan), str(device))
+        hit = self._send_index.get(key)
+        if hit is None or hit[0] is not plan:
+            rows = [_index(r, device) for r in plan.send_rows]
+            hit = self._send_index[key] = (plan, rows)
+            while len(self._send_index) > SEND_INDEX_CACHE:
+                self._send_index.popitem(last=False)
+        else:
+            self._send_index.move_to_end(key)
+        return hit[1][peer]
 
     def count(self, kind: str, sent: int, recv: int) -> None:
         self.bytes_sent += int(sent)
@@ -334,7 +356,7 @@ class _HaloExchange(torch.autograd.Function):
         sends, recv_sizes = {}, {}
         for peer in range(group.size):
             parts = [
-                _as_bytes(t[_index(p.send_rows[peer], t.device)])
+                _as_bytes(t[group.send_index(p, peer, t.device)])
                 for t, p in zip(tensors, plans)
                 if p.send_rows[peer].size
             ]
@@ -399,7 +421,7 @@ class _HaloExchange(torch.autograd.Function):
                 if rows.size:
                     nb = rows.size * _row_bytes(t)
                     got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
-                    out[i].index_add_(0, _index(rows, got.device), got)
+                    out[i].index_add_(0, group.send_index(p, peer, got.device), got)
                     off += nb
         return (None, None, _token_grad(ctx, 2, group.device), *out)
 
@@ -431,13 +453,38 @@ class _AllGatherRows(torch.autograd.Function):
         return None, _token_grad(ctx, 1, group.device), out
 
 
+class _Restore:
+    """What :meth:`TorchBackend.install` returns: the layer's restore, and its group."""
+
+    def __init__(self, restore: Any, group: TorchGroup) -> None:
+        self.restore, self.group = restore, group
+
+    def __call__(self) -> None:
+        self.restore()
+
+
 class TorchBackend(InstallingBackend):
     """The torch backend: ops for the core helpers, groups, and forward install."""
 
     name = "torch"
 
     def group(self, mesh: Any) -> TorchGroup:
-        return TorchGroup(resolve_process_group(mesh))
+        """A :class:`TorchGroup`; its desync records are scoped by the process group's name
+        and this group's number on it (the same on every rank running the same program)."""
+        pg = resolve_process_group(mesh)
+        name = str(dist.distributed_c10d._get_process_group_name(pg))
+        handles = self.__dict__.setdefault("_handles_per_pg", {})
+        handles[name] = handles.get(name, 0) + 1
+        return TorchGroup(pg, f"{name}.{handles[name]}")
+
+    def uninstall(self, layer: Any, token: Any) -> None:
+        """Restore ``layer``; the handle's first uninstall publishes this rank's last
+        collective (a peer left waiting in one reports where this rank stopped)."""
+        group = token.group if isinstance(token, _Restore) else None
+        if group is not None and not group.closed:
+            group.closed = True
+            group.log.publish()
+        super().uninstall(layer, token)
 
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
         """Install ``layer`` with a CP forward that names it (by its index among the
@@ -446,7 +493,8 @@ class TorchBackend(InstallingBackend):
         config = getattr(cp_forward, "config", None)
         if config is not None and not config.desync_report:
             group.log.store = None  # keep only this rank's own record
-        return super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
+        restore = super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
+        return _Restore(restore, group)
 
     # ops (dim 0 = rows); index arrays arrive as numpy
     def cat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -491,7 +491,7 @@ def _lower_is_better_rows(res: dict[str, Any]) -> list[tuple[str, float, float |
 
 
 def _desync_worker(rank: int, world: int, calls: int) -> dict[str, float]:
-    """Median seconds of one desync record (``CollectiveLog.enter``: one store write) and of
+    """Median seconds of one desync record (``CollectiveLog.enter``: in memory) and of
     one small gloo all-gather (64 floats), interleaved in rounds of ``calls`` each."""
     import statistics
 
@@ -621,7 +621,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seqs = tuple(int(v) for v in args.hf_mem_seqs.split(","))
         res.update(hf_memory_measures(seqs, search=not args.no_hf_max_seq))
 
-    # the desync report (timed): one store write per collective entered
+    # the steady-state hot path (counted): host reads, store ops, agreements per step
+    if args.hotpath_steps:
+        from hp_cp_torch.bench_hotpath import hotpath_measures
+
+        res.update(hotpath_measures(steps=args.hotpath_steps))
+
+    # the desync report's record (timed): one in-memory entry per collective entered
     res.update(desync_cost())
     step = res.get("step_cp2_{}_s".format(res.get("step_time_cp2_headline_variant", "")))
     if step:  # a cp = 2 layer step enters 5 collectives (3 forward, 2 backward)
@@ -722,6 +728,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-hf-max-seq",
         action="store_true",
         help="skip the search for the longest S that fits (real steps; a few minutes)",
+    )
+    parser.add_argument(
+        "--hotpath-steps",
+        type=int,
+        default=3,
+        help="counted steady-state steps of the host-sync / store-op measure (0: skip)",
     )
     args = parser.parse_args(argv)
     if args.hf_mem_seqs and importlib.util.find_spec("transformers") is None:

@@ -345,7 +345,11 @@ def hp_cp_backend_api() -> str:
 
 @hookimpl
 def hp_cp_backend(module: Any) -> Any:
-    return BACKEND if isinstance(module, ToyAttention) else None
+    """The fake backend claims a toy layer, or a stack of them (``module.layers``)."""
+    layers = getattr(module, "layers", None)
+    stack = isinstance(layers, list) and bool(layers)
+    stack = stack and all(isinstance(lay, ToyAttention) for lay in layers)
+    return BACKEND if isinstance(module, ToyAttention) or stack else None
 
 
 @hookimpl

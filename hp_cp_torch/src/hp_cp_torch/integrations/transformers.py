@@ -362,7 +362,11 @@ class DeepseekV4AttentionAdapter:
         check = cp_forward.inspect(
             rows_hint(hidden_states, 1), problems=checks.problems, signature=checks.signature
         )
-        if check.ok:  # the plan exists: compare the mask and positions with it
+        memo = getattr(cp_forward, "memo", None)
+        seen = (id(attention_mask), id(position_ids), rows_hint(hidden_states, 1))
+        if check.ok and memo is not None and memo.checked == seen and cp_forward.reuses_agreement():
+            pass  # this forward's first layer checked these very objects; no host read
+        elif check.ok:  # the plan exists: compare the mask and positions with it
             n_local = int(hidden_states.shape[1])
             bad = [_mask_is_unsupported(attention_mask), False]
             if position_ids is not None:
@@ -370,7 +374,9 @@ class DeepseekV4AttentionAdapter:
                 got = position_ids.reshape(-1, position_ids.shape[-1])
                 bad[1] = True if got.shape[-1] != n_local else (got != want).any()
             dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
-            mask_bad, positions_bad = dev.cpu().tolist()  # one host sync
+            mask_bad, positions_bad = dev.cpu().tolist()  # one host sync (per model forward)
+            if memo is not None:
+                memo.checked = None if (mask_bad or positions_bad) else seen
             if mask_bad:
                 check.fail(
                     f"{where}: got an attention mask that hides tokens (padding, or a custom "
