@@ -296,9 +296,10 @@ def layer_suite(rank: int, world: int) -> dict[str, Any]:
     for idx in ("0", "1", "2"):
         layer = model.model.layers[idx].self_attn
 
-        def call(mod, h, p, pe):
+        def call(mod, h, p, pe, mask=None):
             return mod(
                 hidden_states=h,
+                attention_mask=mask,
                 position_embeddings=pe[0],
                 position_embeddings_compress=pe[1],
                 rotary_compress=model.model.rotary_emb_compress,
@@ -307,7 +308,12 @@ def layer_suite(rank: int, world: int) -> dict[str, Any]:
 
         ref_layer = copy.deepcopy(layer)
         xr = x.clone().requires_grad_(True)
-        out = call(ref_layer, xr, pos, rope)
+        from nemo_automodel.components.models.deepseek_v4.layers import (
+            build_causal_padding_mask,
+        )
+
+        mask = build_causal_padding_mask(None, SEQ, x.dtype, x.device, 1, layer.sliding_window)
+        out = call(ref_layer, xr, pos, rope, mask)  # NeMo's layer needs the model's mask
         out.backward(grad_out)
         ref = {"logits": out.detach(), "loss": out.detach().sum(), "grads": _grads(ref_layer)}
         ref["grads"]["input"] = xr.grad
