@@ -1,14 +1,14 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, core (no framework), torch, mindformers, example_jax, example_train, bench,
-bench_mindformers, dist, device, fuzz.
+"""Sessions: lint, core (no framework), torch, mindformers, example_jax, example_train,
+nemo_automodel, bench, bench_mindformers, bench_peers_nemo, dist, device, fuzz.
 
-`nox` runs lint, core, torch, mindformers, example_jax and example_train; each installs its
-own distributions into a fresh virtualenv, so the core is proven framework-free and every
-backend is tested with its framework for real. Every backend passes the same installed
-contract suite (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under
-the entry-point group `hp_cp.contract`.
+`nox` runs lint, core, torch, mindformers, example_jax, example_train and nemo_automodel;
+each installs its own distributions into a fresh virtualenv, so the core is proven
+framework-free and every backend is tested with its framework for real. Every backend passes
+the same installed contract suite (`pytest -p hp_cp_core.testing.contract`), through the
+driver it registers under the entry-point group `hp_cp.contract`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ import nox
 
 nox.needs_version = ">=2024.3"
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax", "example_train"]
+nox.options.sessions = [
+    "lint",
+    "core",
+    "torch",
+    "mindformers",
+    "example_jax",
+    "example_train",
+    "nemo_automodel",
+]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11"]
@@ -30,6 +38,7 @@ TORCH = "torch==2.13.0"  # the CPU build (a local wheel on the dev machines)
 TRANSFORMERS = "transformers==5.23.0"
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]
 JAX = "jax==0.10.2"  # CPU
+NEMO_AUTOMODEL = "nemo-automodel==0.7.0"  # with --no-deps (plus pillow)
 CONTRACT = ("pytest", "-p", "hp_cp_core.testing.contract")
 
 
@@ -154,6 +163,40 @@ def example_train(session: nox.Session) -> None:
     session.run(*run, *args, "--steps", "5", "--resume", ckpt, env=env)
     if not os.path.getsize(png):
         session.error(f"no loss curve at {png}")
+
+
+def _install_nemo_automodel(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("./hp_cp_core[testing]", "./hp_cp_torch", "./tests/fakes", TRANSFORMERS)
+    session.install(*TEST_DEPS)
+    # NeMo Automodel's own requirements (GPU stacks) are not needed by its DeepSeek V4 model
+    session.install("--no-deps", NEMO_AUTOMODEL, "pillow")
+
+
+@nox.session(python=PYTHONS)
+def nemo_automodel(session: nox.Session) -> None:
+    """NeMo Automodel 0.7.0's own DeepSeek V4 model under hp_cp on gloo ranks (cp 2, 4, 8)
+    against one process, then the docs snippet under torchrun with 2 ranks."""
+    _install_nemo_automodel(session)
+    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    session.run(
+        "pytest",
+        "tests/nemo_automodel",
+        *session.posargs,
+        env={**env, "HP_CP_REQUIRE_BACKEND": "torch,nemo_automodel"},
+    )
+    snippet = ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    # PYTHONSAFEPATH: the snippet's folder must not shadow the nemo_automodel package
+    session.run(*snippet, "examples/snippets/nemo_automodel.py", env={**env, "PYTHONSAFEPATH": "1"})
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench_peers_nemo(session: nox.Session) -> None:
+    """hp_cp vs NeMo Automodel's own DeepSeek V4 CP inside NeMo's model (gloo, cp 2 and 4):
+    updates the nemo_* keys of bench-peers.json."""
+    _install_nemo_automodel(session)
+    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    session.run("python", "bench/peers_nemo.py", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS, default=False)

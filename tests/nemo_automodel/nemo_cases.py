@@ -82,7 +82,10 @@ def make_ids(seq_len: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+    return {
+        n: (None if p.grad is None else p.grad.detach().clone())
+        for n, p in model.named_parameters()
+    }
 
 
 def reference(model: torch.nn.Module, ids: torch.Tensor, cu: list[int] | None = None) -> dict:
@@ -135,7 +138,12 @@ def cp_run(
     dist.all_reduce(total, group=group)
     stats = handle.stats()
     disable_cp(handle)
-    return {"logits": logits, "loss": total, "grads": _grads(model), "bytes_recv": stats["bytes_recv"]}
+    return {
+        "logits": logits,
+        "loss": total,
+        "grads": _grads(model),
+        "bytes_recv": stats["bytes_recv"],
+    }
 
 
 def compare(ref: dict, got: dict) -> dict[str, float]:
@@ -219,10 +227,14 @@ def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[
         out["packed_batch"] = _error(
             lambda: nemo_cp_batch(handle, ids.repeat(2, 1), seq_lens=[[ids.shape[1]]])
         )
-        model.model.layers["1"].self_attn.setup_cp_attention(type("M", (), {"get_group": lambda s: group})())
+        model.model.layers["1"].self_attn.setup_cp_attention(
+            type("M", (), {"get_group": lambda s: group})()
+        )
         out["nemo_cp_setup"] = _error(lambda: model(**batch))
         del model.model.layers["1"].self_attn._cp_group
-        out["after_errors"] = "ok" if model(**batch).logits.shape[1] == batch["input_ids"].shape[1] else "bad"
+        out["after_errors"] = (
+            "ok" if model(**batch).logits.shape[1] == batch["input_ids"].shape[1] else "bad"
+        )
     finally:
         disable_cp(handle)
     try:  # NeMo's own sharder's batch: refused before any collective, as the guard raises

@@ -47,7 +47,9 @@ def _check(res: dict) -> None:
 def test_model_parity(model_ranks: list[dict]) -> None:
     results = model_ranks[0]["results"]
     got = {(r["case"], r["cp"], r["layout"]) for r in results}
-    want = {(k, cp, lay) for k in ("padded", "packed") for cp in (2, 4) for lay in nemo_cases.LAYOUTS}
+    want = {
+        (k, cp, lay) for k in ("padded", "packed") for cp in (2, 4) for lay in nemo_cases.LAYOUTS
+    }
     assert want | {("packed_seq_ids", 2, "load_balanced")} == got
     for res in results:
         assert res["n_grads"] > 50  # attention, compressors, MoE, hyper-connections, head

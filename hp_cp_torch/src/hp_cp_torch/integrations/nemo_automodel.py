@@ -34,8 +34,13 @@ import torch
 from torch import nn
 
 import hp_cp_core
-from hp_cp_core import CPHandle, DeepSeekV4CPContext, HpCpError, LayerSpec
-from hp_cp_core import stage1_compress_with_halo
+from hp_cp_core import (
+    CPHandle,
+    DeepSeekV4CPContext,
+    HpCpError,
+    LayerSpec,
+    stage1_compress_with_halo,
+)
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
 from hp_cp_torch.integrations.transformers import (
