@@ -284,7 +284,8 @@ def main() -> None:
         f"shard (S=384, cp 2): max rel err {max(errs) if errs else 'n/a'}"
         + (f", raised {raised[0]}" if raised else ", no error raised")
         + ". Packed documents not starting at a multiple of r lose their boundary-straddling "
-        "windows in NeMo's own packing (hp_cp compresses each document from its first row)."
+        "windows in NeMo's own packing (read from its code: its windows are aligned to the packed "
+        "stream; hp_cp compresses each document from its first row)."
     )
     for k in ("busiest_rank_bytes_over_ours", "step_time_over_ours", "max_rel_err"):
         out[f"nemo_{k}"] = out[f"nemo_{k}_cp4"]
