@@ -1,14 +1,16 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, docs, core (no framework), torch, mindformers, example_jax, example_train, bench,
-bench_mindformers, dist, device, fuzz.
+"""Sessions: lint, docs, core (no framework), torch, mindformers, example_jax, example_train,
+nemo_automodel, veomni, bench, bench_mindformers, bench_peers (bench_peers_nemo,
+bench_peers_veomni), dist, device, fuzz.
 
-`nox` runs lint, docs, core, torch, mindformers, example_jax and example_train; each installs its
-own distributions into a fresh virtualenv, so the core is proven framework-free and every
-backend is tested with its framework for real. Every backend passes the same installed
-contract suite (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under
-the entry-point group `hp_cp.contract`.
+`nox` runs lint, docs, core, torch, mindformers, example_jax, example_train, nemo_automodel
+and veomni; each installs its own distributions (the wheels built once per run) into a fresh
+virtualenv, so the core is proven framework-free and every backend is tested with its
+framework for real. Every backend passes the same installed contract suite
+(`pytest -p hp_cp_core.testing.contract`), through the driver it registers under the
+entry-point group `hp_cp.contract`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ nox.options.sessions = [
     "mindformers",
     "example_jax",
     "example_train",
+    "nemo_automodel",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -39,6 +42,7 @@ TORCH = "torch==2.13.0"  # the CPU build (a local wheel on the dev machines)
 TRANSFORMERS = "transformers==5.23.0"
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]
 JAX = "jax==0.10.2"  # CPU
+NEMO_AUTOMODEL = "nemo-automodel==0.7.0"  # with --no-deps (plus pillow)
 CONTRACT = ("pytest", "-p", "hp_cp_core.testing.contract")
 DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist")
 WHEEL_SOURCES = {
@@ -247,6 +251,42 @@ def example_train(session: nox.Session) -> None:
     session.run(*run, *hf, "--steps", "2", "--plot", png, env=env)
     snippet = "examples/snippets/hf_distributed_config.py"
     session.run(*run[:-1], snippet, env=env)
+
+
+def _install_nemo_automodel(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch"), "./tests/fakes", TRANSFORMERS
+    )
+    session.install(*TEST_DEPS)
+    # NeMo Automodel's own requirements (GPU stacks) are not needed by its DeepSeek V4 model
+    session.install("--no-deps", NEMO_AUTOMODEL, "pillow")
+
+
+@nox.session(python=PYTHONS)
+def nemo_automodel(session: nox.Session) -> None:
+    """NeMo Automodel 0.7.0's own DeepSeek V4 model under hp_cp on gloo ranks (cp 2, 4, 8)
+    against one process, then the docs snippet under torchrun with 2 ranks."""
+    _install_nemo_automodel(session)
+    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    session.run(
+        "pytest",
+        "tests/nemo_automodel",
+        *session.posargs,
+        env={**env, "HP_CP_REQUIRE_BACKEND": "torch,nemo_automodel"},
+    )
+    snippet = ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    # PYTHONSAFEPATH: the snippet's folder must not shadow the nemo_automodel package
+    session.run(*snippet, "examples/snippets/nemo_automodel.py", env={**env, "PYTHONSAFEPATH": "1"})
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench_peers_nemo(session: nox.Session) -> None:
+    """hp_cp vs NeMo Automodel's own DeepSeek V4 CP inside NeMo's model (gloo, cp 2 and 4):
+    updates the nemo_* keys of bench-peers.json."""
+    _install_nemo_automodel(session)
+    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    session.run("python", "bench/peers_nemo.py", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS, default=False)

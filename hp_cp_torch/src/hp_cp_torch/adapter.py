@@ -35,6 +35,7 @@ from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, in
 from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, rows_hint
 
 ADAPTER_ATTR = "_hp_cp_adapter"
+NEMO_LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
 
 
 def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -412,6 +413,12 @@ def adapter_for(module: Any) -> Any:
 
     if isinstance(module, DeepSeekV4Attention):
         return ReferenceLayerAdapter(module)
+    if NEMO_LAYERS in sys.modules:
+        from hp_cp_torch.integrations.nemo_automodel import nemo_adapter_for
+
+        found = nemo_adapter_for(module)
+        if found is not None:
+            return found
     if "transformers" in sys.modules:
         from hp_cp_torch.integrations.transformers import hf_adapter_for
 

@@ -319,8 +319,14 @@ class DeepseekV4AttentionAdapter:
         position_ids: Any,
         attention_mask: Any,
         past_key_values: Any,
+        *,
+        cu_seqlens: Any = None,
+        problems: Iterable[str] = (),
     ) -> DeepSeekV4CPContext:
         """Reject what CP cannot compute, on every rank, before any exchange.
+
+        ``cu_seqlens`` (packed documents) and ``problems`` (a subclass's own checks) go to
+        the same agreement.
 
         The layer's own checks travel in the core's one agreement collective (see Note
         [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`), so a problem
@@ -332,6 +338,8 @@ class DeepseekV4AttentionAdapter:
         m = self.module
         where = f"DeepseekV4Attention layer {m.layer_idx} under CP"
         checks = TensorChecks(getattr(group, "device", None), where)
+        for message in problems:
+            checks.fail(message)
         ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
         if ok:
             hidden = int(m.config.hidden_size)
@@ -360,7 +368,10 @@ class DeepseekV4AttentionAdapter:
                 "config.attention_dropout=0.0 or call model.eval()."
             )
         check = cp_forward.inspect(
-            rows_hint(hidden_states, 1), problems=checks.problems, signature=checks.signature
+            rows_hint(hidden_states, 1),
+            cu_seqlens,
+            problems=checks.problems,
+            signature=checks.signature,
         )
         memo = getattr(cp_forward, "memo", None)
         seen = (id(attention_mask), id(position_ids), rows_hint(hidden_states, 1))

@@ -1,0 +1,423 @@
+"""NeMo Automodel's DeepSeek V4 (``nemo_automodel.components.models.deepseek_v4``) under CP.
+
+``enable_cp(model, mesh)`` on a NeMo ``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (or one
+``DeepseekV4Attention``) replaces the forward of every attention layer (sliding window, CSA
+r = 4, HCA r = 128) with hp_cp's; hyper-connections, MoE (its single-process expert path),
+norms and the head are token-local and run unchanged on each rank's rows. Each rank then::
+
+    batch = nemo_cp_batch(handle, input_ids)          # any S; padded, shifted, sharded
+    labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
+    out = model(**batch)
+    loss = cp_causal_lm_loss(out.logits, labels, n_tokens)
+
+The stages reuse NeMo's own parameters and helpers op for op (interleaved partial RoPE,
+the per-head rsqrt on q, the fp32 compressor with NeMo's overlap transform, the ReLU
+indexer score, the sink column, the grouped output); the machinery (checks, agreement,
+attention kernels, loss and gradient helpers) is the Hugging Face integration's
+(:mod:`hp_cp_torch.integrations.transformers`), subclassed.
+
+NeMo's own CP (``model.prepare_model_inputs_for_cp`` / ``make_dsv4_contiguous_shard_cp_
+batch_and_ctx``, which hands ``_dsv4_cp_group`` to the forward, or ``setup_cp_attention``)
+must stay off: both at once is one :class:`~hp_cp_core.HpCpError` on every rank, before any
+collective. Packed input in NeMo's format (``seq_lens`` rows padded with -1000, or
+``packed_seq_ids``) becomes hp_cp's ``cu_seqlens`` in :func:`nemo_cp_batch`; documents are
+not re-padded, each is compressed from its own first row.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import hp_cp_core
+from hp_cp_core import (
+    CPHandle,
+    DeepSeekV4CPContext,
+    HpCpError,
+    LayerSpec,
+    stage1_compress_with_halo,
+)
+from hp_cp_core.layout import Documents
+from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.integrations.transformers import (
+    DeepseekV4AttentionAdapter,
+    cp_causal_lm_loss,
+    cp_shift_labels,
+    cp_sum_gradients,
+)
+
+__all__ = [
+    "NemoDeepseekV4AttentionAdapter",
+    "cp_causal_lm_loss",
+    "cp_sum_gradients",
+    "disable_cp",
+    "enable_cp",
+    "nemo_adapter_for",
+    "nemo_cp_batch",
+]
+
+LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
+OPTIMIZED = "nemo_automodel.components.models.deepseek_v4.optimized_kernels"
+SEQ_LENS_PADDING = -1000  # NeMo's _SEQ_LENS_PADDING_VALUE: unused seq_lens entries
+NEMO_CP_KWARG = "_dsv4_cp_group"
+
+
+def _nemo() -> Any:
+    return sys.modules[LAYERS]
+
+
+def nemo_adapter_for(module: Any) -> Any:
+    """The adapter for a NeMo Automodel ``DeepseekV4Attention``, else ``None``.
+
+    Never imports NeMo: a module can only be an instance of its class once NeMo is imported.
+    """
+    layers = sys.modules.get(LAYERS)
+    cls = getattr(layers, "DeepseekV4Attention", None) if layers is not None else None
+    if cls is None or not isinstance(module, cls):
+        return None
+    return NemoDeepseekV4AttentionAdapter(module)
+
+
+def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offset: int) -> Any:
+    """NeMo's compressor body (``DeepseekV4Compressor`` / the indexer's pool) on
+    sequence-major rows ``[n, B, hidden]``: every complete block of ``r`` rows gives one
+    slot at RoPE position ``offset + j*r``; ``[n // r, B, head_dim]``."""
+    nemo = _nemo()
+    x = rows.transpose(0, 1)  # [B, n, hidden]
+    dtype, x32 = x.dtype, x.float()
+    r, d, overlap = int(comp.compress_ratio), int(comp.head_dim), bool(comp.overlap)
+    batch, n = x.shape[0], x.shape[1] // int(comp.compress_ratio)
+    kv, gate = comp.wkv(x32)[:, : n * r], comp.wgate(x32)[:, : n * r]
+    feat = kv.shape[-1]
+    kv_w = kv.reshape(batch, n, r, feat)
+    gate_w = gate.reshape(batch, n, r, feat) + comp.ape_param(x32)
+    if overlap:
+        kv_w = nemo._overlap_transform(kv_w, d, fill_value=0.0)
+        gate_w = nemo._overlap_transform(gate_w, d, fill_value=float("-inf"))
+        all_masked = torch.isneginf(gate_w).all(dim=2, keepdim=True)
+        gate_w = torch.where(all_masked, torch.zeros_like(gate_w), gate_w)
+    pooled = comp.kv_norm((kv_w * gate_w.softmax(dim=2)).sum(dim=2).to(dtype))  # [B, n, d]
+    positions = (torch.arange(n, device=x.device) * r + int(offset)).unsqueeze(0)
+    cos, sin = rotary(pooled, positions.expand(batch, -1))
+    pooled = nemo._apply_partial_rope(pooled.unsqueeze(1), cos, sin, comp.rope_head_dim)
+    return pooled.squeeze(1).transpose(0, 1)
+
+
+class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
+    """Hooks for NeMo's ``DeepseekV4Attention``; the HF adapter's checks and attention."""
+
+    @property
+    def is_csa(self) -> bool:
+        comp = self.module.compressor
+        return comp is not None and comp.indexer is not None
+
+    def layer_spec(self) -> LayerSpec:
+        m = self.module
+        ratio = int(m.compress_ratio)
+        if ratio and (ratio == 4) != self.is_csa:
+            raise HpCpError(
+                f"NeMo DeepseekV4Attention layer {m.layer_idx} has compress ratio {ratio} "
+                f"{'with' if self.is_csa else 'without'} an indexer; hp_cp supports the "
+                "indexer (overlapping) layers only at ratio 4. Use compress_ratios of 0, 4, 128."
+            )
+        return LayerSpec(
+            compress_ratio=ratio,
+            window_size=int(m.sliding_window),
+            has_indexer=self.is_csa,
+            force_unfused=True,
+        )
+
+    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        comp, rotary = self.module.compressor, call.extra["rotary"]
+        return stage1_compress_with_halo(
+            lambda rows, offset: _compress_rows(comp, rotary, rows, offset), x, halo_x, call
+        )
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        ix, rotary = self.module.compressor.indexer, call.extra["rotary"]
+        with torch.no_grad():  # the indexer only feeds integer top-k ids (no gradient in NeMo)
+            return stage1_compress_with_halo(
+                lambda rows, offset: _compress_rows(ix, rotary, rows, offset), x, halo_x, call
+            )
+
+    def select(
+        self,
+        xb: torch.Tensor,
+        qrb: torch.Tensor,
+        position_ids: torch.Tensor,
+        call: DeepSeekV4CPContext,
+    ) -> torch.Tensor:
+        """NeMo's indexer top-k (``indexer_scores_torch``) over the visible slots only."""
+        ix = self.module.compressor.indexer
+        scores_fn = sys.modules[OPTIMIZED].indexer_scores_torch
+        cos, sin = call.extra["cos"], call.extra["sin"]
+        with torch.no_grad():
+            batch, length = xb.shape[:2]
+            q = ix.wq_b(qrb).view(batch, length, ix.n_heads, ix.head_dim).transpose(1, 2)
+            q = _nemo()._apply_partial_rope(q, cos, sin, ix.rope_head_dim).transpose(1, 2)
+            weights = ix.weights_proj(xb).float() * (ix.n_heads**-0.5)
+            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
+            return select_topk_chunked(
+                lambda lo, hi, s0, s1: scores_fn(
+                    q[:, lo:hi], keys[:, s0:s1], weights[:, lo:hi], ix.softmax_scale
+                ),
+                call.plan,
+                int(ix.index_topk),
+                call.config.query_chunk,
+                batch=batch,
+            )
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """NeMo's tail: inverse interleaved RoPE, grouped ``wo_a``, ``wo_b``."""
+        m = self.module
+        o = _nemo()._apply_partial_rope(o.transpose(1, 2), cos, -sin, m.rope_head_dim)
+        o = o.transpose(1, 2)
+        grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
+        return m.wo_b(m.wo_a(grouped).flatten(2))
+
+    def nemo_problems(self, kwargs: dict[str, Any], start_pos: int, rotary: Any) -> list[str]:
+        """What hp_cp cannot take from NeMo's attention call (recorded, raised on all ranks)."""
+        m, problems = self.module, []
+        if _nemo_cp_group(m, kwargs) is not None:
+            problems.append(_NEMO_CP_ON)
+        if kwargs.get("packed_seq_ids") is not None:
+            problems.append(
+                "got NeMo packing metadata (packed_seq_ids / seq_lens with qkv_format='thd'); "
+                "under hp_cp pass the batch from nemo_cp_batch(handle, input_ids, seq_lens=...), "
+                "which turns it into cu_seqlens."
+            )
+        if kwargs.get("vision_token_types") is not None:
+            problems.append("visual tokens are not supported under CP; pass text-only batches.")
+        if int(start_pos) != 0:
+            problems.append(f"start_pos={start_pos} (a cache offset) is not supported under CP.")
+        if m.compressor is not None and rotary is None:
+            problems.append("needs rotary_compress from the model; call the model, not the layer.")
+        return problems
+
+    def make_forward(self, cp_forward: Any, group: Any) -> Any:
+        m = self.module
+        adapter = self
+
+        def forward(
+            hidden_states,
+            position_embeddings=None,
+            attention_mask=None,
+            position_embeddings_compress=None,
+            rotary_compress=None,
+            start_pos=0,
+            position_ids=None,
+            **kwargs,
+        ):
+            call = adapter.check_inputs(
+                cp_forward,
+                group,
+                hidden_states,
+                position_embeddings,
+                position_ids,
+                attention_mask,
+                None,
+                cu_seqlens=_as_numpy(kwargs.get("cu_seqlens")),
+                problems=adapter.nemo_problems(kwargs, start_pos, rotary_compress),
+            )
+            if position_ids is None:
+                position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
+            if m.compress_ratio and position_embeddings_compress is not None:
+                cos, sin = position_embeddings_compress
+            else:
+                cos, sin = position_embeddings
+            nemo = _nemo()
+            batch, length = hidden_states.shape[:2]
+            q_residual = m.q_norm(m.wq_a(hidden_states))
+            q = m.wq_b(q_residual).view(batch, length, m.num_heads, m.head_dim).transpose(1, 2)
+            kv = m.kv_norm(m.wkv(hidden_states)).view(batch, length, 1, m.head_dim).transpose(1, 2)
+            q = nemo._rms_norm_last_dim(q, m.config.rms_norm_eps)
+            q = nemo._apply_partial_rope(q, cos, sin, m.rope_head_dim)  # [B, H, L, D]
+            kv = nemo._apply_partial_rope(kv, cos, sin, m.rope_head_dim)  # [B, 1, L, D]
+            out = cp_forward(
+                q.permute(2, 0, 1, 3),  # sequence-major [L, B, H, D]
+                kv[:, 0].transpose(0, 1),  # [L, B, D]
+                hidden_states.transpose(0, 1),
+                q_residual.transpose(0, 1),
+                call=call,
+                cos=cos,
+                sin=sin,
+                position_ids=position_ids,
+                rotary=rotary_compress,
+            )
+            return out, None  # NeMo returns (output, attn_weights)
+
+        return forward
+
+
+_NEMO_CP_ON = (
+    "NeMo Automodel's own DeepSeek V4 CP is switched on as well (the batch carries "
+    f"{NEMO_CP_KWARG!r} from make_dsv4_contiguous_shard_cp_batch_and_ctx / "
+    "prepare_model_inputs_for_cp, or setup_cp_attention gave the layer a _cp_group); hp_cp "
+    "owns the attention layers, so switch NeMo's CP off (cp_size 1 in its parallelizer, no "
+    "cp_sharder) and shard the batch with nemo_cp_batch(handle, ...) instead."
+)
+
+
+def _nemo_cp_group(module: Any, kwargs: dict[str, Any]) -> Any:
+    group = kwargs.get(NEMO_CP_KWARG)
+    return group if group is not None else getattr(module, "_cp_group", None)
+
+
+def _as_numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def _attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [mod for mod in model.modules() if nemo_adapter_for(mod) is not None]
+
+
+def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
+    """Run NeMo's DeepSeek V4 ``model`` under hp_cp CP over ``mesh`` (DeviceMesh or group).
+
+    Also installs a forward pre-hook on ``model`` that raises :class:`HpCpError` before the
+    model runs (so before any collective) when NeMo's own CP is switched on for a call.
+
+    Raises:
+        HpCpError: NeMo's CP is already set up on a layer (``setup_cp_attention``), or no
+            NeMo attention layer is in ``model``.
+    """
+    layers = _attention_layers(model)
+    if not layers:
+        raise HpCpError(
+            f"found no NeMo Automodel DeepseekV4Attention in a `{type(model).__name__}`; pass "
+            "nemo_automodel's DeepseekV4ForCausalLM, DeepseekV4Model or a DeepseekV4Attention."
+        )
+    if any(getattr(layer, "_cp_group", None) is not None for layer in layers):
+        raise HpCpError(_NEMO_CP_ON)
+    handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
+
+    def guard(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get(NEMO_CP_KWARG) is not None or any(
+            getattr(layer, "_cp_group", None) is not None for layer in layers
+        ):
+            raise HpCpError(_NEMO_CP_ON)
+
+    hook = model.register_forward_pre_hook(guard, with_kwargs=True)
+    handle.on_disable(hook.remove)
+    return handle
+
+
+def disable_cp(handle: CPHandle) -> None:
+    """Undo :func:`enable_cp` exactly (forwards restored, the guard hook removed)."""
+    hp_cp_core.disable_cp(handle)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _cu_from_seq_lens(seq_lens: Any, total: int) -> np.ndarray:
+    lens = np.asarray(_as_numpy(seq_lens)).astype(np.int64)
+    if lens.ndim == 2:
+        if lens.shape[0] != 1:
+            raise HpCpError(
+                f"seq_lens has {lens.shape[0]} rows; hp_cp packs one stream per step under CP: "
+                "pass input_ids [1, S] with seq_lens [1, n_docs] (pack the rows into one)."
+            )
+        lens = lens[0]
+    lens = lens[lens != SEQ_LENS_PADDING]
+    if lens.ndim != 1 or (lens < 0).any() or int(lens.sum()) != total:
+        raise HpCpError(
+            f"seq_lens {lens[:8].tolist()} must be non-negative document lengths (unused "
+            f"entries {SEQ_LENS_PADDING}) summing to the sequence length {total}; got sum "
+            f"{int(lens.sum())}. Give every token, padding included, to a document."
+        )
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
+def _cu_from_packed_ids(packed_seq_ids: Any, total: int) -> np.ndarray:
+    ids = np.asarray(_as_numpy(packed_seq_ids)).astype(np.int64).reshape(-1)
+    if ids.size != total:
+        raise HpCpError(
+            f"packed_seq_ids has {ids.size} entries for a sequence of {total} tokens; pass one "
+            "id per token of the full (unsharded) sequence, shape [1, S]."
+        )
+    starts = np.flatnonzero(np.diff(ids)) + 1
+    runs = ids[np.concatenate([[0], starts])] if ids.size else ids
+    if np.unique(runs).size != runs.size:
+        raise HpCpError(
+            "packed_seq_ids revisits a document after another one started; each document must "
+            "be one contiguous run of equal ids."
+        )
+    return np.concatenate([[0], starts, [total]]).astype(np.int64)
+
+
+def nemo_cp_batch(
+    handle: CPHandle,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    seq_lens: Any = None,
+    packed_seq_ids: Any = None,
+    ignore_index: int = -100,
+) -> dict[str, Any]:
+    """This rank's part of a causal-LM batch of any length: padded, shifted and sharded.
+
+    ``input_ids`` / ``labels`` are the FULL sequences ``[B, S]`` (labels default to the
+    inputs). Packed input (``B == 1``) in NeMo's format, ``seq_lens`` (``[1, n_docs]``,
+    unused entries -1000) or ``packed_seq_ids`` (one id per token), becomes ``cu_seqlens``:
+    each document keeps its own rows (no re-padding), its positions restart at 0 and its
+    last token has no target. The sequence is padded at the end to what the layout needs
+    (token 0, label ``ignore_index``).
+
+    Returns:
+        The model's keyword arguments, ``input_ids`` and ``position_ids`` (this rank's rows)
+        and, packed, ``cu_seqlens`` (global boundaries including the padding), plus
+        ``labels`` (this rank's shifted targets) and ``n_tokens`` (targets of the whole
+        batch): pop the last two before ``model(**batch)``.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise HpCpError(
+            "input_ids must be the full token ids [B, S] (a 2-D tensor); got "
+            f"{type(input_ids).__name__} {list(getattr(input_ids, 'shape', []))}."
+        )
+    labels = input_ids if labels is None else labels
+    if tuple(labels.shape) != tuple(input_ids.shape):
+        raise HpCpError(
+            f"labels {list(labels.shape)} must have the shape of input_ids "
+            f"{list(input_ids.shape)} (unshifted; nemo_cp_batch shifts them)."
+        )
+    if seq_lens is not None and packed_seq_ids is not None:
+        raise HpCpError("pass seq_lens or packed_seq_ids, not both.")
+    total = int(input_ids.shape[1])
+    cu = None
+    if seq_lens is not None:
+        cu = _cu_from_seq_lens(seq_lens, total)
+    elif packed_seq_ids is not None:
+        cu = _cu_from_packed_ids(packed_seq_ids, total)
+    if cu is not None and input_ids.shape[0] != 1:
+        raise HpCpError(
+            f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "
+            "one row, input_ids [1, S]."
+        )
+    shifted = cp_shift_labels(labels, ignore_index)
+    pad = handle.padding(total)
+    if cu is None:
+        positions = np.arange(pad.padded_rows)
+    else:
+        ends = cu[1:][np.diff(cu) > 0] - 1  # each document's last token predicts nothing
+        shifted[:, torch.as_tensor(ends)] = ignore_index
+        cu = pad.cu_seqlens(cu)
+        rows = np.arange(pad.padded_rows)
+        positions = rows - Documents.packed(cu, pad.padded_rows).start_of(rows)
+    device = input_ids.device
+    positions_t = torch.as_tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
+    out: dict[str, Any] = {
+        "input_ids": handle.shard(input_ids, 1, pad_value=0),
+        "position_ids": handle.shard(positions_t.expand(input_ids.shape[0], -1), 1),
+    }
+    if cu is not None:
+        out["cu_seqlens"] = torch.as_tensor(cu, dtype=torch.long)
+    out["labels"] = handle.shard(shifted, 1, pad_value=ignore_index)
+    out["n_tokens"] = (shifted != ignore_index).sum()
+    return out
