@@ -375,6 +375,12 @@ def adapter_for(module: Any) -> Any:
 
     if isinstance(module, DeepSeekV4Attention):
         return ReferenceLayerAdapter(module)
+    if "veomni" in sys.modules:
+        from hp_cp_torch.integrations.veomni import veomni_adapter_for
+
+        found = veomni_adapter_for(module)
+        if found is not None:
+            return found
     if "transformers" in sys.modules:
         from hp_cp_torch.integrations.transformers import hf_adapter_for
 

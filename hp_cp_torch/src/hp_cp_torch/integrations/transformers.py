@@ -315,6 +315,7 @@ class DeepseekV4AttentionAdapter:
         position_ids: Any,
         attention_mask: Any,
         past_key_values: Any,
+        cu_seqlens: Any = None,
     ) -> DeepSeekV4CPContext:
         """Reject what CP cannot compute, on every rank, before any exchange.
 
@@ -355,8 +356,14 @@ class DeepseekV4AttentionAdapter:
                 f"attention dropout ({m.attention_dropout}) in training is not supported; set "
                 "config.attention_dropout=0.0 or call model.eval()."
             )
+        if cu_seqlens is not None and ok and hidden_states.shape[0] != 1:
+            checks.fail(
+                f"packed input (cu_seqlens) needs batch size 1, got {hidden_states.shape[0]}; "
+                "pack the documents of a batch into one row."
+            )
+        cu = cu_seqlens.detach().cpu().numpy() if torch.is_tensor(cu_seqlens) else cu_seqlens
         check = cp_forward.inspect(
-            rows_hint(hidden_states, 1), problems=checks.problems, signature=checks.signature
+            rows_hint(hidden_states, 1), cu, problems=checks.problems, signature=checks.signature
         )
         if check.ok:  # the plan exists: compare the mask and positions with it
             n_local = int(hidden_states.shape[1])
@@ -377,8 +384,8 @@ class DeepseekV4AttentionAdapter:
                 check.fail(
                     f"{where}: got position_ids that are not the global row numbers of the local "
                     "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
-                    "the same layout as the inputs; packed sequences (positions restarting per "
-                    "document) are not supported."
+                    "the same layout as the inputs (packed: positions restarting per document, "
+                    "with the documents' boundaries as hp_cp_cu_seqlens=...)."
                 )
         return cp_forward.agree(check)
 
@@ -402,6 +409,7 @@ class DeepseekV4AttentionAdapter:
                 position_ids,
                 attention_mask,
                 past_key_values,
+                kwargs.get("hp_cp_cu_seqlens"),
             )
             if position_ids is None:
                 position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
