@@ -183,13 +183,14 @@ def error_checks(model: Any, ids: torch.Tensor, ref_logits: torch.Tensor) -> dic
             lambda: cp_veomni_batch(handle, ids[:1], cu_seq_lens=torch.tensor([0, 50, 90])),
             "cu_seq_lens",
         )
-        batch = cp_veomni_batch(handle, ids)
-        with torch.no_grad():
+        batch = cp_veomni_batch(handle, ids[:1])
+        local = batch.input_ids.shape[1]
+        with torch.no_grad():  # VeOmni's packed kwargs under hp_cp (shard-local, wrong)
             out["veomni_packed_kwargs"] = _expect(
                 lambda: model(
                     **batch.model_inputs(),
                     use_cache=False,
-                    cu_seq_lens_q=torch.tensor([0, ids.shape[1]]),
+                    cu_seq_lens_q=torch.tensor([0, local]),
                 ),
                 "cu_seq_lens",
             )
