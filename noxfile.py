@@ -2,9 +2,9 @@
 # dependencies = ["nox>=2024.3"]
 # ///
 """Sessions: lint, core (no framework), torch, mindformers, example_jax, example_train, bench,
-bench_mindformers, dist, device, fuzz.
+bench_mindformers, bench_peers_veomni, dist, device, fuzz, veomni.
 
-`nox` runs lint, core, torch, mindformers, example_jax and example_train; each installs its
+`nox` runs lint, core, torch, mindformers, example_jax, example_train and veomni; each installs its
 own distributions into a fresh virtualenv, so the core is proven framework-free and every
 backend is tested with its framework for real. Every backend passes the same installed
 contract suite (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under
@@ -21,7 +21,15 @@ import nox
 
 nox.needs_version = ">=2024.3"
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core", "torch", "mindformers", "example_jax", "example_train"]
+nox.options.sessions = [
+    "lint",
+    "core",
+    "torch",
+    "mindformers",
+    "example_jax",
+    "example_train",
+    "veomni",
+]
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHONS = ["3.11"]
@@ -31,6 +39,16 @@ TRANSFORMERS = "transformers==5.23.0"
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]
 JAX = "jax==0.10.2"  # CPU
 CONTRACT = ("pytest", "-p", "hp_cp_core.testing.contract")
+VEOMNI = "veomni==0.1.12"  # installed --no-deps; its DeepSeek V4 imports with transformers 5.9
+VEOMNI_DEPS = ["transformers==5.9.0", "psutil"]
+
+
+def _install_veomni(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(
+        "./hp_cp_core[testing]", "./hp_cp_torch", "./tests/fakes", *VEOMNI_DEPS, *TEST_DEPS
+    )
+    session.install("--no-deps", VEOMNI)
 
 
 @nox.session(python=PYTHONS)
@@ -154,6 +172,33 @@ def example_train(session: nox.Session) -> None:
     session.run(*run, *args, "--steps", "5", "--resume", ckpt, env=env)
     if not os.path.getsize(png):
         session.error(f"no loss curve at {png}")
+
+
+@nox.session(python=PYTHONS)
+def veomni(session: nox.Session) -> None:
+    """hp_cp inside VeOmni's DeepSeek V4 on gloo ranks (tests/veomni), and the snippet of
+    docs/veomni.md on 2 torchrun ranks."""
+    _install_veomni(session)
+    env = {"HP_CP_REQUIRE_BACKEND": "veomni", "OMP_NUM_THREADS": "1"}
+    session.run("pytest", "tests/veomni", *session.posargs, env=env)
+    session.run(
+        "torchrun",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        "python",
+        "-P",  # the snippet is named veomni.py: its folder must not shadow the package
+        "examples/snippets/veomni.py",
+        env=env,
+    )
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench_peers_veomni(session: nox.Session) -> None:
+    """VeOmni's own CP vs hp_cp inside VeOmni's model (cp 2, 4): the veomni_* keys of
+    bench-peers.json."""
+    _install_veomni(session)
+    session.run("python", "bench/peers_veomni.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python=PYTHONS, default=False)
