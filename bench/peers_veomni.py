@@ -35,8 +35,17 @@ from hp_cp_torch.launch import run_ranks  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 OUT = os.path.join(ROOT, "bench-peers.json")
-COUNTED = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor",
-           "all_to_all_single", "all_to_all", "broadcast", "recv", "irecv")
+COUNTED = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "recv",
+    "irecv",
+)
 
 
 class Traffic:
@@ -100,15 +109,6 @@ def rank_fn(rank: int, world: int, side: str, seq_len: int, rounds: int) -> dict
     shifted = cp_shift_labels(ids)
     n_tok = (shifted != -100).sum()
     pos = torch.arange(seq_len)[None]
-    ref = None
-    if rank == 0:  # the one-process logits, same model and weights (rank 0 alone)
-        from veomni.distributed import parallel_state as ps
-
-        saved_cp = ps.get_parallel_state()
-        with torch.no_grad():
-            if side == "ours":
-                ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        del saved_cp
     handle = None
     if side == "ours":
         handle = enable_cp(model, dist.group.WORLD, DeepSeekV4CPConfig(layout="load_balanced"))
@@ -155,7 +155,9 @@ def reference_logits(seq_len: int) -> torch.Tensor:
     model = vc.build_model(0)
     ids = torch.randint(0, 128, (1, seq_len), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        return model(input_ids=ids, position_ids=torch.arange(seq_len)[None], use_cache=False).logits
+        return model(
+            input_ids=ids, position_ids=torch.arange(seq_len)[None], use_cache=False
+        ).logits
 
 
 def main() -> None:

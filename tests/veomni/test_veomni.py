@@ -1,7 +1,8 @@
 """hp_cp inside VeOmni's DeepSeek V4 (0.1.12): the whole tiny model (sliding, CSA r=4, HCA
 r=128 layers), a training step at cp 2 and 4, contiguous and load-balanced, padded (B=2)
-and packed (VeOmni's per-document position_ids), S = 263 (prime; 2 HCA slots), against the same model and
-weights on one process in the same rank function: logits, loss, every parameter gradient.
+and packed (VeOmni's per-document position_ids), S = 263 (prime; 2 HCA slots), against the
+same model and weights on one process in the same rank function: logits, loss, every
+parameter gradient.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ def init_veomni(world: int, cp_size: int = 1) -> None:
     """VeOmni's parallel state over the world (its CP off unless ``cp_size`` > 1)."""
     from veomni.distributed.parallel_state import init_parallel_state
 
-    init_parallel_state(dp_size=world // cp_size, dp_shard_size=world // cp_size, cp_size=cp_size, device_type="cpu")
+    init_parallel_state(
+        dp_size=world // cp_size, dp_shard_size=world // cp_size, cp_size=cp_size, device_type="cpu"
+    )
 
 
 def build_model(seed: int = 0) -> Any:
@@ -208,7 +210,10 @@ def veomni_cp_refused(rank: int, world: int) -> dict[str, str]:
     """VeOmni's own CP on (init_parallel_state(cp_size=world)): enable_cp refuses everywhere."""
     model = build_model(0)
     init_veomni(world, cp_size=world)
-    return {"rank": str(rank), "both_on": _expect(lambda: enable_cp(model, dist.group.WORLD), "cp_size")}
+    return {
+        "rank": str(rank),
+        "both_on": _expect(lambda: enable_cp(model, dist.group.WORLD), "cp_size"),
+    }
 
 
 def parity_suite(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:
@@ -216,7 +221,9 @@ def parity_suite(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:
     init_veomni(world)
     groups = {2: dist.new_group([0, 1]), 4: dist.group.WORLD}
     model = build_model(0)
-    padded_ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    padded_ids = torch.randint(
+        0, model.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3)
+    )
     packed_ids = padded_ids[:1].clone()
     bounds = doc_bounds(seq_len)
     refs = {False: reference(model, padded_ids, None), True: reference(model, packed_ids, bounds)}

@@ -191,7 +191,10 @@ class DeepseekV4AttentionAdapter:
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         comp, overlap = self.module.compressor, self.is_csa
         return stage1_compress_with_halo(
-            lambda rows, offset: _compress_rows(comp, overlap, rows, offset, self.apply_rope), x, halo_x, call
+            lambda rows, offset: _compress_rows(comp, overlap, rows, offset, self.apply_rope),
+            x,
+            halo_x,
+            call,
         )
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
@@ -199,7 +202,9 @@ class DeepseekV4AttentionAdapter:
         with torch.no_grad():  # HF: the indexer only feeds integer top-k ids, no gradient
             return stage1_compress_with_halo(
                 lambda rows, offset: _compress_rows(indexer, True, rows, offset, self.apply_rope),
-                x, halo_x, call
+                x,
+                halo_x,
+                call,
             )
 
     def select(

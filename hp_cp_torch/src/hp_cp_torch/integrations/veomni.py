@@ -52,7 +52,9 @@ __all__ = [
     "veomni_adapter_for",
 ]
 
-VEOMNI_MODELING = "veomni.models.transformers.deepseek_v4.generated.patched_modeling_deepseek_v4_gpu"
+VEOMNI_MODELING = (
+    "veomni.models.transformers.deepseek_v4.generated.patched_modeling_deepseek_v4_gpu"
+)
 
 
 def _veomni_sp_problem() -> str | None:
@@ -162,7 +164,11 @@ def _packed_bounds(
 ) -> list[int] | None:
     if cu_seq_lens is not None:
         bounds = [int(b) for b in torch.as_tensor(cu_seq_lens).reshape(-1).tolist()]
-        if bounds[0] != 0 or bounds[-1] != seq_len or any(b > a for a, b in zip(bounds[1:], bounds)):
+        if (
+            bounds[0] != 0
+            or bounds[-1] != seq_len
+            or any(b > a for a, b in zip(bounds[1:], bounds))
+        ):
             raise HpCpError(
                 f"cu_seq_lens must rise from 0 to the row length {seq_len}, got {bounds}; pass "
                 "VeOmni's cu_seq_lens_q of the whole packed row."
