@@ -44,7 +44,7 @@ COUNTED = (
     "all_to_all",
     "broadcast",
     "recv",
-    "irecv",
+    "batch_isend_irecv",
 )
 
 
@@ -87,6 +87,8 @@ def _bytes(name: str, args: tuple, kwargs: dict, world: int) -> int:
     group = kwargs.get("group")
     n = dist.get_world_size(group) if group is not None else world
     first = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor"))
+    if name == "batch_isend_irecv":  # P2POp lists: the irecv tensors arrive here
+        return sum(_nbytes(op.tensor) for op in first if getattr(op.op, "__name__", "") == "irecv")
     if name in ("all_gather", "all_gather_into_tensor"):
         return _nbytes(first) * (n - 1) // n
     if name == "all_reduce":
