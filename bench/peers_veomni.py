@@ -164,7 +164,7 @@ def reference_logits(seq_len: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seq-len", type=int, default=1024)  # 128 * cp * k: VeOmni's shards
+    parser.add_argument("--seq-len", type=int, default=512)  # 128 * cp * k: VeOmni's shards
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     ref = reference_logits(args.seq_len)
