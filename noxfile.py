@@ -33,6 +33,7 @@ nox.options.sessions = [
     "example_jax",
     "example_train",
     "nemo_automodel",
+    "veomni",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -100,6 +101,21 @@ def _wheels(session: nox.Session, *requirements: str) -> list[str]:
     # a reused virtualenv holds the same version from an earlier run: replace it by this build
     session.install("--no-deps", "--force-reinstall", "--quiet", *paths)
     return args
+
+
+VEOMNI = "veomni==0.1.12"  # installed --no-deps; its DeepSeek V4 imports with transformers 5.9
+VEOMNI_DEPS = ["transformers==5.9.0", "psutil"]
+
+
+def _install_veomni(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch"),
+        "./tests/fakes",
+        *VEOMNI_DEPS,
+        *TEST_DEPS,
+    )
+    session.install("--no-deps", VEOMNI)
 
 
 @nox.session(python=PYTHONS)
@@ -280,6 +296,14 @@ def nemo_automodel(session: nox.Session) -> None:
     session.run(*snippet, "examples/snippets/nemo_automodel.py", env={**env, "PYTHONSAFEPATH": "1"})
 
 
+@nox.session(venv_backend="none", default=False)
+def bench_peers(session: nox.Session) -> None:
+    """hp_cp side by side with each peer stack's own CP inside its model: bench-peers.json
+    (bench_peers_nemo and bench_peers_veomni, each in its own virtualenv)."""
+    session.notify("bench_peers_nemo", session.posargs)
+    session.notify("bench_peers_veomni", session.posargs)
+
+
 @nox.session(python=PYTHONS, default=False)
 def bench_peers_nemo(session: nox.Session) -> None:
     """hp_cp vs NeMo Automodel's own DeepSeek V4 CP inside NeMo's model (gloo, cp 2 and 4):
@@ -287,6 +311,33 @@ def bench_peers_nemo(session: nox.Session) -> None:
     _install_nemo_automodel(session)
     env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     session.run("python", "bench/peers_nemo.py", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHONS)
+def veomni(session: nox.Session) -> None:
+    """hp_cp inside VeOmni's DeepSeek V4 on gloo ranks (tests/veomni), and the snippet of
+    docs/veomni.md on 2 torchrun ranks."""
+    _install_veomni(session)
+    env = {"HP_CP_REQUIRE_BACKEND": "veomni", "OMP_NUM_THREADS": "1"}
+    session.run("pytest", "tests/veomni", *session.posargs, env=env)
+    session.run(
+        "torchrun",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        "python",
+        "-P",  # the snippet is named veomni.py: its folder must not shadow the package
+        "examples/snippets/veomni.py",
+        env=env,
+    )
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench_peers_veomni(session: nox.Session) -> None:
+    """VeOmni's own CP vs hp_cp inside VeOmni's model (cp 2, 4): the veomni_* keys of
+    bench-peers.json."""
+    _install_veomni(session)
+    session.run("python", "bench/peers_veomni.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session(python=PYTHONS, default=False)

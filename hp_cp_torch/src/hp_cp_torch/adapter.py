@@ -419,6 +419,12 @@ def adapter_for(module: Any) -> Any:
         found = nemo_adapter_for(module)
         if found is not None:
             return found
+    if "veomni" in sys.modules:
+        from hp_cp_torch.integrations.veomni import veomni_adapter_for
+
+        found = veomni_adapter_for(module)
+        if found is not None:
+            return found
     if "transformers" in sys.modules:
         from hp_cp_torch.integrations.transformers import hf_adapter_for
 

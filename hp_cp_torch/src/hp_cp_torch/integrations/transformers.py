@@ -105,7 +105,9 @@ def hf_adapter_for(module: Any) -> Any:
     return DeepseekV4AttentionAdapter(module)
 
 
-def _compress_rows(comp: nn.Module, overlap: bool, rows: torch.Tensor, offset: int) -> torch.Tensor:
+def _compress_rows(
+    comp: nn.Module, overlap: bool, rows: torch.Tensor, offset: int, apply_rope: Any = None
+) -> torch.Tensor:
     """HF's stateless compressor body on sequence-major rows ``[n, B, hidden]``.
 
     Every complete block of ``r`` rows gives one slot (trailing rows are ignored, as HF drops
@@ -113,8 +115,9 @@ def _compress_rows(comp: nn.Module, overlap: bool, rows: torch.Tensor, offset: i
     the first block's predecessor being kv 0 / gate -inf (weight 0). Slot j is roped at
     ``offset + j*r``. Returns ``[n // r, B, head_dim]``. With no complete block the
     parameters still enter the graph, so every rank gets a (zero) gradient for them.
+    ``apply_rope`` is the modeling file's own ``apply_rotary_pos_emb`` (default: HF's).
     """
-    apply_rope = _hf().apply_rotary_pos_emb
+    apply_rope = apply_rope or _hf().apply_rotary_pos_emb
     x = rows.transpose(0, 1)  # [B, n, hidden]
     r, d = int(comp.compress_rate), int(comp.head_dim)
     batch, length = x.shape[0], x.shape[1]
@@ -166,6 +169,14 @@ class DeepseekV4AttentionAdapter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
+    def apply_rope(self, *args: Any) -> Any:
+        """The modeling file's ``apply_rotary_pos_emb`` (a generated copy uses its own)."""
+        return _hf().apply_rotary_pos_emb(*args)
+
+    def score(self, ix: nn.Module, q: Any, keys: Any, x: Any) -> Any:
+        """Indexer scores ``[B, l, N]`` of queries ``[B, l, H, D]`` over keys ``[B, N, D]``."""
+        return ix.scorer(q, keys, x)
+
     @property
     def is_csa(self) -> bool:
         comp = self.module.compressor
@@ -196,14 +207,20 @@ class DeepseekV4AttentionAdapter:
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         comp, overlap = self.module.compressor, self.is_csa
         return stage1_compress_with_halo(
-            lambda rows, offset: _compress_rows(comp, overlap, rows, offset), x, halo_x, call
+            lambda rows, offset: _compress_rows(comp, overlap, rows, offset, self.apply_rope),
+            x,
+            halo_x,
+            call,
         )
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         indexer = self.module.compressor.indexer
         with torch.no_grad():  # HF: the indexer only feeds integer top-k ids, no gradient
             return stage1_compress_with_halo(
-                lambda rows, offset: _compress_rows(indexer, True, rows, offset), x, halo_x, call
+                lambda rows, offset: _compress_rows(indexer, True, rows, offset, self.apply_rope),
+                x,
+                halo_x,
+                call,
             )
 
     def select(
@@ -215,7 +232,7 @@ class DeepseekV4AttentionAdapter:
     ) -> torch.Tensor:
         """Indexer top-k of the local queries over their visible slots (global slot ids)."""
         ix = self.module.compressor.indexer
-        apply_rope = _hf().apply_rotary_pos_emb
+        apply_rope = self.apply_rope
         with torch.no_grad():
             batch, length = xb.shape[:2]
             cos_q, sin_q = ix.rotary_emb(
@@ -225,7 +242,7 @@ class DeepseekV4AttentionAdapter:
             q = apply_rope(q, cos_q, sin_q).transpose(1, 2)  # [B, L, H_I, D_I]
             keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
             return select_topk_chunked(
-                lambda lo, hi, s0, s1: ix.scorer(q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
+                lambda lo, hi, s0, s1: self.score(ix, q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
                 call.plan,
                 int(ix.index_topk),
                 call.config.query_chunk,
@@ -306,7 +323,7 @@ class DeepseekV4AttentionAdapter:
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped ``o_a_proj``, ``o_b_proj`` (HF's tail)."""
         m = self.module
-        o = _hf().apply_rotary_pos_emb(o.transpose(1, 2), cos, -sin).transpose(1, 2)
+        o = self.apply_rope(o.transpose(1, 2), cos, -sin).transpose(1, 2)
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.o_b_proj(m.o_a_proj(grouped).flatten(2))
 
@@ -367,11 +384,14 @@ class DeepseekV4AttentionAdapter:
                 f"attention dropout ({m.attention_dropout}) in training is not supported; set "
                 "config.attention_dropout=0.0 or call model.eval()."
             )
+        if cu_seqlens is not None and ok and hidden_states.shape[0] != 1:
+            checks.fail(
+                f"packed input (cu_seqlens) needs batch size 1, got {hidden_states.shape[0]}; "
+                "pack the documents of a batch into one row."
+            )
+        cu = cu_seqlens.detach().cpu().numpy() if torch.is_tensor(cu_seqlens) else cu_seqlens
         check = cp_forward.inspect(
-            rows_hint(hidden_states, 1),
-            cu_seqlens,
-            problems=checks.problems,
-            signature=checks.signature,
+            rows_hint(hidden_states, 1), cu, problems=checks.problems, signature=checks.signature
         )
         memo = getattr(cp_forward, "memo", None)
         seen = (id(attention_mask), id(position_ids), rows_hint(hidden_states, 1))
@@ -398,8 +418,8 @@ class DeepseekV4AttentionAdapter:
                 check.fail(
                     f"{where}: got position_ids that are not the global row numbers of the local "
                     "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
-                    "the same layout as the inputs; packed sequences (positions restarting per "
-                    "document) are not supported."
+                    "the same layout as the inputs (packed: positions restarting per document, "
+                    "with the documents' boundaries as hp_cp_cu_seqlens=...)."
                 )
         return cp_forward.agree(check)
 
@@ -423,13 +443,14 @@ class DeepseekV4AttentionAdapter:
                 position_ids,
                 attention_mask,
                 past_key_values,
+                cu_seqlens=kwargs.get("hp_cp_cu_seqlens"),
             )
             if position_ids is None:
                 position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
             if isinstance(position_embeddings, dict):
                 position_embeddings = position_embeddings[m.rope_layer_type]
             cos, sin = position_embeddings
-            apply_rope = _hf().apply_rotary_pos_emb
+            apply_rope = adapter.apply_rope
             batch, length = hidden_states.shape[:2]
             shape = (batch, length, -1, m.head_dim)
             q_residual = m.q_a_norm(m.q_a_proj(hidden_states))

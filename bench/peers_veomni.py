@@ -1,0 +1,218 @@
+"""VeOmni's own CP vs hp_cp inside VeOmni's DeepSeek V4 (0.1.12): same weights, inputs and
+machine, cp 2 and 4; updates only the ``veomni_*`` / ours-vs-veomni keys of bench-peers.json.
+
+Bytes: every torch.distributed collective either side calls is counted by the same wrapper
+(bench-only, restored after each step): received bytes of the busiest rank per training step.
+Peak memory: ru_maxrss of each rank process (one job per side, the same model and step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "veomni"))
+
+from hp_cp_core import DeepSeekV4CPConfig  # noqa: E402
+from hp_cp_torch.integrations.veomni import (  # noqa: E402
+    cp_causal_lm_loss,
+    cp_shift_labels,
+    cp_sum_gradients,
+    cp_veomni_batch,
+    disable_cp,
+    enable_cp,
+)
+from hp_cp_torch.launch import run_ranks  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+OUT = os.path.join(ROOT, "bench-peers.json")
+COUNTED = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "recv",
+    "batch_isend_irecv",
+)
+
+
+class Traffic:
+    """Bytes received, counted the same way for both sides (wraps torch.distributed)."""
+
+    def __init__(self) -> None:
+        self.recv = 0
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> Traffic:
+        world = dist.get_world_size()
+        for name in COUNTED:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+
+            def wrapped(*args, _fn=fn, _name=name, **kwargs):
+                self.recv += _bytes(_name, args, kwargs, world)
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def _bytes(name: str, args: tuple, kwargs: dict, world: int) -> int:
+    group = kwargs.get("group")
+    n = dist.get_world_size(group) if group is not None else world
+    first = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor"))
+    if name == "batch_isend_irecv":  # P2POp lists: the irecv tensors arrive here
+        return sum(_nbytes(op.tensor) for op in first if getattr(op.op, "__name__", "") == "irecv")
+    if name in ("all_gather", "all_gather_into_tensor"):
+        return _nbytes(first) * (n - 1) // n
+    if name == "all_reduce":
+        return _nbytes(first) * 2 * (n - 1) // n  # ring: reduce-scatter + all-gather
+    if name in ("reduce_scatter_tensor", "all_to_all_single", "all_to_all"):
+        return _nbytes(first) * (n - 1) // max(n, 1)
+    return _nbytes(first)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) / float(b.abs().max())
+
+
+def rank_fn(rank: int, world: int, side: str, seq_len: int, rounds: int) -> dict[str, Any]:
+    import veomni_cases as vc
+
+    vc.init_veomni(world, cp_size=world if side == "veomni" else 1)
+    model = vc.build_model(0)
+    ids = torch.randint(0, 128, (1, seq_len), generator=torch.Generator().manual_seed(3))
+    shifted = cp_shift_labels(ids)
+    n_tok = (shifted != -100).sum()
+    pos = torch.arange(seq_len)[None]
+    handle = None
+    if side == "ours":
+        handle = enable_cp(model, dist.group.WORLD, DeepSeekV4CPConfig(layout="load_balanced"))
+        batch = cp_veomni_batch(handle, ids)
+        inputs, labels = batch.model_inputs(), batch.labels
+    else:  # VeOmni's contract: contiguous equal shards with global positions
+        local = seq_len // world
+        sl = slice(rank * local, (rank + 1) * local)
+        inputs = {"input_ids": ids[:, sl], "position_ids": pos[:, sl]}
+        labels = shifted[:, sl]
+    times, recv = [], []
+    for _ in range(rounds):
+        for p in model.parameters():
+            p.grad = None
+        dist.barrier()
+        with Traffic() as traffic:
+            t0 = time.perf_counter()
+            out = model(**inputs, use_cache=False)
+            loss = cp_causal_lm_loss(out.logits, labels, n_tok)
+            loss.backward()
+            times.append(time.perf_counter() - t0)
+        recv.append(traffic.recv)
+        cp_sum_gradients(model.parameters(), dist.group.WORLD)
+    with torch.no_grad():
+        if handle is not None:
+            full = handle.unshard(out.logits.detach(), 1)[:, :seq_len]
+            disable_cp(handle)
+        else:
+            parts = [torch.empty_like(out.logits) for _ in range(world)]
+            dist.all_gather(parts, out.logits.detach().contiguous())
+            full = torch.cat(parts, 1)
+    return {
+        "rank": rank,
+        "step_s": statistics.median(times),
+        "recv_bytes": statistics.median(recv),
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "logits": full if rank == 0 else None,
+    }
+
+
+def reference_logits(seq_len: int) -> torch.Tensor:
+    import veomni_cases as vc
+
+    model = vc.build_model(0)
+    ids = torch.randint(0, 128, (1, seq_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(
+            input_ids=ids, position_ids=torch.arange(seq_len)[None], use_cache=False
+        ).logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-len", type=int, default=512)  # 128 * cp * k: VeOmni's shards
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    ref = reference_logits(args.seq_len)
+    keys: dict[str, Any] = {}
+    for cp in (2, 4):
+        res: dict[str, list] = {}
+        for side in ("veomni", "ours", "veomni", "ours"):  # interleaved jobs
+            res.setdefault(side, []).append(run_ranks(cp, rank_fn, side, args.seq_len, args.rounds))
+        summary = {}
+        for side, jobs in res.items():
+            summary[side] = {
+                "step": statistics.median(max(r["step_s"] for r in job) for job in jobs),
+                "bytes": statistics.median(max(r["recv_bytes"] for r in job) for job in jobs),
+                "mem": statistics.median(max(r["peak_rss_kib"] for r in job) for job in jobs),
+                "err": max(_rel(job[0]["logits"], ref) for job in jobs),
+            }
+        v, o = summary["veomni"], summary["ours"]
+        sfx = f"_cp{cp}"
+        keys[f"veomni_busiest_rank_bytes_over_ours{sfx}"] = v["bytes"] / o["bytes"]
+        keys[f"veomni_step_time_over_ours{sfx}"] = v["step"] / o["step"]
+        keys[f"veomni_peak_mem_over_ours{sfx}"] = v["mem"] / o["mem"]
+        keys[f"veomni_max_rel_err{sfx}"] = v["err"]
+        keys[f"ours_max_rel_err_veomni{sfx}"] = o["err"]
+        keys[f"veomni_busiest_rank_bytes{sfx}"] = v["bytes"]
+        keys[f"ours_busiest_rank_bytes_veomni{sfx}"] = o["bytes"]
+        print(cp, summary, flush=True)
+    for k in list(keys):
+        if k.endswith("_cp4"):
+            keys[k[: -len("_cp4")]] = keys[k]
+    keys["veomni_seq_len"] = args.seq_len
+    keys["veomni_refuses"] = (
+        "VeOmni 0.1.12's CP: contiguous shards only (no load balance), shards of at least 128 "
+        "rows and equal length (S a multiple of 128 * cp), all-gathers the full MQA KV on "
+        "every layer, its indexer loss needs TileLang (GPU); hp_cp takes any S (padding), "
+        "contiguous or load-balanced, packed documents without re-padding."
+    )
+    keys["ours_max_seq_over_veomni"] = None  # not measured in this run (see docs/veomni.md)
+    data = {}
+    if os.path.exists(OUT):
+        with open(OUT) as f:
+            data = json.load(f)
+    data = {k: v for k, v in data.items() if not (k.startswith("veomni_") or "veomni" in k)}
+    data.update(keys)
+    with open(OUT, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    print(json.dumps(keys, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""VeOmni's DeepSeek V4 (``veomni.models.transformers.deepseek_v4``, 0.1.12) under hp_cp CP.
+
+VeOmni's model is generated from transformers' ``modeling_deepseek_v4``; its attention layer
+has the same parameters and op sequence (the indexer's ``weights_proj`` sits on the indexer
+instead of ``indexer.scorer``), so the layers run through the HF integration's adapter
+(:class:`~hp_cp_torch.integrations.transformers.DeepseekV4AttentionAdapter`) with VeOmni's
+own ``apply_rotary_pos_emb`` and eager indexer score. Each rank then calls::
+
+    handle = enable_cp(model, mesh)  # this module's enable_cp
+    batch = cp_veomni_batch(handle, input_ids)  # or position_ids=/cu_seq_lens= when packed
+    out = model(**batch.model_inputs(), use_cache=False)
+    loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
+
+VeOmni's own sequence parallelism (``init_parallel_state(cp_size>1)`` or Ulysses) must be
+off: ``enable_cp`` and every CP forward raise one :class:`~hp_cp_core.HpCpError` on every
+rank (the parallel state is the same on every rank, so no collective runs first).
+
+Packed input in VeOmni's format (one row, ``position_ids`` restarting at each document,
+``cu_seq_lens_q`` spanning the row) becomes hp_cp's ``cu_seqlens``: the documents are not
+re-padded; only the row's end is padded to what the layout needs, as its own document.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_core import disable_cp as _core_disable_cp
+from hp_cp_core import enable_cp as _core_enable_cp
+from hp_cp_torch.integrations.transformers import (
+    DeepseekV4AttentionAdapter,
+    cp_causal_lm_loss,
+    cp_shift_labels,
+    cp_sum_gradients,
+)
+
+__all__ = [
+    "VEOMNI_MODELING",
+    "VeOmniBatch",
+    "VeOmniDeepseekV4AttentionAdapter",
+    "cp_causal_lm_loss",
+    "cp_sum_gradients",
+    "cp_veomni_batch",
+    "disable_cp",
+    "enable_cp",
+    "veomni_adapter_for",
+]
+
+VEOMNI_MODELING = (
+    "veomni.models.transformers.deepseek_v4.generated.patched_modeling_deepseek_v4_gpu"
+)
+
+
+def _veomni_sp_problem() -> str | None:
+    """Why VeOmni's own sequence parallelism is on, else ``None`` (no collective)."""
+    ps_mod = sys.modules.get("veomni.distributed.parallel_state")
+    if ps_mod is None:
+        return None
+    try:
+        state = ps_mod.get_parallel_state()
+    except Exception:  # noqa: BLE001 - no parallel state initialised: VeOmni's CP is off
+        return None
+    cp = int(getattr(state, "cp_size", 1) or 1)
+    ulysses = int(getattr(state, "ulysses_size", 1) or 1)
+    if cp > 1 or ulysses > 1:
+        return (
+            f"VeOmni's own sequence parallelism is on (cp_size={cp}, ulysses_size={ulysses}); "
+            "it and hp_cp would both shard the sequence. Call "
+            "veomni.distributed.parallel_state.init_parallel_state(...) with cp_size=1 and "
+            "ulysses_size=1 and let hp_cp's enable_cp(model, mesh) own the CP dimension."
+        )
+    return None
+
+
+def veomni_adapter_for(module: Any) -> Any:
+    """The adapter for a VeOmni ``DeepseekV4Attention``, else ``None`` (never imports VeOmni)."""
+    modeling = sys.modules.get(VEOMNI_MODELING)
+    cls = getattr(modeling, "DeepseekV4Attention", None) if modeling is not None else None
+    if cls is None or not isinstance(module, cls):
+        return None
+    return VeOmniDeepseekV4AttentionAdapter(module)
+
+
+class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
+    """The HF adapter on VeOmni's generated copy of ``DeepseekV4Attention``."""
+
+    def apply_rope(self, *args: Any) -> Any:
+        return sys.modules[type(self.module).__module__].apply_rotary_pos_emb(*args)
+
+    def score(self, ix: nn.Module, q: Any, keys: Any, x: Any) -> Any:
+        """VeOmni's eager indexer score: ``sum_h w_h * relu(q_h . k) * scale`` (fp32)."""
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+        scores = F.relu(scores) * ix.softmax_scale  # [B, l, H, N]
+        weights = ix.weights_proj(x).float() * ix.weights_scaling  # [B, l, H]
+        return (scores * weights.unsqueeze(-1)).sum(dim=2)
+
+    def make_forward(self, cp_forward: Any, group: Any) -> Any:
+        inner = super().make_forward(cp_forward, group)
+
+        def forward(hidden_states, *args, **kwargs):
+            problem = _veomni_sp_problem()
+            if problem is not None:
+                raise HpCpError(f"DeepseekV4Attention layer {self.module.layer_idx}: {problem}")
+            for key in ("packed_sequence_slices", "packed_compression_metadata"):
+                if kwargs.get(key) is not None:
+                    raise HpCpError(
+                        f"got VeOmni's {key} under hp_cp: pass the batch of cp_veomni_batch "
+                        "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
+                    )
+            return inner(hidden_states, *args, **kwargs)
+
+        return forward
+
+
+def enable_cp(model: Any, mesh: Any, config: DeepSeekV4CPConfig | None = None) -> Any:
+    """hp_cp on every attention layer of a VeOmni ``DeepseekV4ForCausalLM`` / ``Model``.
+
+    Raises :class:`~hp_cp_core.HpCpError` (every rank, before any collective) when VeOmni's
+    own CP / Ulysses is on. Returns the core's handle (``shard``, ``padding``, ``unshard``,
+    ``stats``); :func:`disable_cp` restores the model exactly.
+    """
+    problem = _veomni_sp_problem()
+    if problem is not None:
+        raise HpCpError(f"enable_cp on {type(model).__name__}: {problem}")
+    if VEOMNI_MODELING not in sys.modules:
+        raise HpCpError(
+            f"enable_cp: {VEOMNI_MODELING} is not imported; build the model from VeOmni "
+            "(or use hp_cp_core.enable_cp for the transformers model)."
+        )
+    return _core_enable_cp(model, mesh, config)
+
+
+def disable_cp(handle: Any) -> None:
+    """Restore every layer's own forward (the core's ``disable_cp``)."""
+    _core_disable_cp(handle)
+
+
+@dataclass
+class VeOmniBatch:
+    """This rank's rows of a batch (see :func:`cp_veomni_batch`)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    n_tokens: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The keyword arguments of the model call (add ``use_cache=False``)."""
+        out: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.cu_seqlens is not None:
+            out["hp_cp_cu_seqlens"] = self.cu_seqlens
+        return out
+
+
+def _packed_bounds(
+    seq_len: int, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
+) -> list[int] | None:
+    if cu_seq_lens is not None:
+        bounds = [int(b) for b in torch.as_tensor(cu_seq_lens).reshape(-1).tolist()]
+        if (
+            bounds[0] != 0
+            or bounds[-1] != seq_len
+            or any(b > a for a, b in zip(bounds[1:], bounds))
+        ):
+            raise HpCpError(
+                f"cu_seq_lens must rise from 0 to the row length {seq_len}, got {bounds}; pass "
+                "VeOmni's cu_seq_lens_q of the whole packed row."
+            )
+        return bounds
+    if position_ids is None:
+        return None
+    pos = torch.as_tensor(position_ids).reshape(-1, seq_len)
+    if pos.shape[0] != 1:
+        raise HpCpError(
+            f"position_ids of {pos.shape[0]} rows: packed input is one row; for a padded "
+            "batch of several rows omit position_ids."
+        )
+    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
+    if not starts or starts[0] != 0:
+        raise HpCpError("packed position_ids must start at 0 (VeOmni resets them per document).")
+    bounds = [*starts, seq_len]
+    want = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+    if not torch.equal(pos[0].cpu(), want):
+        raise HpCpError(
+            "position_ids must count 0, 1, 2, ... within each document (VeOmni's packed "
+            "format); got positions that skip or repeat."
+        )
+    return None if len(bounds) == 2 else bounds
+
+
+def cp_veomni_batch(
+    handle: Any,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> VeOmniBatch:
+    """This rank's part of a causal-LM batch of any length: shifted, padded, sharded.
+
+    ``input_ids`` / ``labels`` are FULL ``[B, S]``. Padded batches: omit ``position_ids``.
+    Packed (VeOmni's format, ``B == 1``): per-document ``position_ids`` and / or
+    ``cu_seq_lens`` (VeOmni's ``cu_seq_lens_q``); each document's last token gets no target,
+    the row end is padded as its own document, the documents are not re-padded.
+    """
+    if input_ids.dim() != 2:
+        raise HpCpError(f"input_ids must be [B, S], got shape {list(input_ids.shape)}.")
+    batch, seq_len = input_ids.shape
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise HpCpError(
+            f"labels shape {list(labels.shape)} != input_ids shape {list(input_ids.shape)}."
+        )
+    bounds = _packed_bounds(seq_len, position_ids, cu_seq_lens)
+    if bounds is not None and batch != 1:
+        raise HpCpError(f"packed input needs batch size 1, got {batch}; pack into one row.")
+    shifted = cp_shift_labels(labels, ignore_index)
+    pad = handle.padding(int(seq_len))
+    cu = None
+    if bounds is None:
+        positions = torch.arange(pad.padded_rows).unsqueeze(0)
+    else:
+        for end in bounds[1:-1]:
+            shifted[:, end - 1] = ignore_index  # no target across documents
+        cu_np = pad.cu_seqlens(bounds)
+        cu = torch.as_tensor(cu_np, dtype=torch.int64)
+        positions = torch.cat(
+            [torch.arange(int(b) - int(a)) for a, b in zip(cu_np[:-1], cu_np[1:])]
+        ).unsqueeze(0)
+    positions = positions.to(input_ids.device)
+    return VeOmniBatch(
+        input_ids=handle.shard(input_ids, 1, pad_value=0),
+        position_ids=handle.shard(positions, 1),
+        labels=handle.shard(shifted, 1, pad_value=ignore_index),
+        n_tokens=(shifted != ignore_index).sum(),
+        cu_seqlens=cu,
+    )

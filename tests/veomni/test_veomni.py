@@ -1,0 +1,61 @@
+"""hp_cp inside VeOmni's DeepSeek V4 (0.1.12): the whole tiny model (sliding, CSA r=4, HCA
+r=128 layers), a training step at cp 2 and 4, contiguous and load-balanced, padded (B=2)
+and packed (VeOmni's per-document position_ids), S = 263 (prime; 2 HCA slots), against the
+same model and weights on one process in the same rank function: logits, loss, every
+parameter gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "veomni" in os.environ.get("HP_CP_REQUIRE_BACKEND", ""):
+    import veomni  # noqa: F401 - must be importable: fail, not skip
+else:
+    pytest.importorskip("veomni", exc_type=ImportError)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "torch"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import veomni_cases  # noqa: E402
+from dist_utils import run_ranks  # noqa: E402
+
+LOGITS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """One 4-rank job for every parity case (cp 2 on a sub-group, cp 4 on the world)."""
+    return run_ranks(4, veomni_cases.parity_suite)
+
+
+def test_every_case_ran(ranks: list[dict]) -> None:
+    got = {(r["cp"], r["layout"], r["packed"]) for r in ranks[0]["results"]}
+    want = {(cp, lay, p) for cp in (2, 4) for lay in veomni_cases.LAYOUTS for p in (False, True)}
+    assert got == want
+
+
+def test_logits_loss_gradients_match_one_process(ranks: list[dict]) -> None:
+    for report in ranks:
+        for res in report["results"]:
+            case = (report["rank"], res["cp"], res["layout"], res["packed"])
+            assert res["seq_len"] == 263  # prime: a multiple of nothing
+            assert res["logits_rel_err"] <= LOGITS_RTOL, case
+            assert res["loss_rel_err"] <= LOGITS_RTOL, case
+            assert res["grad_presence_mismatch"] == [], case
+            assert res["grad_rel_err_max"] <= GRAD_RTOL, (case, res["grad_worst"])
+
+
+def test_bad_input_raises_and_disable_restores(ranks: list[dict]) -> None:
+    for report in ranks:
+        for key, val in report["errors"].items():
+            assert val == "ok", (report["rank"], key, val)
+
+
+def test_veomni_cp_and_hp_cp_both_on_raise_on_every_rank() -> None:
+    for report in run_ranks(2, veomni_cases.veomni_cp_refused):
+        assert report["both_on"] == "ok", report

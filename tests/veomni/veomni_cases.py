@@ -1,0 +1,239 @@
+"""Rank functions of tests/veomni (spawned processes need module-level functions).
+
+VeOmni's tiny DeepSeek V4 (sliding, CSA r=4, HCA r=128; MoE on its single-process path) is
+built identically on every rank; each case runs the same model, weights and batch on one
+process and under hp_cp in the same rank function and reports the relative errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
+from hp_cp_torch.integrations.veomni import (
+    cp_causal_lm_loss,
+    cp_shift_labels,
+    cp_sum_gradients,
+    cp_veomni_batch,
+    disable_cp,
+    enable_cp,
+)
+
+LAYOUTS = ("contiguous", "load_balanced")
+
+
+def init_veomni(world: int, cp_size: int = 1) -> None:
+    """VeOmni's parallel state over the world (its CP off unless ``cp_size`` > 1)."""
+    from veomni.distributed.parallel_state import init_parallel_state
+
+    init_parallel_state(
+        dp_size=world // cp_size, dp_shard_size=world // cp_size, cp_size=cp_size, device_type="cpu"
+    )
+
+
+def build_model(seed: int = 0) -> Any:
+    """VeOmni's ``DeepseekV4ForCausalLM``, fp32 eager, attention weights O(1)."""
+    from veomni.models.transformers.deepseek_v4.configuration_deepseek_v4 import (
+        DeepseekV4Config,
+    )
+    from veomni.models.transformers.deepseek_v4.generated import (
+        patched_modeling_deepseek_v4_gpu as modeling,
+    )
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV4Config(**TINY_CONFIG)
+    cfg._attn_implementation = "eager"
+    model = modeling.DeepseekV4ForCausalLM(cfg).float()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".self_attn." not in name:
+                continue
+            if name.endswith("sinks") or name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        for layer in model.model.layers:
+            if getattr(layer.mlp, "is_hash", False):
+                tid = layer.mlp.gate.tid2eid
+                tid.copy_(torch.randint(0, cfg.n_routed_experts, tid.shape, generator=g))
+    return model
+
+
+def _zero(model: Any) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> float:
+    a = torch.zeros_like(like) if a is None else a
+    b = torch.zeros_like(like) if b is None else b
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def doc_bounds(seq_len: int) -> list[int]:
+    """Packed documents of uneven lengths (none a multiple of 4 or 128) filling ``seq_len``."""
+    cuts = [0, 37, 37 + 150]
+    cuts = [c for c in cuts if c < seq_len]
+    return [*cuts, seq_len]
+
+
+def reference(model: Any, ids: torch.Tensor, bounds: list[int] | None) -> dict[str, Any]:
+    """One process: VeOmni's own forward (packed: ``cu_seq_lens_q`` + per-document positions)."""
+    model.train()
+    _zero(model)
+    seq_len = ids.shape[1]
+    shifted = cp_shift_labels(ids)
+    kwargs: dict[str, Any] = {}
+    if bounds is None:
+        pos = torch.arange(seq_len)[None]
+    else:
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+        kwargs["cu_seq_lens_q"] = torch.tensor(bounds, dtype=torch.int32)
+        for end in bounds[1:-1]:
+            shifted[:, end - 1] = -100
+    out = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
+    n_tok = (shifted != -100).sum()
+    loss = cp_causal_lm_loss(out.logits, shifted, n_tok)
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    _zero(model)
+    return {"logits": out.logits.detach(), "loss": loss.detach(), "grads": grads, "pos": pos}
+
+
+def cp_case(
+    model: Any, ids: torch.Tensor, ref: dict[str, Any], group: Any, layout: str, packed: bool
+) -> dict[str, Any]:
+    """One training step under hp_cp on ``group``, compared with ``ref``."""
+    model.train()
+    _zero(model)
+    seq_len = ids.shape[1]
+    config = DeepSeekV4CPConfig(layout=layout, attention_kernel="smallop")  # VeOmni eager op order
+    handle = enable_cp(model, group, config)
+    try:
+        batch = cp_veomni_batch(handle, ids, position_ids=ref["pos"] if packed else None)
+        out = model(**batch.model_inputs(), use_cache=False)
+        loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
+        loss.backward()
+        cp_sum_gradients(model.parameters(), group)
+        with torch.no_grad():
+            logits = handle.unshard(out.logits.detach(), 1)[:, :seq_len]
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=group)
+    finally:
+        disable_cp(handle)
+    errs = {n: _rel(p.grad, ref["grads"][n], p) for n, p in model.named_parameters()}
+    worst = max(errs, key=errs.get)
+    # a parameter without a gradient on one side must have an all-zero one on the other
+    # (hp_cp keeps an HCA compressor in the graph on a rank that owns no slot)
+    presence = [
+        n
+        for n, p in model.named_parameters()
+        if (p.grad is None) != (ref["grads"][n] is None)
+        and bool(((p.grad if p.grad is not None else ref["grads"][n]) != 0).any())
+    ]
+    _zero(model)
+    return {
+        "cp": dist.get_world_size(group),
+        "layout": layout,
+        "packed": packed,
+        "seq_len": seq_len,
+        "logits_rel_err": _rel(logits, ref["logits"], ref["logits"]),
+        "loss_rel_err": abs(float(total) - float(ref["loss"])) / abs(float(ref["loss"])),
+        "grad_rel_err_max": errs[worst],
+        "grad_worst": worst,
+        "grad_presence_mismatch": presence,
+        "n_params": len(errs),
+    }
+
+
+def _expect(fn: Any, match: str) -> str:
+    try:
+        fn()
+    except HpCpError as exc:
+        return "ok" if match in str(exc) else f"wrong message: {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def error_checks(model: Any, ids: torch.Tensor, ref_logits: torch.Tensor) -> dict[str, str]:
+    """Bad input raises HpCpError on every rank; disable_cp restores the model bitwise."""
+    out: dict[str, str] = {}
+    handle = enable_cp(model, dist.group.WORLD)
+    try:
+        seq_len = ids.shape[1]
+        out["packed_bad_positions"] = _expect(
+            lambda: cp_veomni_batch(
+                handle, ids[:1], position_ids=torch.arange(1, seq_len + 1)[None]
+            ),
+            "start at 0",
+        )
+        out["packed_batch_2"] = _expect(
+            lambda: cp_veomni_batch(handle, ids, cu_seq_lens=torch.tensor([0, 50, seq_len])),
+            "batch size 1",
+        )
+        out["cu_bad"] = _expect(
+            lambda: cp_veomni_batch(handle, ids[:1], cu_seq_lens=torch.tensor([0, 50, 90])),
+            "cu_seq_lens",
+        )
+        batch = cp_veomni_batch(handle, ids[:1])
+        local = batch.input_ids.shape[1]
+        with torch.no_grad():  # VeOmni's packed kwargs under hp_cp (shard-local, wrong)
+            out["veomni_packed_kwargs"] = _expect(
+                lambda: model(
+                    **batch.model_inputs(),
+                    use_cache=False,
+                    cu_seq_lens_q=torch.tensor([0, local]),
+                ),
+                "cu_seq_lens",
+            )
+    finally:
+        disable_cp(handle)
+    attns = [layer.self_attn for layer in model.model.layers]
+    out["restored"] = "ok" if all("forward" not in a.__dict__ for a in attns) else "forward left"
+    with torch.no_grad():
+        again = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False)
+    out["restored_bitwise"] = "ok" if torch.equal(again.logits, ref_logits) else "differs"
+    return out
+
+
+def veomni_cp_refused(rank: int, world: int) -> dict[str, str]:
+    """VeOmni's own CP on (init_parallel_state(cp_size=world)): enable_cp refuses everywhere."""
+    model = build_model(0)
+    init_veomni(world, cp_size=world)
+    return {
+        "rank": str(rank),
+        "both_on": _expect(lambda: enable_cp(model, dist.group.WORLD), "cp_size"),
+    }
+
+
+def parity_suite(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:
+    """cp 2 and 4 (world = 4), both layouts, padded (B=2) and packed (B=1), S = seq_len."""
+    init_veomni(world)
+    groups = {2: dist.new_group([0, 1]), 4: dist.group.WORLD}
+    model = build_model(0)
+    padded_ids = torch.randint(
+        0, model.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3)
+    )
+    packed_ids = padded_ids[:1].clone()
+    bounds = doc_bounds(seq_len)
+    refs = {False: reference(model, padded_ids, None), True: reference(model, packed_ids, bounds)}
+    results = []
+    for cp, group in groups.items():
+        if rank < cp:
+            for layout in LAYOUTS:
+                for packed in (False, True):
+                    ids = packed_ids if packed else padded_ids
+                    results.append(cp_case(model, ids, refs[packed], group, layout, packed))
+        dist.barrier()
+    errors = error_checks(model, padded_ids, refs[False]["logits"])
+    return {"rank": rank, "results": results, "errors": errors}
