@@ -20,6 +20,7 @@ from cases import layer_config
 from torch import nn
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+from hp_cp_torch.bench_hotpath import CountingStore
 from hp_cp_torch.reference import DeepSeekV4Attention
 
 TIMEOUT_S = 3.0
@@ -41,25 +42,6 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return x
-
-
-class CountingStore:
-    """A store that counts the operations the desync report runs on it (the flight
-    recorder must leave the store alone until a collective fails)."""
-
-    def __init__(self, store: Any) -> None:
-        self.store, self.ops = store, 0
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.store, name)
-        if not callable(attr):
-            return attr
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.ops += 1
-            return attr(*args, **kwargs)
-
-        return counted
 
 
 def skipped_backward_case(skippers: tuple[int, ...]) -> dict[str, Any]:

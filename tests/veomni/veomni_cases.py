@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError
-from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
+from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG, randomise_attention_weights
 from hp_cp_torch.integrations.veomni import (
     cp_causal_lm_loss,
     cp_shift_labels,
@@ -48,22 +48,7 @@ def build_model(seed: int = 0) -> Any:
     cfg = DeepseekV4Config(**TINY_CONFIG)
     cfg._attn_implementation = "eager"
     model = modeling.DeepseekV4ForCausalLM(cfg).float()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".self_attn." not in name:
-                continue
-            if name.endswith("sinks") or name.endswith("position_bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        for layer in model.model.layers:
-            if getattr(layer.mlp, "is_hash", False):
-                tid = layer.mlp.gate.tid2eid
-                tid.copy_(torch.randint(0, cfg.n_routed_experts, tid.shape, generator=g))
-    return model
+    return randomise_attention_weights(model, cfg.n_routed_experts, seed)
 
 
 def _zero(model: Any) -> None:

@@ -97,6 +97,15 @@ def build_tiny_model(seed: int = 0, **overrides: Any) -> Any:
     cfg = DeepseekV4Config(**{**TINY_CONFIG, **overrides})
     cfg._attn_implementation = "eager"
     model = DeepseekV4ForCausalLM(cfg).float()
+    return randomise_attention_weights(model, cfg.n_routed_experts, seed)
+
+
+def randomise_attention_weights(model: Any, n_routed_experts: int, seed: int = 0) -> Any:
+    """Re-draw a tiny DeepSeek V4 model's attention parameters (std 1/sqrt(fan_in), norms ~1,
+    sinks and position biases ~N(0, 0.5^2)) and randomise the hash router's ``tid2eid``, in
+    place, the same for one seed on every rank; returns ``model``. Works on any model whose
+    parameter names and layers follow HF's (VeOmni's generated copy too).
+    """
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -111,7 +120,7 @@ def build_tiny_model(seed: int = 0, **overrides: Any) -> Any:
         for layer in model.model.layers:
             if getattr(layer.mlp, "is_hash", False):
                 tid = layer.mlp.gate.tid2eid
-                tid.copy_(torch.randint(0, cfg.n_routed_experts, tid.shape, generator=g))
+                tid.copy_(torch.randint(0, n_routed_experts, tid.shape, generator=g))
     return model
 
 
