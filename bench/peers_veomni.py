@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "veomni"))
 
 from hp_cp_core import DeepSeekV4CPConfig  # noqa: E402
+from hp_cp_torch.cli.launch import run_ranks  # noqa: E402
 from hp_cp_torch.integrations.veomni import (  # noqa: E402
     cp_causal_lm_loss,
     cp_shift_labels,
@@ -31,7 +32,6 @@ from hp_cp_torch.integrations.veomni import (  # noqa: E402
     disable_cp,
     enable_cp,
 )
-from hp_cp_torch.launch import run_ranks  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 OUT = os.path.join(ROOT, "bench-peers.json")

@@ -44,9 +44,9 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from hp_cp_torch.attention import sparse_attention_smallop  # noqa: E402
-from hp_cp_torch.efficient import sparse_attention_efficient  # noqa: E402
-from hp_cp_torch.triton_attention import sparse_attention_triton  # noqa: E402
+from hp_cp_torch.kernels.efficient import sparse_attention_efficient  # noqa: E402
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop  # noqa: E402
+from hp_cp_torch.kernels.triton_attention import sparse_attention_triton  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
 START = time.perf_counter()

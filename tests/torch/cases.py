@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp, hookimpl
-from hp_cp_torch.attention import deterministic_topk, sparse_attention_smallop
+from hp_cp_torch.attention import deterministic_topk
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop
 from hp_cp_torch.reference import (
     Compressor,
     DeepSeekV4Attention,

@@ -20,7 +20,7 @@ from cases import layer_config
 from torch import nn
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
-from hp_cp_torch.bench_hotpath import CountingStore
+from hp_cp_torch.bench.hotpath import CountingStore
 from hp_cp_torch.reference import DeepSeekV4Attention
 
 TIMEOUT_S = 3.0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_efficient import assert_close
 
-import hp_cp_torch.banded as banded
+import hp_cp_torch.kernels.banded as banded
 from hp_cp_core import LayerSpec, build_rank_plan
 from hp_cp_torch.attention import run_sparse_attention
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from hp_cp_core.layout import SequenceLayout
-from hp_cp_torch import bench
-from hp_cp_torch.bench import Shapes, comm_per_rank, work_per_rank
-from hp_cp_torch.bench_traffic import traffic_measures, ulysses_rank_bytes
+from hp_cp_torch.bench import suite
+from hp_cp_torch.bench.suite import Shapes, comm_per_rank, work_per_rank
+from hp_cp_torch.bench.traffic import traffic_measures, ulysses_rank_bytes
 
 SMALL = Shapes(hidden=48, head_dim=16, n_heads=2, index_heads=2, index_dim=8, topk=3, window=8)
 
@@ -116,7 +116,7 @@ def read_png(path):
 
 def test_builtin_png(tmp_path):
     path = str(tmp_path / "chart.png")
-    bench._bars_png_fallback([("A_B r4", 1.2, 1.05), ("plan/s", 0.01, 0.2), ("x", 9.0, None)], path)
+    suite._bars_png_fallback([("A_B r4", 1.2, 1.05), ("plan/s", 0.01, 0.2), ("x", 9.0, None)], path)
     width, height = read_png(path)
     assert width > 100 and height > 50
 
@@ -154,7 +154,7 @@ def test_bench_main_small(tmp_path, capsys):
         "--hotpath-steps",
         "0",  # test_hotpath_counts runs it
     ]
-    assert bench.main(argv) == 0
+    assert suite.main(argv) == 0
     res = json.loads(out.read_text())
     required = [
         *[
@@ -176,14 +176,14 @@ def test_bench_main_small(tmp_path, capsys):
         "desync_record_us",
         "desync_record_over_small_all_gather",
         "step_plain_layer_s",
-        *[f"step_time_cp2_over_cp1_{lay}_{ker}" for lay, ker in bench.STEP_VARIANTS],
+        *[f"step_time_cp2_over_cp1_{lay}_{ker}" for lay, ker in suite.STEP_VARIANTS],
     ]
     for key in required:
         assert isinstance(res[key], (int, float)) and np.isfinite(res[key]), key
     assert all(isinstance(v, (int, float)) for v in res.values()), "bench.json is numbers only"
     assert res["saved_bytes_efficient_over_smallop"] < 0.15
     assert res["saved_bytes_efficient_real_over_meta_l32"] == 1.0
-    for lay, ker in bench.STEP_VARIANTS:
+    for lay, ker in suite.STEP_VARIANTS:
         assert res[f"comm_counted_over_plan_cp2_{lay}_{ker}"] == 1.0
         assert res[f"step_cp2_{lay}_{ker}_max_rel_err"] < 1e-5
         assert res[f"step_cp1_{lay}_{ker}_max_rel_err"] < 1e-5
@@ -194,7 +194,7 @@ def test_bench_main_small(tmp_path, capsys):
 def test_kernel_case_counts_only_attended_columns():
     """The FLOP/s measure's inputs: every query has a full window and ``topk`` distinct
     visible picks at r = 4, so the useful FLOPs are ``3.5 * 4 * B * S * H * K * D``."""
-    from hp_cp_torch.bench_kernel import attention_case
+    from hp_cp_torch.bench.kernel import attention_case
 
     shapes = {"batch": 1, "seq": 64, "heads": 2, "dim": 8, "window": 8, "topk": 8}
     case = attention_case(4, shapes)
@@ -221,9 +221,9 @@ def test_bench_refuses_the_hf_measure_without_transformers_before_measuring(
         "find_spec",
         lambda name, *a: None if name == "transformers" else real(name, *a),
     )
-    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("measures ran"))
+    monkeypatch.setattr(suite, "run", lambda args: pytest.fail("measures ran"))
     with pytest.raises(SystemExit) as exc:
-        bench.main(["--out", str(tmp_path / "bench.json")])
+        suite.main(["--out", str(tmp_path / "bench.json")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "hp-cp-torch[bench]" in err and "--hf-mem-seqs ''" in err
@@ -235,7 +235,7 @@ def test_longest_fitting_seq_brackets_the_limit_without_far_probes(true_limit, m
     """The search for the longest S that fits: it ends with measured S on both sides of the
     limit within 10% (+ one probe quantum), and never probes past 1.5x the longest S measured
     to fit so far."""
-    from hp_cp_torch import bench_memory
+    from hp_cp_torch.bench import memory as bench_memory
 
     def peak(seq):  # quadratic memory, at the budget (1.0) exactly at true_limit
         return 0.2 + 0.3 * seq / true_limit + 0.5 * (seq / true_limit) ** 2
@@ -266,7 +266,7 @@ def test_hotpath_counts():
     """The hot-path keys of ``hp-cp bench`` (one warm-up and one counted step, 2 ranks): no
     store operation while all goes well, one agreement per model forward (the later layers
     reuse it), the old code's extrapolated store load from the collectives counted."""
-    from hp_cp_torch.bench_hotpath import N_LAYERS, hotpath_measures
+    from hp_cp_torch.bench.hotpath import N_LAYERS, hotpath_measures
 
     res = hotpath_measures(warmup=1, steps=1)
     assert res["store_ops_per_step"] == 0

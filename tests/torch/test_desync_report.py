@@ -12,7 +12,7 @@ import re
 import pytest
 from desync_cases import TIMEOUT_S
 
-from hp_cp_torch.launch import run_ranks
+from hp_cp_torch.cli.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 

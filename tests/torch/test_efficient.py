@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hp_cp_torch.efficient as efficient
+import hp_cp_torch.kernels.efficient as efficient
 from hp_cp_core import LayerSpec, build_rank_plan
-from hp_cp_torch.attention import run_sparse_attention, sparse_attention_smallop
-from hp_cp_torch.efficient import sparse_attention_efficient
+from hp_cp_torch.attention import run_sparse_attention
+from hp_cp_torch.kernels.efficient import sparse_attention_efficient
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop
 
 
 def random_case(batch=2, seq=19, heads=3, dim=16, pool=23, k=11, dtype=torch.float32, seed=0):

@@ -28,7 +28,7 @@ from cases import job
 from foreign_cases import PG_TIMEOUT_S, ForeignCase, check, foreign_cases
 
 from hp_cp_core.layout import SequenceLayout
-from hp_cp_torch.launch import run_ranks
+from hp_cp_torch.cli.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 

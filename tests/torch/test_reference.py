@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from hp_cp_torch.attention import deterministic_topk, sparse_attention_smallop
+from hp_cp_torch.attention import deterministic_topk
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop
 from hp_cp_torch.reference import (
     DeepSeekV4Attention,
     DeepSeekV4AttentionConfig,

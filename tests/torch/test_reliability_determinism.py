@@ -77,11 +77,11 @@ def test_cp1_bypass_equals_never_enabled_bitwise(case: Case) -> None:
 
 def test_layer_and_kernels_bitwise_reproducible_with_threads() -> None:
     """With 4 intra-op threads, CPU scatter-adds run in parallel: the gathers' backward must
-    not depend on thread timing (advanced indexing's did; see ``attention.gather_rows``)."""
+    not depend on thread timing (advanced indexing's did; see ``kernels.smallop.gather_rows``)."""
     from cases import layer_config
 
-    from hp_cp_torch.attention import sparse_attention_smallop
-    from hp_cp_torch.efficient import sparse_attention_efficient
+    from hp_cp_torch.kernels.efficient import sparse_attention_efficient
+    from hp_cp_torch.kernels.smallop import sparse_attention_smallop
     from hp_cp_torch.reference import DeepSeekV4Attention
 
     def three_runs(name: str, fn, inputs: list[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hp_cp_torch.cli import main
+from hp_cp_torch.cli.commands import main
 
 
 def test_demo_reference_cp2(capsys):
@@ -46,7 +46,7 @@ def test_demo_refuses_more_ranks_than_the_machine_hosts(capsys):
 
 
 def test_capacity_counts_cores_and_memory():
-    from hp_cp_torch.cli import demo_refusal
+    from hp_cp_torch.cli.commands import demo_refusal
 
     def args(cp, oversubscribe=False):
         return argparse.Namespace(

@@ -25,10 +25,10 @@ import triton_cases  # noqa: E402
 from cases import check_comm_counts, check_parity, result  # noqa: E402
 from test_efficient import assert_close, random_case, run  # noqa: E402
 
-import hp_cp_torch.triton_attention as triton_attention  # noqa: E402
+import hp_cp_torch.kernels.triton_attention as triton_attention  # noqa: E402
 from hp_cp_core import HpCpError  # noqa: E402
-from hp_cp_torch.attention import sparse_attention_smallop  # noqa: E402
-from hp_cp_torch.triton_attention import sparse_attention_triton  # noqa: E402
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop  # noqa: E402
+from hp_cp_torch.kernels.triton_attention import sparse_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -148,7 +148,7 @@ CPU_WITHOUT_INTERPRETER = """
 import torch, torch.distributed as dist
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, enable_cp
 from hp_cp_torch.reference import DeepSeekV4Attention, DeepSeekV4AttentionConfig
-from hp_cp_torch.triton_attention import sparse_attention_triton
+from hp_cp_torch.kernels.triton_attention import sparse_attention_triton
 q = torch.zeros(1, 2, 1, 16); kv = torch.zeros(1, 3, 16); idx = torch.zeros(1, 2, 1).long()
 try:
     sparse_attention_triton(q, kv, idx, torch.zeros(1), 1.0)

@@ -1,13 +1,11 @@
-"""Sparse attention with an attention sink: the small-op (gather) reference kernel.
+"""Sparse attention of a rank's local queries: the kernel dispatch and the indexer's top-k.
 
-Every query row attends to an explicit list of rows of a shared KV pool (one KV head,
-K == V), plus a per-head *sink*: a virtual key with logit ``sink[h]`` and value 0, so it
-only enters the softmax denominator. This is the DeepSeek V4 attention core, see
-docs/semantics.md section 5.
-
-The kernel here gathers the selected rows and runs the softmax in fp32. It is the exact
-reference that other kernels are checked against; its memory grows with the number of
-selected columns.
+:func:`run_sparse_attention` turns the core's columns of a plan (window, then compressed
+slots) into index tensors and runs one of the kernels of :mod:`hp_cp_torch.kernels` on them
+(the small-op reference kernel, :mod:`hp_cp_torch.kernels.smallop`, by default);
+:func:`select_topk_chunked` is the indexer's deterministic top-k over the visible slots.
+:func:`gather_rows` and :func:`sparse_attention_smallop` are re-exported from the small-op
+kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from typing import Any
 import torch
 
 from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.kernels.smallop import gather_rows, sparse_attention_smallop
 
 __all__ = [
     "chunk_columns",
@@ -30,73 +29,6 @@ __all__ = [
 
 TOPK_SORT_FRACTION = 4
 """:func:`deterministic_topk` sorts whole rows when ``k`` is more than 1 / this of the row."""
-
-
-def gather_rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``pool[b, idx[b, ...]]`` per batch row: ``pool [B, P, ...]``, ``idx [B or 1, ...]`` in
-    ``[0, P)`` -> ``[B, ..., *pool.shape[2:]]``; the same values as advanced indexing.
-
-    Its backward is bitwise reproducible on every device. Duplicate indices make the
-    backward a scatter-add: advanced indexing's (``index_put_`` with accumulate) sums them in
-    a thread-dependent order on CPU, ``index_select``'s (``index_add_``) uses atomics on CUDA.
-    So CPU uses ``index_select`` on the flattened pool and other devices advanced indexing.
-    """
-    batch, n_rows, feat = pool.shape[0], pool.shape[1], pool.shape[2:]
-    shape = (-1, *([1] * (idx.dim() - 1)))
-    if pool.device.type != "cpu":
-        return pool[torch.arange(batch, device=idx.device).view(shape), idx]
-    flat = idx + (torch.arange(batch, device=idx.device) * n_rows).view(shape)
-    out = pool.reshape(batch * n_rows, *feat).index_select(0, flat.reshape(-1))
-    return out.view(*flat.shape, *feat)
-
-
-def sparse_attention_smallop(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    idx: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
-
-    For query ``(b, s)`` and head ``h``, with ``s_i = scale * q[b,s,h] . kv_pool[b, idx[b,s,i]]``
-    (``-inf`` where ``idx == -1``) and ``m = max(max_i s_i, sink[h])``::
-
-        o = sum_i exp(s_i - m) kv_i / (sum_i exp(s_i - m) + exp(sink[h] - m))
-
-    The max includes the sink (the Megatron / MindFormers form), so a row whose every column
-    is ``-1`` gives exactly 0 and finite gradients. Softmax math runs in fp32.
-
-    Args:
-        q: Queries ``[B, S, H, D]``.
-        kv_pool: The shared KV rows ``[B, P, D]`` (keys and values are the same vectors).
-        idx: Column lists ``[B, S, K]`` (int32 or int64) of rows of ``kv_pool``; ``-1``
-            marks an empty column. The column order is kept (it only affects rounding).
-        sink: Per-head sink logits ``[H]`` (used in fp32).
-        scale: Softmax scale applied to ``q . kv``.
-
-    Returns:
-        The attention output ``[B, S, H, D]`` in ``q``'s dtype.
-    """
-    batch, _, _, dim = q.shape
-    idx = idx.long()
-    valid = idx >= 0  # [B, S, K]
-    if kv_pool.shape[1] == 0:  # nothing to gather from: every column must be -1
-        kv_pool = kv_pool.new_zeros(batch, 1, dim)
-    kv_sel = gather_rows(kv_pool, idx.clamp(min=0)).float()  # [B, S, K, D]
-    logits = torch.einsum("bshd,bskd->bshk", q.float(), kv_sel) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    sink_f = sink.float().view(1, 1, -1, 1)  # [1, 1, H, 1]
-    if logits.shape[-1] == 0:
-        m = sink_f.expand(*logits.shape[:-1], 1)
-    else:
-        m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink_f)
-    # The output does not depend on m mathematically, so it carries no gradient.
-    m = m.detach()
-    p = torch.exp(logits - m)  # exp(-inf) = 0 for empty columns
-    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink_f - m)
-    out = torch.einsum("bshk,bskd->bshd", p / denom, kv_sel)
-    return out.to(q.dtype)
 
 
 def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +158,7 @@ def run_sparse_attention(
         sink: per-head sink logits ``[H]``.
         scale: softmax scale.
         kernel: ``"banded"`` (the window, and HCA's slots, as dense bands; only the top-k
-            is gathered: :mod:`hp_cp_torch.banded`), ``"efficient"``, ``"triton"`` or
+            is gathered: :mod:`hp_cp_torch.kernels.banded`), ``"efficient"``, ``"triton"`` or
             ``"smallop"``.
         query_chunk: queries per chunk.
 
@@ -235,7 +167,11 @@ def run_sparse_attention(
     """
     columns = PlanColumns(plan, ori_ext.shape[1])
     if kernel == "banded":
-        from hp_cp_torch.banded import PICKS_BAND_FACTOR, block_rows_for, sparse_attention_banded
+        from hp_cp_torch.kernels.banded import (
+            PICKS_BAND_FACTOR,
+            block_rows_for,
+            sparse_attention_banded,
+        )
 
         width = 0 if selected is None else selected.shape[-1]
         rows = block_rows_for(q.shape[0], width, q.shape[-1])
@@ -248,9 +184,9 @@ def run_sparse_attention(
         return sparse_attention_banded(q, ori_ext, cmp_kv, selected, sink, scale, blocks)
     attend = sparse_attention_smallop
     if kernel == "efficient":
-        from hp_cp_torch.efficient import sparse_attention_efficient as attend
+        from hp_cp_torch.kernels.efficient import sparse_attention_efficient as attend
     elif kernel == "triton":
-        from hp_cp_torch.triton_attention import sparse_attention_triton as attend
+        from hp_cp_torch.kernels.triton_attention import sparse_attention_triton as attend
     pool = ori_ext if cmp_kv is None else torch.cat([ori_ext, cmp_kv], dim=1)
     outs = []
     for lo, hi in columns.chunks(query_chunk):

@@ -23,7 +23,8 @@ import torch
 from hp_cp_core.columns import PlanColumns
 from hp_cp_core.config import DeepSeekV4CPContext
 from hp_cp_core.indexer_loss import indexer_loss_weight
-from hp_cp_torch.attention import chunk_columns, gather_rows
+from hp_cp_torch.attention import chunk_columns
+from hp_cp_torch.kernels.smallop import gather_rows
 
 __all__ = [
     "attach_indexer_loss",

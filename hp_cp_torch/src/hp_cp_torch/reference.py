@@ -34,8 +34,9 @@ from itertools import pairwise
 import torch
 from torch import nn
 
-from hp_cp_torch.attention import deterministic_topk, sparse_attention_smallop
+from hp_cp_torch.attention import deterministic_topk
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_kl_rows, indexer_scores_at
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop
 
 __all__ = [
     "Compressor",

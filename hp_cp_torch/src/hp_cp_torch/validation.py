@@ -104,7 +104,7 @@ class TensorChecks:
         ``device`` (the Triton kernel needs Triton and a GPU, or its CPU interpreter)."""
         if name != "triton":
             return
-        from hp_cp_torch.triton_attention import triton_problem
+        from hp_cp_torch.kernels.triton_attention import triton_problem
 
         problem = triton_problem(device)
         if problem is not None:

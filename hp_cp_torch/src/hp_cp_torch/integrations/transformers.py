@@ -65,12 +65,8 @@ from hp_cp_core import (
     stage1_compress_with_halo,
 )
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch.attention import (
-    chunk_columns,
-    gather_rows,
-    run_sparse_attention,
-    select_topk_chunked,
-)
+from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
+from hp_cp_torch.kernels.smallop import gather_rows
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [

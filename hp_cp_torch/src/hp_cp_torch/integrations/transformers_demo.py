@@ -2,7 +2,7 @@
 
 ``run_parity(rank, world)`` is what ``hp-cp demo --model transformers`` runs on each rank
 (inside an initialised ``torch.distributed`` group, e.g. via
-:func:`hp_cp_torch.launch.run_ranks`): every rank builds the same tiny model (same seed; the
+:func:`hp_cp_torch.cli.launch.run_ranks`): every rank builds the same tiny model (same seed; the
 attention parameters, ``sinks`` and ``position_bias`` re-randomised so nothing is
 degenerate), runs it on the full sequence as the single-device reference, then under CP on
 its shard, forward and backward of the causal-LM loss, and reports the largest relative
@@ -361,7 +361,7 @@ def run_parity(
     if not dist.is_initialized() or dist.get_world_size() != world or dist.get_rank() != rank:
         raise RuntimeError(
             f"run_parity(rank={rank}, world={world}) needs an initialised torch.distributed "
-            "group of that size (hp_cp_torch.launch.run_ranks sets one up)."
+            "group of that size (hp_cp_torch.cli.launch.run_ranks sets one up)."
         )
     model = build_tiny_model(seed, **config_overrides).to(getattr(torch, dtype))
     ids = make_inputs(model.config.vocab_size, batch, seq_len, seed)

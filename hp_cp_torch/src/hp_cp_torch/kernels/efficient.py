@@ -1,7 +1,7 @@
 """Sparse attention with a sink whose saved activations do not grow with the selected keys.
 
 :func:`sparse_attention_efficient` computes exactly what
-:func:`hp_cp_torch.attention.sparse_attention_smallop` computes (same arguments, same
+:func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` computes (same arguments, same
 semantics, fp32 softmax), as one ``torch.autograd.Function``:
 
 * forward runs over chunks of query rows; a chunk gathers its selected KV rows
@@ -155,7 +155,7 @@ def sparse_attention_efficient(
     """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
 
     Same arguments, result and gradients as
-    :func:`hp_cp_torch.attention.sparse_attention_smallop`; chunked over queries and
+    :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop`; chunked over queries and
     recomputed in backward, so memory does not grow with the number of selected keys (see
     the module docstring).
 

@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             print(f"hp-cp demo: error: {problem}", file=sys.stderr)
             return 2
-        from hp_cp_torch.demo import main as demo_main
+        from hp_cp_torch.cli.demo import main as demo_main
 
         return demo_main(args.cp, args.model, args.layout, args.seq_len, args.launcher)
     if args.command == "bench":
-        from hp_cp_torch.bench import main as bench_main
+        from hp_cp_torch.bench.suite import main as bench_main
 
         return bench_main([*rest, *args.args])
     from hp_cp_core.__main__ import main as backends_main

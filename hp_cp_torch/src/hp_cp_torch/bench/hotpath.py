@@ -150,7 +150,7 @@ def hotpath_measures(
 ) -> dict[str, float]:
     """The ``host_syncs_per_step``, ``store_ops_per_step`` ... keys (module docstring); the
     worst rank's figure."""
-    from hp_cp_torch.launch import run_ranks
+    from hp_cp_torch.cli.launch import run_ranks
 
     ranks = run_ranks(world, _worker, warmup, steps, seq)
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}

@@ -195,7 +195,7 @@ def main(
     seq_len: int | None = None,
     launcher: str = "local",
 ) -> int:
-    from hp_cp_torch.launch import run_ranks
+    from hp_cp_torch.cli.launch import run_ranks
 
     if launcher == "torchrun":
         return torchrun_main(layout, seq_len)

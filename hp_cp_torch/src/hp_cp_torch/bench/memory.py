@@ -127,7 +127,7 @@ SEARCH_QUANTUM = 512
 
 def _peak(seq: int, cp: int) -> float | None:
     """Max over ranks of one step's peak extra bytes (``None``: the peak cannot be reset)."""
-    from hp_cp_torch.launch import run_ranks
+    from hp_cp_torch.cli.launch import run_ranks
 
     ranks = run_ranks(cp, _step_peak_worker, seq, cp, timeout=1800)
     return None if any(r is None for r in ranks) else float(max(ranks))

@@ -1,4 +1,4 @@
-"""The Triton programs of :mod:`hp_cp_torch.triton_attention` (imports ``triton``).
+"""The Triton programs of :mod:`hp_cp_torch.kernels.triton_attention` (imports ``triton``).
 
 Three programs (and a variant of the third), each over a grid ``(B * S, ceil(H / BLOCK_H))``:
 one program takes one query row and a block of its heads, and walks that row's column list

@@ -1,11 +1,11 @@
 """Sparse attention with a sink as fused Triton kernels (``attention_kernel="triton"``).
 
 :func:`sparse_attention_triton` computes what
-:func:`hp_cp_torch.attention.sparse_attention_smallop` computes (same arguments, fp32
+:func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` computes (same arguments, fp32
 softmax, ``-1`` columns, duplicates, all ``-1`` rows) without materialising the gathered
 rows: one program reads a query row's KV columns block by block and serves all heads of
 the row with them (MQA, one shared KV head). The programs are in
-:mod:`hp_cp_torch.triton_kernels`; see Note [Triton sparse attention] for the data flow.
+:mod:`hp_cp_torch.kernels.triton_kernels`; see Note [Triton sparse attention] for the data flow.
 
 It needs ``pip install 'hp-cp-torch[triton]'`` and CUDA tensors, or CPU tensors with
 ``TRITON_INTERPRET=1`` set before Triton is first imported (Triton's interpreter:
@@ -83,7 +83,7 @@ def _kernels_interpreted() -> bool:
     helpers run in Triton's interpreter: both were defined with ``TRITON_INTERPRET=1``."""
     import triton.language as tl
 
-    from hp_cp_torch import triton_kernels
+    from hp_cp_torch.kernels import triton_kernels
 
     ours = type(triton_kernels.sparse_attention_fwd).__name__ == "InterpretedFunction"
     return ours and type(getattr(tl, "zeros", None)).__name__ != "JITFunction"
@@ -198,7 +198,7 @@ class _TritonSparseAttention(torch.autograd.Function):
         scale: float,
         tuning: dict[str, Any] | None,
     ) -> torch.Tensor:
-        from hp_cp_torch.triton_kernels import sparse_attention_fwd
+        from hp_cp_torch.kernels.triton_kernels import sparse_attention_fwd
 
         batch, seq, heads, dim = q.shape
         q = q.contiguous()
@@ -224,7 +224,7 @@ class _TritonSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        from hp_cp_torch.triton_kernels import (
+        from hp_cp_torch.kernels.triton_kernels import (
             sparse_attention_bwd_dkv,
             sparse_attention_bwd_dkv_all_heads,
             sparse_attention_bwd_dq,
@@ -282,7 +282,7 @@ def sparse_attention_triton(
     """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
 
     Same arguments, result and gradients as
-    :func:`hp_cp_torch.attention.sparse_attention_smallop`, as fused Triton kernels (see
+    :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop`, as fused Triton kernels (see
     Note [Triton sparse attention]). ``q`` and ``kv_pool`` share one floating dtype (fp32,
     bf16 or fp16; the softmax runs in fp32 either way); any ``K`` (the kernels loop over
     the columns in blocks), any ``D`` and ``H`` (tiled in powers of two).

@@ -1,7 +1,7 @@
 """Sparse attention with a sink that runs the window as dense bands and gathers only the top-k.
 
 :func:`sparse_attention_banded` computes what
-:func:`hp_cp_torch.attention.sparse_attention_smallop` computes for the pool
+:func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` computes for the pool
 ``[kv_ext ; cmp_kv]`` and the columns "window, then slots", with the window given as the
 dense bands the core plans (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`).
 
@@ -29,7 +29,7 @@ sink)`` (exactly the small-op kernel's max),
 ``denom = sum exp(band - m) + sum exp(slots - m) + exp(sink - m)`` and
 ``o = (P_band V_band + P_slots V_slots) / denom``; the forward keeps only
 ``lse = m + log(denom)`` per (row, head) and backward recomputes ``p = exp(logit - lse)``
-block by block (as :mod:`hp_cp_torch.efficient` does), so saved memory does not grow with
+block by block (as :mod:`hp_cp_torch.kernels.efficient` does), so saved memory does not grow with
 the number of columns. In backward the band's KV gradient is a dense product added to a
 slice of ``d kv_ext``; only the top-k part scatters (``index_add_``, duplicates add up).
 Masked band keys and ``-1`` slots have ``p = 0``: they add nothing anywhere.
@@ -294,7 +294,7 @@ def sparse_attention_banded(
 ) -> torch.Tensor:
     """Attention of every query to its window band and its compressed slots, with a sink.
 
-    Equal (up to rounding) to :func:`hp_cp_torch.attention.sparse_attention_smallop` on the
+    Equal (up to rounding) to :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` on the
     pool ``[kv_ext ; cmp_kv]`` with columns "window, then ``n_ext + idx``"; see Note [Band
     plus gather, one softmax].
 

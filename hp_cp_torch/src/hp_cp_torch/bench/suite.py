@@ -9,9 +9,9 @@ Two kinds of measure, kept apart:
 * **timed on this machine** (ratios within one run): plan-build seconds at S = 1M (best
   of 3), peak memory of one attention call, the step time (forward + backward) of a
   scaled-down reference CSA layer through the CP path at cp = 2 over cp = 1
-  (:mod:`hp_cp_torch.bench_scaling`), the attention kernel's useful FLOP/s over
-  ``torch.matmul``'s (:mod:`hp_cp_torch.bench_kernel`) and a Hugging Face model's
-  training-step memory at cp = 4 over one device (:mod:`hp_cp_torch.bench_memory`); each
+  (:mod:`hp_cp_torch.bench.scaling`), the attention kernel's useful FLOP/s over
+  ``torch.matmul``'s (:mod:`hp_cp_torch.bench.kernel`) and a Hugging Face model's
+  training-step memory at cp = 4 over one device (:mod:`hp_cp_torch.bench.memory`); each
   module's docstring says exactly what it measures.
 
 Writes a flat JSON object of numbers (``--out``, default ``./bench.json``; per-rank lists
@@ -21,7 +21,7 @@ importable, else a small built-in renderer), and
 prints a table. ``python -m hp_cp_torch.bench --help``.
 
 Traffic (the ``comm_*``, ``mindformers_*`` and ``ulysses_*`` keys) is counted in
-:mod:`hp_cp_torch.bench_traffic`: see Note [Communication lower bound] and Note [Peer
+:mod:`hp_cp_torch.bench.traffic`: see Note [Communication lower bound] and Note [Peer
 strategies] there.
 """
 
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core import LayerSpec, build_rank_plan
-from hp_cp_torch.bench_scaling import STEP_VARIANTS
-from hp_cp_torch.bench_traffic import FLASH, Shapes, comm_per_rank, traffic_measures
+from hp_cp_torch.bench.scaling import STEP_VARIANTS
+from hp_cp_torch.bench.traffic import FLASH, Shapes, comm_per_rank, traffic_measures
 
 __all__ = ["FLASH", "Shapes", "comm_per_rank", "main", "work_per_rank"]
 
@@ -246,42 +246,6 @@ def peak_memory_bytes(kernel: str, *, local_rows: int, heads: int, cp: int) -> i
     if base is None or peak is None:
         return None
     return (peak - base) * 1024
-
-
-# ----------------------------------------------------------------------------- step time
-
-
-def step_config(index_topk: int = 64) -> Any:
-    """The scaled-down CSA layer of the step-time measure."""
-    from hp_cp_torch.reference import DeepSeekV4AttentionConfig
-
-    return DeepSeekV4AttentionConfig(
-        hidden_size=256,
-        n_heads=4,
-        head_dim=64,
-        rope_head_dim=16,
-        q_lora_rank=64,
-        o_groups=2,
-        o_lora_rank=32,
-        window_size=128,
-        compress_ratio=4,
-        index_n_heads=4,
-        index_head_dim=32,
-        index_topk=index_topk,
-    )
-
-
-def _predicted_recv(plan: Any, widths: dict[str, int], cp: int) -> int:
-    """Forward + backward bytes this rank's byte counters should show for one step."""
-    win, x_row, slot = widths["window"], widths["x"], widths["slot"]
-    fwd = sum(plan.window.recv_counts) * win
-    bwd = sum(r.size for r in plan.window.send_rows) * win
-    if plan.x is not None:
-        fwd += sum(plan.x.recv_counts) * x_row
-        bwd += sum(r.size for r in plan.x.send_rows) * x_row
-        fwd += plan.slot_exchange.n_halo * slot  # point to point (torch)
-        bwd += plan.slot_exchange.send_total * slot
-    return int(fwd + bwd)
 
 
 # ----------------------------------------------------------------------------- charts
@@ -522,7 +486,7 @@ def _desync_worker(rank: int, world: int, calls: int) -> dict[str, float]:
 def desync_cost(calls: int = 200) -> dict[str, float]:
     """The desync report's cost on 2 local gloo ranks (slower rank): seconds per record and
     its ratio to a small all-gather."""
-    from hp_cp_torch.launch import run_ranks
+    from hp_cp_torch.cli.launch import run_ranks
 
     ranks = run_ranks(2, _desync_worker, calls)
     record = max(r["record_s"] for r in ranks)
@@ -601,29 +565,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["peak_memory_efficient_over_smallop"] = peaks["efficient"] / peaks["smallop"]
             res["peak_memory_rows"] = args.peak_rows
 
-    # step time through the CP path (timed): hp_cp_torch.bench_scaling
+    # step time through the CP path (timed): hp_cp_torch.bench.scaling
     if args.step_seq:
-        from hp_cp_torch.bench_scaling import scaling_measures
+        from hp_cp_torch.bench.scaling import scaling_measures
 
         res.update(scaling_measures(args.step_seq, args.repeat))
 
-    # the attention kernel against torch.matmul (timed): hp_cp_torch.bench_kernel
+    # the attention kernel against torch.matmul (timed): hp_cp_torch.bench.kernel
     if args.kernel_repeat:
-        from hp_cp_torch.bench_kernel import kernel_measures
+        from hp_cp_torch.bench.kernel import kernel_measures
 
         kernels = tuple(k for k in args.kernels.split(",") if k)
         res.update(kernel_measures(kernels, repeat=args.kernel_repeat))
 
-    # a HF model's training-step memory, cp = 4 over one device: hp_cp_torch.bench_memory
+    # a HF model's training-step memory, cp = 4 over one device: hp_cp_torch.bench.memory
     if args.hf_mem_seqs:
-        from hp_cp_torch.bench_memory import hf_memory_measures
+        from hp_cp_torch.bench.memory import hf_memory_measures
 
         seqs = tuple(int(v) for v in args.hf_mem_seqs.split(","))
         res.update(hf_memory_measures(seqs, search=not args.no_hf_max_seq))
 
     # the steady-state hot path (counted): host reads, store ops, agreements per step
     if args.hotpath_steps:
-        from hp_cp_torch.bench_hotpath import hotpath_measures
+        from hp_cp_torch.bench.hotpath import hotpath_measures
 
         res.update(hotpath_measures(steps=args.hotpath_steps))
 

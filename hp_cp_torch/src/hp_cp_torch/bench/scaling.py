@@ -36,6 +36,39 @@ HEADLINE = ("load_balanced", DeepSeekV4CPConfig().attention_kernel)
 """The variant of the headline ``step_time_cp2_over_cp1``, fixed before any run."""
 
 
+def step_config(index_topk: int = 64) -> Any:
+    """The scaled-down CSA layer of the step-time measure."""
+    from hp_cp_torch.reference import DeepSeekV4AttentionConfig
+
+    return DeepSeekV4AttentionConfig(
+        hidden_size=256,
+        n_heads=4,
+        head_dim=64,
+        rope_head_dim=16,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        window_size=128,
+        compress_ratio=4,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=index_topk,
+    )
+
+
+def _predicted_recv(plan: Any, widths: dict[str, int], cp: int) -> int:
+    """Forward + backward bytes this rank's byte counters should show for one step."""
+    win, x_row, slot = widths["window"], widths["x"], widths["slot"]
+    fwd = sum(plan.window.recv_counts) * win
+    bwd = sum(r.size for r in plan.window.send_rows) * win
+    if plan.x is not None:
+        fwd += sum(plan.x.recv_counts) * x_row
+        bwd += sum(r.size for r in plan.x.send_rows) * x_row
+        fwd += plan.slot_exchange.n_halo * slot  # point to point (torch)
+        bwd += plan.slot_exchange.send_total * slot
+    return int(fwd + bwd)
+
+
 def _step(layer: Any, x: Any, g: Any) -> tuple[float, float]:
     """``(wall, cpu)`` seconds of one forward + backward (cpu: this process, all threads)."""
     import torch
@@ -57,7 +90,6 @@ def _scaling_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, A
     import torch.distributed as dist
 
     from hp_cp_core import LayerSpec, build_rank_plan, disable_cp, enable_cp
-    from hp_cp_torch.bench import _predicted_recv, step_config
     from hp_cp_torch.reference import DeepSeekV4Attention
 
     torch.set_num_threads(1)
@@ -146,7 +178,7 @@ def _ratio(num: dict[str, list[float]], den: dict[str, list[float]], clock: str)
 
 def scaling_measures(seq: int, repeat: int) -> dict[str, Any]:
     """The ``step_*`` and ``cp_enabled_cp1_overhead*`` keys (see the module docstring)."""
-    from hp_cp_torch.launch import run_ranks
+    from hp_cp_torch.cli.launch import run_ranks
 
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
