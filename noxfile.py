@@ -150,6 +150,7 @@ def core(session: nox.Session) -> None:
         "tests/core",
         "tests/test_hooks_documented.py",
         "tests/test_no_framework_imports.py",
+        "tests/test_import_graph.py",
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake"},
     )
