@@ -37,11 +37,11 @@ init()
 T_INIT = time.time() - T0
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mf_reference as ref  # noqa: E402
 from mf_cases import Case, parity_cases  # noqa: E402
 
 from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp  # noqa: E402
 from hp_cp_mindformers import patch_mindformers_deepseek_v4_csa_forward  # noqa: E402
-from hp_cp_mindformers import reference as ref  # noqa: E402
 from hp_cp_mindformers.backend import Capabilities  # noqa: E402
 
 WORLD_RANK, WORLD = get_rank(), get_group_size()

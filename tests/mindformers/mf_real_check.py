@@ -7,7 +7,7 @@ Checks: the adapter maps a real instance's attributes (``compressor``, ``indexer
 ``force_unfused``); the CP stages on a group of one (real compressors, real
 ``forward_before_topk``, real ``unfused_compressed_sparse_attn``) reproduce the real cell's own
 output and gradients, padded and packed, r = 0, 4, 128; the project's copy of the cell
-(``hp_cp_mindformers.reference``) equals the real cell with the same weights in training mode
+(``tests/mindformers/mf_reference.py``) equals the real cell with the same weights in training mode
 (output, logged indexer loss, every gradient); and what MindFormers' own CSA CP refuses.
 """
 
@@ -32,6 +32,7 @@ if env.SKIP_REASON or env.IMPORT_ERROR:
     emit()
     sys.exit(0)
 
+import mf_reference as ref  # noqa: E402
 import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import Tensor  # noqa: E402
@@ -39,7 +40,6 @@ from mindspore import Tensor  # noqa: E402
 from hp_cp_core import DeepSeekV4CPConfig, DeepSeekV4CPForward  # noqa: E402
 from hp_cp_core.plugins import PluginHost  # noqa: E402
 from hp_cp_mindformers import _plugin  # noqa: E402
-from hp_cp_mindformers import reference as ref  # noqa: E402
 from hp_cp_mindformers.adapter import (  # noqa: E402
     MindFormersDeepSeekV4CSAAdapter,
     _primitive,
@@ -120,7 +120,7 @@ def parity(cell, seq: int, ends) -> dict:
 
 
 def copy_vs_real(r: int, seq: int, ends) -> dict:
-    """The project's copy of the cell (``hp_cp_mindformers.reference``) against the real cell
+    """The project's copy of the cell (``tests/mindformers/mf_reference.py``) against the real cell
     with the same weights, in training mode (indexer KL loss, coefficient 0.5): outputs, the
     logged loss and every gradient."""
     real = env.real_cell(r, train=True, loss_coeff=0.5, seed=11)

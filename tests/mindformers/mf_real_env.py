@@ -143,7 +143,7 @@ def real_config(loss_coeff: float = 0.0):
 
 def real_cell(r: int, *, train: bool = False, loss_coeff: float = 0.0, seed: int | None = None):
     """A real ``CompressedSparseAttention`` of ratio ``r`` (layer 2 of 3), seeded weights."""
-    from hp_cp_mindformers import reference as ref
+    import mf_reference as ref
 
     rope = ref.ReferenceRotaryEmbedding(8, 40000.0)
     cell = mf_csa.CompressedSparseAttention(real_config(loss_coeff), SUBMODULES, 2, None, rope, r)

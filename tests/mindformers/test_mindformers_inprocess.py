@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import numpy as np
@@ -17,6 +18,7 @@ from mf_require import mindspore_or_skip
 
 ms = mindspore_or_skip()
 
+import mf_reference as ref  # noqa: E402
 from mindspore import Tensor, mint, nn  # noqa: E402
 
 from hp_cp_core import (  # noqa: E402
@@ -34,7 +36,6 @@ from hp_cp_mindformers import (  # noqa: E402
     patch_deepseek_v4_compressed_sparse_attention_forward,
     patch_mindformers_deepseek_v4_csa_forward,
 )
-from hp_cp_mindformers import reference as ref  # noqa: E402
 from hp_cp_mindformers.adapter import adapter_for  # noqa: E402
 from hp_cp_mindformers.backend import (  # noqa: E402
     Capabilities,
@@ -203,6 +204,23 @@ def test_force_unfused_falls_back_to_apply_dsa_kernel_fusion() -> None:
         warnings.simplefilter("always")
         assert adapter.layer_spec().force_unfused is False
     assert any("unfused small-op path" in str(w.message) for w in caught)
+
+
+class SubclassedCell(ref.CompressedSparseAttention):
+    """Defined in a module without the cell's helpers (``unfused_compressed_sparse_attn``)."""
+
+
+def test_helpers_come_from_the_cell_class_or_its_bases() -> None:
+    from hp_cp_mindformers.adapter import _primitive
+
+    cell = make_cell(4)
+    assert _primitive(cell, "parse_cu_seqlens") is ref.parse_cu_seqlens
+    sub = SubclassedCell(ref.ReferenceCSAConfig(), None, 1, compress_ratio=4)
+    assert _primitive(sub, "unfused_compressed_sparse_attn") is ref.unfused_compressed_sparse_attn
+    assert MindFormersDeepSeekV4CSAAdapter(sub).layer_spec().compress_ratio == 4
+    lookalike = types.SimpleNamespace(compress_ratio=0, window_size=8, force_unfused=True)
+    with pytest.raises(HpCpError, match="no module of its classes defines"):
+        MindFormersDeepSeekV4CSAAdapter(lookalike).layer_spec()
 
 
 def test_global_actual_seq_len_becomes_cu_seqlens() -> None:

@@ -1,5 +1,5 @@
 """The adapter on the REAL mindformers 2.1.0 ``CompressedSparseAttention`` on a group of one, and
-the project's copy of the cell (``hp_cp_mindformers.reference``) against the real cell (see
+the project's copy of the cell (``tests/mindformers/mf_reference.py``) against the real cell (see
 ``mf_real_check.py``, run in a fresh interpreter because it stubs ``hyper_parallel`` and
 installs CPU stand-ins for kernels MindSpore 2.10 CPU lacks). Missing mindformers fails these
 tests when ``HP_CP_REQUIRE_BACKEND`` names mindformers."""

@@ -54,15 +54,22 @@ ADAPTER_ATTR = "_hp_cp_adapter"
 _CSA_ATTRS = ("compress_ratio", "window_size", "attn_sink", "_construct_naive", "compressor")
 
 
-def _primitive(cell: Any, name: str) -> Callable[..., Any]:
-    """``name`` from the cell's own Python module (the real mindformers helpers on the real
-    cell), else from :mod:`hp_cp_mindformers.reference`."""
-    fn = getattr(sys.modules.get(type(cell).__module__), name, None)
-    if fn is None:
-        from hp_cp_mindformers import reference
+_PRIMITIVES = ("unfused_compressed_sparse_attn", "parse_cu_seqlens")
+"""The helpers of mindformers' csa.py that the adapter calls, taken from the cell's module."""
 
-        fn = getattr(reference, name)
-    return fn
+
+def _primitive(cell: Any, name: str) -> Callable[..., Any]:
+    """``name`` from the Python module of the cell's class, or of the first base class whose
+    module has it (a subclass defined elsewhere uses the real mindformers helpers)."""
+    for cls in type(cell).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), name, None)
+        if fn is not None:
+            return fn
+    raise HpCpError(
+        f"`{type(cell).__name__}` is run under CP with the helpers of mindformers' "
+        f"CompressedSparseAttention, but no module of its classes defines `{name}`; "
+        "use (a subclass of) mindformers 2.1.0's CompressedSparseAttention."
+    )
 
 
 def install_construct(cell: nn.Cell, construct: Callable[..., Any]) -> Callable[[], None]:
@@ -118,6 +125,8 @@ class MindFormersDeepSeekV4CSAAdapter:
                 f"`{type(self.module).__name__}` has compress_ratio={ratio} but no compressor; "
                 "expected the mindformers CompressedSparseAttention attribute `compressor`."
             )
+        for name in _PRIMITIVES:  # found before any collective, or an HpCpError now
+            _primitive(self.module, name)
         if not self.force_unfused:
             warnings.warn(
                 f"`{type(self.module).__name__}` asks for the fused DSA kernels "

@@ -3,7 +3,7 @@
 Started on 3 MindSpore CPU ranks: cp = 3 cases on the world group (every rank), cp = 2 on the
 communication sub-group of ranks 0 and 1, cp = 1 on rank 2 alone (a 1-rank mesh), so ranks 0-1
 and rank 2 work side by side. Per case every rank of the CP group builds the reference cell
-``hp_cp_mindformers.reference.CompressedSparseAttention`` and the same seeded global inputs,
+``mf_reference.CompressedSparseAttention`` (tests/mindformers) and the same seeded global inputs,
 runs one forward under CP on its rows, records ``handle.stats()``, gathers the output with
 ``handle.unshard`` and compares it with the single-device cell (every rank: the 2-core machine
 can afford it); then ``disable_cp`` and checks the cell is restored. Writes
@@ -28,13 +28,13 @@ MF_TESTS = os.path.join(
 sys.path.insert(0, MF_TESTS)
 
 import mf_msrun_worker as w  # noqa: E402  (sets the CPU context and calls init())
+import mf_reference as ref  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import Tensor  # noqa: E402
 from mindspore.communication import GlobalComm, create_group  # noqa: E402
 
 from hp_cp_core import HpCpError, disable_cp, enable_cp  # noqa: E402
 from hp_cp_core.testing.cases import ContractCase  # noqa: E402
-from hp_cp_mindformers import reference as ref  # noqa: E402
 
 
 class OneRankMesh:

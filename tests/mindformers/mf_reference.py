@@ -10,11 +10,14 @@ This module mirrors, name for name, the classes in the mindformers 2.1.0 wheel
     .../indexer.py      CSAIndexer, UnfusedCSAIndexerLoss, _IndexerLossAutoScaler
     .../utils.py        Hadamard
 
-so that an adapter written against this cell also drives the real one. It is not a second
-definition of the cell: with the same weights it computes exactly what the real cell computes
-on MindSpore CPU in training mode (output, logged indexer loss, every gradient), which
-``tests/mindformers/test_real_mindformers.py`` checks whenever mindformers is installed.
-The interface:
+so that an adapter written against this cell also drives the real one. It is a test fixture
+(the cell the MindFormers tests and the contract driver run where mindformers is not installed),
+not part of hp-cp-mindformers: the adapter takes the cell's helpers from the cell's own module.
+
+It is not a second definition of the cell: with the same weights it computes exactly what the
+real cell computes on MindSpore CPU in training mode (output, logged indexer loss, every
+gradient), which ``tests/mindformers/test_real_mindformers.py`` checks whenever mindformers is
+installed. The interface:
 
 * ``CompressedSparseAttention(config, submodules, layer_number, softmax_scale=None,
   rotary_pos_emb=None, compress_ratio=0)``; ``construct(query, key, x, qr, actual_seq_len=None)``
