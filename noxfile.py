@@ -19,6 +19,7 @@ import glob
 import os
 import random
 import shutil
+import zipfile
 
 import nox
 
@@ -72,9 +73,11 @@ def _wheels(session: nox.Session, *requirements: str) -> list[str]:
         built = False
     if not built:
         os.makedirs(DIST, exist_ok=True)
-        for name in WHEEL_SOURCES:
+        for name, source in WHEEL_SOURCES.items():
             for old in glob.glob(os.path.join(DIST, f"{name.replace('-', '_')}-*.whl")):
                 os.remove(old)
+            # setuptools packs all of build/lib: a file removed from src/ would still ship
+            shutil.rmtree(os.path.join(source, "build"), ignore_errors=True)
         session.run(
             "python",
             "-m",
@@ -86,6 +89,8 @@ def _wheels(session: nox.Session, *requirements: str) -> list[str]:
             DIST,
             *(f"./{d}" for d in WHEEL_SOURCES.values()),
         )
+        for name, source in WHEEL_SOURCES.items():
+            _check_wheel_modules(session, name, source)
         with open(_BUILT, "w") as fh:
             fh.write(run_id)
     paths, args = [], ["--find-links", DIST]
@@ -101,6 +106,26 @@ def _wheels(session: nox.Session, *requirements: str) -> list[str]:
     # a reused virtualenv holds the same version from an earlier run: replace it by this build
     session.install("--no-deps", "--force-reinstall", "--quiet", *paths)
     return args
+
+
+def _check_wheel_modules(session: nox.Session, name: str, source: str) -> None:
+    """The built wheel of ``name`` holds exactly the ``.py`` files of ``source/src`` (every
+    subpackage, nothing stale)."""
+    (wheel,) = glob.glob(os.path.join(DIST, f"{name.replace('-', '_')}-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        packed = {n for n in zf.namelist() if n.endswith(".py")}
+    src = os.path.join(source, "src")
+    tree = {
+        os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/")
+        for d, _, files in os.walk(src)
+        for f in files
+        if f.endswith(".py")
+    }
+    if packed != tree:
+        session.error(
+            f"{os.path.basename(wheel)}: missing {sorted(tree - packed)}, "
+            f"not in {src}: {sorted(packed - tree)}"
+        )
 
 
 VEOMNI = "veomni==0.1.12"  # installed --no-deps; its DeepSeek V4 imports with transformers 5.9
