@@ -463,4 +463,12 @@ def sparse_attention_triton(
             f"bfloat16 and float16; got q {q.dtype} and kv_pool {kv_pool.dtype}. Cast them "
             "to one (the layer's dtype)."
         )
+    unknown = set(tuning or {}) - set(TUNABLE)
+    if unknown:
+        raise HpCpError(
+            f"sparse_attention_triton tuning has unknown phases {sorted(unknown)}; expected "
+            f"some of {sorted(TUNABLE)}."
+        )
+    for phase in tuning or {}:  # every override checked now, not at the backward
+        _launch(q.dtype, q.shape[2], q.shape[3], phase, tuning)
     return _TritonSparseAttention.apply(q, kv_pool, idx, sink, scale, tuning, bands)
