@@ -5,32 +5,47 @@
 softmax, ``-1`` columns, duplicates, all ``-1`` rows) without materialising the gathered
 rows: one program reads a query row's KV columns block by block and serves all heads of
 the row with them (MQA, one shared KV head). The programs are in
-:mod:`hp_cp_torch.triton_kernels`; see Note [Triton sparse attention] for the data flow.
-
-It needs ``pip install 'hp-cp-torch[triton]'`` and CUDA tensors, or CPU tensors with
-``TRITON_INTERPRET=1`` set before Triton is first imported (Triton's interpreter:
-exact, slow, what the CPU tests use).
-
-Note [Triton sparse attention]
+:mod:`hp_cp_torch.triton_kernels`; see Note [Triton sparse attention]
 ------------------------------
 Forward saves only ``q``, the pool, the index list (int32) and the fp32 log-sum-exp; the
 backward recomputes the scores twice, once for ``delta`` and once for the gradients::
 
-    forward   (row, head block) ──► for each block of K columns: gather kv [BK, D],
-                                    s = q kv^T, online softmax with the sink ──► o, lse
+    forward   (row, head block) ──► for each block of K columns: gather kv [BK, D] once,
+                                    s = q kv^T ([H, D] x [D, BK]: the row's heads are M),
+                                    online softmax with the sink ──► o, lse
     backward  dq kernel         ──► pass 1: delta = sum p (dO kv^T)   (= dO . o)
                                     (tiles of tuning "delta")
                                     (pass 2 only with FUSED off:
                                      dq = scale * sum p (dp - delta) kv)
-              dkv kernel        ──► per column block: p^T dO + scale ds^T q
-                                    atomic add into d_pool[b, idx]  (fp32),
-                                    and dq (FUSED, the default); tuning
-                                    ALL_HEADS: one program per row sums
-                                    all head blocks before its atomic add
+              dkv kernel        ──► per column block: p^T dO + scale ds^T q, and dq (FUSED)
+                                    POOL_GRAD "owned" (default): stored as this head
+                                    block's part of that column (no atomics), then
+                                    Note [Atomics-free pool gradient];
+                                    "atomic" (0.2.0): fp32 atomic add into d_pool[b, idx]
               dsink             ──► -sum_{b,s} exp(sink - lse) delta        (torch)
 
-The fp32 pool gradient is summed with atomics, so on a GPU its rounding depends on the
-order the programs run in (not bitwise reproducible); the interpreter runs them in order.
+The default forward (``LAYOUT="heads_m"``) takes up to 128 heads per program (as many as
+an fp32 ``[BLOCK_H, D]`` accumulator of :data:`REGISTER_TILE` bytes allows: 64 at D = 512)
+and splits D in two halves; ``"head_blocks"`` is the 0.2.0 forward (at most 64 heads).
+
+Note [Atomics-free pool gradient]
+---------------------------------
+Each pool row's gradient is summed by the one program that owns it, in a fixed order, so
+the result is the same bits every run and ``torch.use_deterministic_algorithms(True)``
+accepts it. Per chunk of query rows (as many as ``PARTS_MIB`` of fp32 parts hold)::
+
+    dkv kernel (query rows)     parts[head block, row, column, :] = p^T dO + scale ds^T q
+    readers of each pool row    window / HCA columns: ranges from the plan (bands,
+                                Note [Readers of a band]); the picks: inverted on the device
+                                (Note [Inverting the picks]; every column without bands)
+    pool_grad_owned (pool row,  d_pool[r] += sum over its readers, in query order, of the
+      feature block)            parts of every head block    (one writer per row: no atomics)
+
+    query rows  q0 q1 q2          parts [row, col]         pool row 2 reads (q0,c0) (q1,c0)
+    idx         [2,-1] [2,2] [0]  ──► written once each ──►  (q1,c1): one program adds them
+
+The price is memory traffic: the parts are written once and read once (``4 K D`` bytes per
+query row and head block), where the atomics added in place.
 """
 
 from __future__ import annotations

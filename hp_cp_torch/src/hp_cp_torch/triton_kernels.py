@@ -1,25 +1,33 @@
 """The Triton programs of :mod:`hp_cp_torch.triton_attention` (imports ``triton``).
 
-Three programs (and a variant of the third), each over a grid ``(B * S, ceil(H / BLOCK_H))``:
-one program takes one query row and a block of its heads, and walks that row's column list
-``idx[b, s, :]`` in blocks of ``BLOCK_K`` columns. Every head of the row reads the same
-gathered KV rows (MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product,
-as in FlashMLA's sparse kernel:
+The attention programs run over a grid ``(B * S, ceil(H / BLOCK_H))``: one program takes
+one query row and a block of its heads, and walks that row's column list ``idx[b, s, :]``
+in blocks of ``BLOCK_K`` columns. Every head of the row reads the same gathered KV rows
+(MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product, as in FlashMLA's
+sparse kernel:
 
-* ``sparse_attention_fwd``: online softmax whose running max starts at the sink logit
-  (``m = sink``, ``l = exp(sink - m) = 1``), so the max includes the sink and an all ``-1``
-  row gives 0; writes ``o`` and ``lse = m + log(l)``;
+* ``sparse_attention_fwd_heads_m`` (the default forward): up to 128 heads as M, D in two
+  halves, base-2 online softmax whose running max starts at the sink logit;
+* ``sparse_attention_fwd`` (the 0.2.0 forward, ``LAYOUT="head_blocks"``): online softmax
+  whose running max starts at the sink logit (``m = sink``, ``l = exp(sink - m) = 1``), so
+  the max includes the sink and an all ``-1`` row gives 0; writes ``o`` and
+  ``lse = m + log(l)``;
 * ``sparse_attention_bwd_dq``: two passes over the columns, the first for
   ``delta = sum_i p_i dp_i`` (``= dO . o``, recomputed instead of saving ``o``), the second
   (``DQ_PASS``) for ``dq = scale * sum_i ds_i kv_i``; writes ``dq`` and ``delta``;
 * ``sparse_attention_bwd_dkv``: per column block
-  ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block) and an atomic add
-  into the fp32 pool gradient at the block's rows; duplicates add up, ``-1`` columns are
-  masked out. With ``WITH_DQ`` it also accumulates ``dq`` (then the dq kernel runs only its
-  ``delta`` pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers;
+  ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block), stored as the
+  head block's part of each column (``STORE_PARTS``) or added atomically into the fp32
+  pool gradient at the block's rows; duplicates add up, ``-1`` columns are masked out.
+  With ``WITH_DQ`` it also accumulates ``dq`` (then the dq kernel runs only its ``delta``
+  pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers. Its grid's
+  rows are the chunk ``ROW0 .. ROW0 + ROWS - 1`` of every batch;
 * ``sparse_attention_bwd_dkv_all_heads`` (tuning ``ALL_HEADS``): the same pool gradient
-  from one program per row that sums every head block before its atomic add, so
-  ``ceil(H / BLOCK_H)`` times fewer atomics (no dq; the dq kernel makes it).
+  from one program per row that sums every head block before its store or atomic add, so
+  ``ceil(H / BLOCK_H)`` times fewer (no dq; the dq kernel makes it);
+* ``pool_grad_owned``: one program per pool row and feature block adds the parts of the
+  row's readers (plan bands, then the inverted picks) in query order and writes the row
+  (Note [Atomics-free pool gradient] in :mod:`hp_cp_torch.triton_attention`).
 
 Only ``tl.load`` / ``tl.store`` / ``tl.dot`` / ``tl.atomic_add`` and elementwise ops are used
 (no descriptors, no autotuning), which behave the same from Triton 3.0 on, and in the
