@@ -151,7 +151,7 @@ PARITY = [(*p, "triton") for p in PARITY] + [
     for v in PARITY_VARIANTS
 ]
 if SMOKE:
-    PARITY = [(n, (b, min(s, 5), min(h, 4), min(d, 32), p, min(k, 20)), t, v)
+    PARITY = [(n, (b, min(s, 5), min(h, 4), min(d, 32), min(p, 64), min(k, 20)), t, v)
               for n, (b, s, h, d, p, k), t, v in PARITY]  # fmt: skip
 
 
