@@ -428,7 +428,7 @@ def fuzz(session: nox.Session) -> None:
 @nox.session(python=PYTHONS, default=False)
 def device(session: nox.Session) -> None:
     """GPU checks: the Triton kernel's parity and benchmark (scripts/device_triton.py, JSON to
-    ``$HP_CP_DEVICE_JSON`` or ./device-triton.json), then multi-GPU torchrun (NCCL)."""
+    ``$HP_CP_DEVICE_JSON`` or ./triton2.json), then multi-GPU torchrun (NCCL)."""
     session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[triton]"))
     session.run("python", "scripts/device_triton.py", *session.posargs)
     session.run("bash", "scripts/device_check.sh", external=True)

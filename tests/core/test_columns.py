@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_planner_properties import _plans, plan_cases
 
-from hp_cp_core.columns import PlanColumns, ScoreChunk, select_topk_numpy
+from hp_cp_core.columns import PlanColumns, ScoreChunk, band_readers, select_topk_numpy
 
 
 def _covered_once(ranges: list[tuple[int, int]], n: int) -> np.ndarray:
@@ -119,3 +119,47 @@ def test_select_topk_numpy_is_the_stable_top_k_of_visible_slots(n, slots, topk, 
             cand.sort(key=lambda j: (-scores[b, i, j], j))  # ties to the lower slot
             want = [s0 + j for j in cand[:topk]]
             assert got[b, i].tolist() == want + [-1] * (topk - len(want))
+
+
+def _readers_by_sort(idx: np.ndarray, n_rows: int) -> list[list[tuple[int, int]]]:
+    """Per pool row, its ``(query, column)`` readers in the column lists ``idx`` (a sort)."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(n_rows)]
+    for t, c in zip(*np.nonzero(idx >= 0)):
+        out[idx[t, c]].append((int(t), int(c)))
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=plan_cases(), chunk=st.integers(1, 40))
+def test_column_bands_readers_match_the_inverted_columns(case: dict, chunk: int) -> None:
+    """Note [Readers of a band]: the plan-derived reader ranges of the window and HCA bands,
+    masked as a kernel masks them, are exactly the inverse of the column lists, in query
+    order."""
+    _, plans = _plans(case)
+    for plan in plans:
+        n_ext = plan.window.ext_rows.size
+        columns = PlanColumns(plan, n_ext)
+        n_pool = n_ext + plan.n_needed_slots
+        for lo, hi in columns.chunks(chunk):
+            bands = columns.column_bands(lo, hi, n_pool, with_slots=True)
+            assert bands is not None  # the planner's bands are monotone in every run
+            hca = columns.pool_rows(columns.visible_slots(lo, hi))
+            idx = np.concatenate([columns.window(lo, hi), hca], axis=1)
+            assert bands.n_columns == idx.shape[1]
+            got: list[list[tuple[int, int]]] = [[] for _ in range(n_pool)]
+            for r in range(n_pool):
+                for j in range(bands.col0.size):
+                    for run in range(bands.first.shape[1]):
+                        for t in range(bands.first[j, run, r], bands.stop[j, run, r]):
+                            s, n = bands.start[j, t], bands.length[j, t]
+                            if s <= r < s + n:
+                                got[r].append((t, int(bands.col0[j] + r - s)))
+            assert got == _readers_by_sort(idx, n_pool)
+
+
+def test_band_readers_refuse_bands_that_are_not_ranges() -> None:
+    start, length = np.array([0, 2, 1]), np.array([1, 1, 1])  # starts go back: not a range
+    assert band_readers(start, length, [(0, 3)], 4) is None
+    first, stop = band_readers(start, length, [(0, 2), (2, 3)], 4)  # two runs: ranges
+    assert first.tolist() == [[0, 0, 1, 0], [0, 2, 0, 0]]
+    assert stop.tolist() == [[1, 0, 2, 0], [0, 3, 0, 0]]

@@ -47,11 +47,18 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
+# the defaults (heads-as-M forward, atomics-free backward) and the 0.2.0 kernels
+OLD_PATHS = {"fwd": {"LAYOUT": "head_blocks"}, "bwd": {"POOL_GRAD": "atomic"}}
+PATHS = {"new": None, "old": OLD_PATHS}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
-def test_matches_smallop_fp32(shape):
+def test_matches_smallop_fp32(shape, path):
     q, kv, idx, sink = on_device(*random_case(**shape))
     ref = run(sparse_attention_smallop, q, kv, idx, sink, 0.3)
-    got = run(sparse_attention_triton, q, kv, idx, sink, 0.3)
+    tuning = PATHS[path]
+    got = run(lambda *a: sparse_attention_triton(*a, tuning=tuning), q, kv, idx, sink, 0.3)
     for name, a, b, tol in zip(("out", "dq", "dkv", "dsink"), got, ref, (1e-5, 1e-4, 1e-4, 1e-4)):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.isfinite(a).all(), name
@@ -65,19 +72,33 @@ def test_matches_smallop_fp32(shape):
         {"bwd": {"FUSED": False}},
         {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True}},
         {"fwd": {"BLOCK_K": 16}, "bwd": {"BLOCK_H": 16, "BLOCK_K": 16}, "delta": {"BLOCK_H": 32}},
+        {"bwd": {"BLOCK_H": 16, "PARTS_MIB": 0.01}},  # parts of 2 query rows per chunk
+        {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True, "PARTS_MIB": 0.0}},  # one row per chunk
+        {"bwd": {"BLOCK_H": 16, "ALL_HEADS": True, "POOL_GRAD": "atomic"}},
+        {"fwd": {"LAYOUT": "head_blocks", "BLOCK_H": 16}, "bwd": {"POOL_GRAD": "atomic"}},
     ],
-    ids=["unfused-backward", "all-heads", "small-blocks-own-delta-tiles"],
+    ids=[
+        "unfused-backward",
+        "all-heads",
+        "small-blocks-own-delta-tiles",
+        "owned-chunks",
+        "owned-all-heads-row-chunks",
+        "atomic-all-heads",
+        "old-forward-two-head-blocks",
+    ],
 )
 def test_tuning_variants_match_smallop(tuning):
     """The launch overrides the GPU benchmark tries compute the same (K = 37: three blocks
-    of 16; H = 20: two head blocks)."""
-    q, kv, idx, sink = on_device(*random_case(batch=1, seq=6, heads=20, dim=24, pool=30, k=37))
+    of 16; H = 20: two head blocks; B = 2)."""
+    q, kv, idx, sink = on_device(*random_case(batch=2, seq=6, heads=20, dim=24, pool=30, k=37))
     ref = run(sparse_attention_smallop, q, kv, idx, sink, 0.3)
     got = run(lambda *a: sparse_attention_triton(*a, tuning=tuning), q, kv, idx, sink, 0.3)
     for a, b, tol in zip(got, ref, (1e-5, 1e-4, 1e-4, 1e-4)):
         assert_close(a, b, tol)
     with pytest.raises(HpCpError, match="unknown keys"):
         sparse_attention_triton(q, kv, idx, sink, 0.3, tuning={"fwd": {"FUSED": True}})
+    with pytest.raises(HpCpError, match="expected one of"):
+        sparse_attention_triton(q, kv, idx, sink, 0.3, tuning={"bwd": {"POOL_GRAD": "x"}})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -91,6 +112,94 @@ def test_launch_fits_the_shared_memory_budget(dtype, heads):
         assert triton_attention._shared_bytes(cfg, phase, elem) <= 200 << 10, (phase, cfg)
     with pytest.raises(HpCpError, match="shared memory"):
         triton_attention._launch(dtype, heads, 512, "bwd", {"bwd": {"BLOCK_H": 64}})
+
+
+def _backward_twice(tuning):
+    q, kv, idx, sink = on_device(*random_case(batch=2, seq=7, heads=20, dim=24, pool=9, k=29))
+    return [
+        run(lambda *a: sparse_attention_triton(*a, tuning=tuning), q, kv, idx, sink, 0.3)
+        for _ in range(2)
+    ]
+
+
+@pytest.mark.parametrize("tuning", [None, {"bwd": {"BLOCK_H": 16, "PARTS_MIB": 0.01}}])
+def test_backward_is_bitwise_reproducible(tuning):
+    """Two backward runs give the same bits (a pool of 9 rows read by 7 x 29 columns:
+    many readers per row, the case atomics would reorder on a GPU)."""
+    first, second = _backward_twice(tuning)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_mode_takes_the_owned_backward_and_refuses_atomics():
+    """Under ``torch.use_deterministic_algorithms(True)`` the default backward runs (and
+    matches small-op); the atomics one raises, or warns with ``warn_only``."""
+    q, kv, idx, sink = on_device(*random_case(batch=1, seq=5, heads=3, dim=16, pool=8, k=9))
+    atomic = {"bwd": {"POOL_GRAD": "atomic"}}
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        got = run(sparse_attention_triton, q, kv, idx, sink, 0.3)
+        with pytest.raises(HpCpError, match="use_deterministic_algorithms"):
+            run(lambda *a: sparse_attention_triton(*a, tuning=atomic), q, kv, idx, sink, 0.3)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="POOL_GRAD"):
+            run(lambda *a: sparse_attention_triton(*a, tuning=atomic), q, kv, idx, sink, 0.3)
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_before)
+    ref = run(sparse_attention_smallop, q, kv, idx, sink, 0.3)
+    for a, b, tol in zip(got, ref, (1e-5, 1e-4, 1e-4, 1e-4)):
+        assert_close(a, b, tol)
+
+
+@pytest.mark.parametrize(
+    "ratio, layout",
+    [(4, "load_balanced"), (8, "contiguous"), (8, "load_balanced"), (0, "load_balanced")],
+)
+def test_plan_bands_backward_matches_smallop(ratio, layout):
+    """Through ``run_sparse_attention``: the window (and HCA) readers come from the plan
+    (:class:`hp_cp_core.columns.ColumnBands`, two runs when load balanced), CSA's picks
+    from the device sort (r = 4 with an indexer; r = 8 without one reads every visible
+    slot, as HCA does); outputs and gradients match the small-op kernel."""
+    from hp_cp_core import LayerSpec, build_rank_plan
+    from hp_cp_core.columns import PlanColumns
+    from hp_cp_torch.attention import run_sparse_attention
+
+    spec = LayerSpec(compress_ratio=ratio, window_size=4, has_indexer=ratio == 4)
+    plan = build_rank_plan(rank=1, cp_size=2, spec=spec, layout_kind=layout, total_rows=2 * 16)
+    g = torch.Generator().manual_seed(ratio)
+    n_ext = plan.window.ext_rows.size
+    q = torch.randn(1, plan.n_local, 2, 16, generator=g)
+    ori = torch.randn(1, n_ext, 16, generator=g)
+    cmp = torch.randn(1, plan.n_needed_slots, 16, generator=g) if ratio else None
+    sink = torch.randn(2, generator=g)
+    selected = None
+    if ratio == 4:  # random picks among the visible slots, with -1 and a duplicate
+        width = plan.n_needed_slots
+        picks = torch.randint(0, max(width, 1), (1, plan.n_local, 3), generator=g)
+        visible = (picks >= torch.as_tensor(plan.cmp_start)[None, :, None]) & (
+            picks < torch.as_tensor(plan.cmp_start + plan.cmp_count)[None, :, None]
+        )
+        selected = torch.where(visible, picks, -1)
+        selected[0, -1, 1] = selected[0, -1, 0]
+    bands = PlanColumns(plan, n_ext).column_bands(
+        0, plan.n_local, n_ext + (cmp.shape[1] if ratio else 0)
+    )
+    assert bands is not None and bands.first.shape[1] == (2 if layout == "load_balanced" else 1)
+    leaves = [t for t in (q, ori, cmp, sink) if t is not None]
+    grad = torch.randn(q.shape, generator=g)
+
+    def grads(kernel):
+        ins = [t.detach().clone().requires_grad_(True) for t in leaves]
+        qq, oo, cc, ss = ins if ratio else (ins[0], ins[1], None, ins[2])
+        out = run_sparse_attention(
+            qq, oo, cc, plan, selected, ss, 0.25, kernel=kernel, query_chunk=7
+        )
+        return [out, *torch.autograd.grad(out, ins, grad)]
+
+    for a, b in zip(grads("triton"), grads("smallop")):
+        assert_close(a, b, 1e-4)
 
 
 def test_empty_rows_give_zero_output_and_finite_grads():

@@ -35,6 +35,26 @@ visible ranges. Where that union is narrow (at most ``picks_band_max`` slots: th
 positions of a sequence, where a query sees few more slots than it picks), a kernel can read
 the picks as that band too, masked to the picks at run time, instead of gathering
 ``[rows, topk, D]``; wider unions leave the band empty and the picks are gathered.
+
+Note [Readers of a band]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A backward that owns pool rows (no atomics) needs the inverse: for pool row r, which queries
+read it, at which column. The window and HCA's slots are *bands*: query t reads rows
+``start[t] .. start[t] + length[t] - 1`` at consecutive columns. Inside one contiguous run
+``start`` and ``start + length`` never decrease (over the queries that read anything), so
+the readers of r are one range of queries per run, found by two binary searches, and the
+column is ``col0 + r - start[t]``. Only the indexer's picks are data dependent (a kernel
+inverts those on the device)::
+
+    query t   start  length   rows read (W = 3)      readers of row r = 2:
+      0         0      1      0                      a = first t with start + length > 2
+      1         0      2      0 1                      = 2
+      2         0      3      0 1 2                  b = first t with start > 2
+      3         1      3        1 2 3                  = 5
+      4         2      3          2 3 4              readers 2 .. 4, at columns 2 - start[t]
+
+A range may hold queries that read nothing (``length = 0``); a kernel keeps only the
+queries with ``start <= r < start + length``.
 """
 
 from __future__ import annotations
@@ -49,7 +69,14 @@ from hp_cp_core.indices import compressed_index_dense, window_index_dense
 if TYPE_CHECKING:
     from hp_cp_core.plan import RankPlan
 
-__all__ = ["DenseBlock", "PlanColumns", "ScoreChunk", "select_topk_numpy"]
+__all__ = [
+    "ColumnBands",
+    "DenseBlock",
+    "PlanColumns",
+    "ScoreChunk",
+    "band_readers",
+    "select_topk_numpy",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +126,71 @@ class DenseBlock:
     slot_stop: int = 0
     slot_mask: np.ndarray | None = None
     picks_in_band: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class ColumnBands:
+    """The plan-derived columns of a query chunk, as bands, with their readers per pool row
+    (Note [Readers of a band]): an atomics-free backward sums each pool row's gradient from
+    these instead of inverting the columns by a sort.
+
+    Band ``j`` is columns ``col0[j] ..`` of the chunk's queries: query ``i`` reads pool rows
+    ``start[j, i] .. start[j, i] + length[j, i] - 1`` at columns ``col0[j] ..`` (the window:
+    ``col0 = 0``; HCA's visible slots: ``col0 = W``).
+
+    Attributes:
+        col0: ``[NB]`` first column of each band.
+        start, length: ``[NB, n]`` per chunk query (0-based in the chunk).
+        first, stop: ``[NB, NR, P]``: per band, per contiguous run of the chunk and per pool
+            row ``r``, the chunk queries ``first .. stop - 1`` include every query of the run
+            that reads ``r`` in the band (a superset: a kernel keeps the queries with
+            ``start <= r < start + length``); ``first == stop`` where none does.
+        n_columns: columns ``0 .. n_columns - 1`` are covered by the bands; the later ones
+            (the indexer's picks) are not.
+    """
+
+    col0: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    first: np.ndarray
+    stop: np.ndarray
+    n_columns: int
+
+
+def band_readers(
+    start: np.ndarray, length: np.ndarray, runs: list[tuple[int, int]], n_rows: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per run and pool row, the query range ``[first, stop)`` that holds every query of the
+    run reading the row (Note [Readers of a band]); ``None`` when some run's bands are not
+    monotone (then they are not ranges: invert them by sorting instead).
+
+    Args:
+        start, length: ``[n]`` first pool row and row count of each query's band.
+        runs: ``(lo, hi)`` query ranges in which ``start`` and ``start + length`` of the
+            queries with ``length > 0`` never decrease.
+        n_rows: pool rows.
+
+    Returns:
+        ``(first, stop)``, each ``[len(runs), n_rows]`` int64.
+    """
+    start = np.asarray(start, dtype=np.int64)
+    length = np.asarray(length, dtype=np.int64)
+    rows = np.arange(int(n_rows), dtype=np.int64)
+    first = np.zeros((len(runs), rows.size), dtype=np.int64)
+    stop = np.zeros_like(first)
+    for j, (lo, hi) in enumerate(runs):
+        reads = lo + np.flatnonzero(length[lo:hi] > 0)
+        if not reads.size:
+            continue
+        s, e = start[reads], start[reads] + length[reads]
+        if (np.diff(s) < 0).any() or (np.diff(e) < 0).any():
+            return None
+        a = np.searchsorted(e, rows, side="right")  # the first query whose band ends past r
+        b = np.searchsorted(s, rows, side="right")  # the first query whose band starts past r
+        some = b > a
+        first[j] = np.where(some, reads[np.minimum(a, reads.size - 1)], 0)
+        stop[j] = np.where(some, reads[np.maximum(b - 1, 0)] + 1, 0)
+    return first, stop
 
 
 class PlanColumns:
@@ -153,6 +245,44 @@ class PlanColumns:
         stop = start + self.plan.cmp_count[lo:hi, None]
         cand = np.arange(slot_start, slot_stop, dtype=np.int64)[None, :]
         return (cand >= start) & (cand < stop)
+
+    def column_bands(
+        self, lo: int, hi: int, n_pool: int, *, with_slots: bool = False
+    ) -> ColumnBands | None:
+        """The window (and, with ``with_slots``, HCA's visible slots) of queries ``lo:hi``
+        as :class:`ColumnBands` over a pool of ``n_pool`` rows (window ext rows, then the
+        slots at ``n_ext``), in the column order of :meth:`window` then
+        :meth:`visible_slots`; ``None`` if a band is not monotone in a run. Built once per
+        plan and arguments."""
+        key = ("bands", int(lo), int(hi), int(n_pool), bool(with_slots))
+        if key not in self.plan.column_work:
+            self.plan.column_work[key] = self._column_bands(lo, hi, n_pool, with_slots)
+        return self.plan.column_work[key]
+
+    def _column_bands(self, lo: int, hi: int, n_pool: int, with_slots: bool) -> ColumnBands | None:
+        p = self.plan
+        runs = [(max(a, lo) - lo, min(b, hi) - lo) for a, b, _ in p.runs if min(b, hi) > max(a, lo)]
+        starts = [p.window_start[lo:hi]]
+        lengths = [p.window_len[lo:hi]]
+        col0 = [0]
+        n_columns = self.window_size
+        if with_slots:
+            count = p.cmp_count[lo:hi]
+            starts.append(p.cmp_start[lo:hi] + self.n_ext)
+            lengths.append(count)
+            col0.append(self.window_size)
+            n_columns += int(count.max()) if count.size else 0
+        readers = [band_readers(s, n, runs, n_pool) for s, n in zip(starts, lengths)]
+        if any(r is None for r in readers):
+            return None
+        return ColumnBands(
+            col0=np.asarray(col0, dtype=np.int64),
+            start=np.stack([np.asarray(s, dtype=np.int64) for s in starts]),
+            length=np.stack([np.asarray(n, dtype=np.int64) for n in lengths]),
+            first=np.stack([r[0] for r in readers]),
+            stop=np.stack([r[1] for r in readers]),
+            n_columns=n_columns,
+        )
 
     def score_chunks(self, query_chunk: int) -> list[ScoreChunk]:
         """The indexer's scoring work: per chunk of at most ``query_chunk`` queries (inside one

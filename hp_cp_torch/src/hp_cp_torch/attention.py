@@ -194,5 +194,10 @@ def run_sparse_attention(
             columns, lo, hi, selected, cmp_kv is not None, q.shape[0], q.device
         )
         idx = window if slots is None else torch.cat([window, slots], dim=-1)
+        if kernel == "triton":  # the window and HCA columns' readers come from the plan
+            hca = selected is None and cmp_kv is not None
+            bands = columns.column_bands(lo, hi, pool.shape[1], with_slots=hca)
+            outs.append(attend(q[:, lo:hi], pool, idx, sink, scale, bands=bands))
+            continue
         outs.append(attend(q[:, lo:hi], pool, idx, sink, scale))
     return torch.cat(outs, dim=1)

@@ -16,33 +16,57 @@ Note [Triton sparse attention]
 Forward saves only ``q``, the pool, the index list (int32) and the fp32 log-sum-exp; the
 backward recomputes the scores twice, once for ``delta`` and once for the gradients::
 
-    forward   (row, head block) ──► for each block of K columns: gather kv [BK, D],
-                                    s = q kv^T, online softmax with the sink ──► o, lse
+    forward   (row, head block) ──► for each block of K columns: gather kv [BK, D] once,
+                                    s = q kv^T ([H, D] x [D, BK]: the row's heads are M),
+                                    online softmax with the sink ──► o, lse
     backward  dq kernel         ──► pass 1: delta = sum p (dO kv^T)   (= dO . o)
                                     (tiles of tuning "delta")
                                     (pass 2 only with FUSED off:
                                      dq = scale * sum p (dp - delta) kv)
-              dkv kernel        ──► per column block: p^T dO + scale ds^T q
-                                    atomic add into d_pool[b, idx]  (fp32),
-                                    and dq (FUSED, the default); tuning
-                                    ALL_HEADS: one program per row sums
-                                    all head blocks before its atomic add
+              dkv kernel        ──► per column block: p^T dO + scale ds^T q, and dq (FUSED)
+                                    POOL_GRAD "owned" (default): stored as this head
+                                    block's part of that column (no atomics), then
+                                    Note [Atomics-free pool gradient];
+                                    "atomic" (0.2.0): fp32 atomic add into d_pool[b, idx]
               dsink             ──► -sum_{b,s} exp(sink - lse) delta        (torch)
 
-The fp32 pool gradient is summed with atomics, so on a GPU its rounding depends on the
-order the programs run in (not bitwise reproducible); the interpreter runs them in order.
+The default forward (``LAYOUT="heads_m"``) takes up to 128 heads per program (as many as
+an fp32 ``[BLOCK_H, D]`` accumulator of :data:`REGISTER_TILE` bytes allows: 64 at D = 512)
+and splits D in two halves; ``"head_blocks"`` is the 0.2.0 forward (at most 64 heads).
+
+Note [Atomics-free pool gradient]
+---------------------------------
+Each pool row's gradient is summed by the one program that owns it, in a fixed order, so
+the result is the same bits every run and ``torch.use_deterministic_algorithms(True)``
+accepts it. Per chunk of query rows (as many as ``PARTS_MIB`` of fp32 parts hold)::
+
+    dkv kernel (query rows)     parts[head block, row, column, :] = p^T dO + scale ds^T q
+    readers of each pool row    window / HCA columns: ranges from the plan (bands,
+                                Note [Readers of a band]); the picks: inverted on the device
+                                (Note [Inverting the picks]; every column without bands)
+    pool_grad_owned (pool row,  d_pool[r] += sum over its readers, in query order, of the
+      feature block)            parts of every head block    (one writer per row: no atomics)
+
+    query rows  q0 q1 q2          parts [row, col]         pool row 2 reads (q0,c0) (q1,c0)
+    idx         [2,-1] [2,2] [0]  ──► written once each ──►  (q1,c1): one program adds them
+
+The price is memory traffic: the parts are written once and read once (``4 K D`` bytes per
+query row and head block), where the atomics added in place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from importlib.util import find_spec
 from typing import Any
 
 import torch
 
 from hp_cp_core import HpCpError
+from hp_cp_core.columns import ColumnBands
+from hp_cp_torch.kernels.pool_index import build_inverted_index
 
 __all__ = ["TRITON_EXTRA", "TUNABLE", "sparse_attention_triton", "triton_problem"]
 
@@ -94,13 +118,39 @@ def _next_pow2(n: int) -> int:
 
 
 TUNABLE = {
-    "fwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
-    "bwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "FUSED", "ALL_HEADS"),
+    "fwd": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages", "LAYOUT"),
+    "bwd": (
+        "BLOCK_H",
+        "BLOCK_K",
+        "num_warps",
+        "num_stages",
+        "FUSED",
+        "ALL_HEADS",
+        "POOL_GRAD",
+        "PARTS_MIB",
+    ),
     "delta": ("BLOCK_H", "BLOCK_K", "num_warps", "num_stages"),
 }
 """Launch options ``sparse_attention_triton(tuning=...)`` may override per phase: the
 forward, the backward's gradient kernels, and the backward's ``delta`` pass when it runs
-alone (``FUSED``; by default up to 64 heads x 64 columns, shrunk to fit)."""
+alone (``FUSED``; by default up to 64 heads x 64 columns, shrunk to fit). Choices:
+
+* ``fwd`` ``LAYOUT``: ``"heads_m"`` (default: up to 128 heads of a row as the M dimension,
+  D in two halves, base-2 softmax; ``sparse_attention_fwd_heads_m``) or ``"head_blocks"``
+  (the 0.2.0 forward, at most 64 heads per program);
+* ``bwd`` ``POOL_GRAD``: ``"owned"`` (default: atomics-free, bitwise reproducible; Note
+  [Atomics-free pool gradient]) or ``"atomic"`` (the 0.2.0 fp32 atomics; refused under
+  ``torch.use_deterministic_algorithms(True)``); ``PARTS_MIB``: the owned path's budget for
+  its per-column gradient parts (default 4096 MiB; the query rows go in chunks that fit).
+"""
+
+POOL_GRAD_CHOICES = ("owned", "atomic")
+FWD_LAYOUTS = ("heads_m", "head_blocks")
+PARTS_MIB = 4096
+"""Default ``PARTS_MIB``: fp32 ``[parts, rows, K, D]`` kept per chunk of query rows."""
+REGISTER_TILE = 128 << 10
+"""Bytes of fp32 accumulator one ``heads_m`` forward program may hold (half an SM's
+registers); its head block shrinks until ``BLOCK_H x BLOCK_D x 4`` fits."""
 
 SHARED_MEMORY_BUDGET = 200 << 10
 """Bytes of shared memory a launch may plan for (an H100/H200 SM has 227 KiB)."""
@@ -133,11 +183,32 @@ def _launch(
     fused). An override whose estimate does not fit is an error.
     """
     elem = torch.finfo(dtype).bits // 8
+    extra = dict((tuning or {}).get(phase, {}))
+    unknown = set(extra) - set(TUNABLE[phase])
+    if unknown:
+        raise HpCpError(
+            f"sparse_attention_triton tuning[{phase!r}] has unknown keys {sorted(unknown)}; "
+            f"expected some of {TUNABLE[phase]}."
+        )
+    layout = extra.get("LAYOUT", FWD_LAYOUTS[0])
+    pool_grad = extra.get("POOL_GRAD", POOL_GRAD_CHOICES[0])
+    for key, value, choices in (
+        ("LAYOUT", layout, FWD_LAYOUTS),
+        ("POOL_GRAD", pool_grad, POOL_GRAD_CHOICES),
+    ):
+        if value not in choices:
+            raise HpCpError(
+                f"sparse_attention_triton tuning[{phase!r}][{key!r}] = {value!r}; expected one "
+                f"of {choices}."
+            )
     tiles = "fwd" if phase == "fwd" else "bwd"  # the delta pass starts from the bwd tiles
     operands = 1 if tiles == "fwd" else 2
-    block_d = max(16, _next_pow2(dim))
-    block_h = min(64, max(16, _next_pow2(heads)))
-    while block_h > 16 and operands * block_h * block_d * elem > 64 << 10:
+    heads_m = phase == "fwd" and layout == "heads_m"
+    block_d = max(32 if heads_m else 16, _next_pow2(dim))  # heads_m: two halves of >= 16
+    block_h = min(128 if heads_m else 64, max(16, _next_pow2(heads)))
+    while block_h > 16 and operands * block_h * block_d * elem > (128 if heads_m else 64) << 10:
+        block_h //= 2
+    while heads_m and block_h > 16 and block_h * block_d * 4 > REGISTER_TILE:
         block_h //= 2
     block_k, kv_tile = (64, 64 << 10) if tiles == "fwd" else (32, 32 << 10)
     while block_k > 16 and block_k * block_d * elem > kv_tile:
@@ -158,15 +229,9 @@ def _launch(
         while cfg[key] > floor and _shared_bytes(cfg, tiles, elem) > SHARED_MEMORY_BUDGET:
             cfg[key] = cfg[key] - 1 if key == "num_stages" else cfg[key] // 2
     if phase == "bwd":
-        cfg["FUSED"] = True
-        cfg["ALL_HEADS"] = False
-    extra = dict((tuning or {}).get(phase, {}))
-    unknown = set(extra) - set(TUNABLE[phase])
-    if unknown:
-        raise HpCpError(
-            f"sparse_attention_triton tuning[{phase!r}] has unknown keys {sorted(unknown)}; "
-            f"expected some of {TUNABLE[phase]}."
-        )
+        cfg.update(FUSED=True, ALL_HEADS=False, POOL_GRAD=pool_grad, PARTS_MIB=PARTS_MIB)
+    if phase == "fwd":
+        cfg["LAYOUT"] = layout
     tuned = {**cfg, **extra}
     need = _shared_bytes(tuned, phase, elem)
     if extra and need > max(SHARED_MEMORY_BUDGET, _shared_bytes(cfg, phase, elem)):
@@ -187,6 +252,39 @@ def _grid(batch: int, seq: int, heads: int, cfg: dict[str, Any]) -> tuple[int, i
     return (batch * seq, -(-heads // cfg["BLOCK_H"]))
 
 
+def _refuse_atomics_if_deterministic() -> None:
+    """What torch does for its own nondeterministic ops under
+    ``torch.use_deterministic_algorithms(True)``: raise (or warn, with ``warn_only``)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        'sparse_attention_triton with tuning {"bwd": {"POOL_GRAD": "atomic"}} sums the pool '
+        "gradient with fp32 atomics, whose rounding depends on the order the GPU runs them "
+        "in, but torch.use_deterministic_algorithms(True) is set. Drop the override: the "
+        'default POOL_GRAD "owned" is atomics-free and bitwise reproducible.'
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, stacklevel=3)
+        return
+    raise HpCpError(message)
+
+
+def _band_tensors(bands: ColumnBands | None, seq: int, n_pool: int, device: torch.device):
+    """The plan's bands as int32 device tensors (or one-element placeholders)."""
+    if bands is None:
+        none = torch.zeros(1, dtype=torch.int32, device=device)
+        return (none,) * 5, 0, 0
+    if bands.start.shape[1] != seq or bands.first.shape[2] != n_pool:
+        raise HpCpError(
+            f"sparse_attention_triton bands cover {bands.start.shape[1]} queries and "
+            f"{bands.first.shape[2]} pool rows, the call has {seq} and {n_pool}; build them "
+            "with PlanColumns.column_bands for the same chunk and pool."
+        )
+    arrays = (bands.col0, bands.start, bands.length, bands.first, bands.stop)
+    out = tuple(torch.as_tensor(a, dtype=torch.int32).to(device).contiguous() for a in arrays)
+    return out, bands.first.shape[0], bands.first.shape[1]
+
+
 class _TritonSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -197,8 +295,9 @@ class _TritonSparseAttention(torch.autograd.Function):
         sink: torch.Tensor,
         scale: float,
         tuning: dict[str, Any] | None,
+        bands: ColumnBands | None,
     ) -> torch.Tensor:
-        from hp_cp_torch.kernels.triton_kernels import sparse_attention_fwd
+        from hp_cp_torch.kernels.triton_kernels import sparse_attention_fwd, sparse_attention_fwd_heads_m
 
         batch, seq, heads, dim = q.shape
         q = q.contiguous()
@@ -211,29 +310,27 @@ class _TritonSparseAttention(torch.autograd.Function):
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         if q.numel():
             cfg = _launch(q.dtype, heads, dim, "fwd", tuning)
+            kernel = {"heads_m": sparse_attention_fwd_heads_m, "head_blocks": sparse_attention_fwd}
             with _on(q.device):
-                sparse_attention_fwd[_grid(batch, seq, heads, cfg)](
+                kernel[cfg.pop("LAYOUT")][_grid(batch, seq, heads, cfg)](
                     q, pool, idx, sink.detach().float().contiguous(), out, lse,
                     float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
                 )  # fmt: skip
         ctx.save_for_backward(q, pool, idx, sink, lse)
         ctx.scale = float(scale)
         ctx.tuning = tuning
+        ctx.bands = bands
         ctx.n_pool = kv_pool.shape[1]
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        from hp_cp_torch.kernels.triton_kernels import (
-            sparse_attention_bwd_dkv,
-            sparse_attention_bwd_dkv_all_heads,
-            sparse_attention_bwd_dq,
-        )
+        from hp_cp_torch.kernels.triton_kernels import sparse_attention_bwd_dq
 
         q, pool, idx, sink, lse = ctx.saved_tensors
         batch, seq, heads, dim = q.shape
         k = idx.shape[-1]
-        need_q, need_kv, _, need_sink, _, _ = ctx.needs_input_grad
+        need_q, need_kv, _, need_sink, _, _, _ = ctx.needs_input_grad
         grad_out = grad_out.to(q.dtype).contiguous()
         d_q = torch.zeros_like(q)
         delta = torch.zeros(batch, seq, heads, dtype=torch.float32, device=q.device)
@@ -242,23 +339,21 @@ class _TritonSparseAttention(torch.autograd.Function):
         if q.numel() and k:
             cfg = _launch(q.dtype, heads, dim, "bwd", ctx.tuning)
             all_heads = bool(cfg.pop("ALL_HEADS"))
+            owned = cfg.pop("POOL_GRAD") == "owned"
+            parts_mib = float(cfg.pop("PARTS_MIB"))
             fused = bool(cfg.pop("FUSED")) and need_kv and not all_heads
-            grid = _grid(batch, seq, heads, cfg)
+            if need_kv and not owned:
+                _refuse_atomics_if_deterministic()
             # the delta pass alone (fused) has tiles of its own
             dcfg = _launch(q.dtype, heads, dim, "delta", ctx.tuning) if fused else cfg
             with _on(q.device):
                 sparse_attention_bwd_dq[_grid(batch, seq, heads, dcfg)](
                     q, pool, idx, grad_out, lse, d_q, delta, *args, **dcfg, DQ_PASS=not fused
                 )
-                if need_kv and all_heads:
-                    sparse_attention_bwd_dkv_all_heads[(batch * seq,)](
-                        q, pool, idx, grad_out, lse, delta, d_pool, *args, **cfg
-                    )
-                elif need_kv:
-                    sparse_attention_bwd_dkv[grid](
-                        q, pool, idx, grad_out, lse, delta, d_pool, d_q, *args, **cfg,
-                        WITH_DQ=fused,
-                    )  # fmt: skip
+                if need_kv:
+                    grads = (q, pool, idx, grad_out, lse, delta, d_pool, d_q)
+                    pool_grad = _pool_grad_owned if owned else _pool_grad_atomic
+                    pool_grad(grads, args, cfg, all_heads, fused, parts_mib, ctx.bands)
         d_sink = -(torch.exp(sink.detach().float() - lse) * delta).sum(dim=(0, 1))
         return (
             d_q if need_q else None,
@@ -267,7 +362,78 @@ class _TritonSparseAttention(torch.autograd.Function):
             d_sink.to(sink.dtype) if need_sink else None,
             None,
             None,
+            None,
         )
+
+
+def _pool_grad_atomic(grads, args, cfg, all_heads, fused, parts_mib, bands) -> None:
+    """The 0.2.0 pool gradient: fp32 atomic adds from the programs of the query rows."""
+    from hp_cp_torch.kernels.triton_kernels import (
+        sparse_attention_bwd_dkv,
+        sparse_attention_bwd_dkv_all_heads,
+    )
+
+    q, pool, idx, grad_out, lse, delta, d_pool, d_q = grads
+    batch, seq, heads, _ = q.shape
+    rows = (0, seq)
+    if all_heads:
+        sparse_attention_bwd_dkv_all_heads[(batch * seq,)](
+            q, pool, idx, grad_out, lse, delta, d_pool, *args, *rows, **cfg, STORE_PARTS=False
+        )
+    else:
+        sparse_attention_bwd_dkv[_grid(batch, seq, heads, cfg)](
+            q, pool, idx, grad_out, lse, delta, d_pool, d_q, *args, *rows, **cfg,
+            WITH_DQ=fused, STORE_PARTS=False,
+        )  # fmt: skip
+
+
+def _pool_grad_owned(grads, args, cfg, all_heads, fused, parts_mib, bands) -> None:
+    """The atomics-free pool gradient (Note [Atomics-free pool gradient]), chunk by chunk of
+    query rows: their per-column parts, the inverse of their picks, then one program per
+    pool row (and feature block) that adds its readers' parts in query order."""
+    from hp_cp_torch.kernels.triton_kernels import (
+        pool_grad_owned,
+        sparse_attention_bwd_dkv,
+        sparse_attention_bwd_dkv_all_heads,
+    )
+
+    q, pool, idx, grad_out, lse, delta, d_pool, d_q = grads
+    batch, seq, heads, dim = q.shape
+    n_pool, k = pool.shape[1], idx.shape[-1]
+    n_parts = 1 if all_heads else -(-heads // cfg["BLOCK_H"])
+    per_row = n_parts * batch * k * dim * 4  # bytes of parts per query row (all batches)
+    chunk = max(1, min(seq, int(parts_mib * (1 << 20) // per_row)))
+    band_args, n_bands, n_runs = _band_tensors(bands, seq, n_pool, q.device)
+    sorted_from = min(bands.n_columns, k) if bands is not None else 0
+    block_d = min(128, max(16, _next_pow2(dim)))
+    shift = (torch.arange(batch, device=q.device) * n_pool).view(batch, 1, 1)
+    for row0 in range(0, seq, chunk):
+        rows = min(chunk, seq - row0)
+        parts = torch.empty(n_parts, batch * rows, k, dim, dtype=torch.float32, device=q.device)
+        if all_heads:
+            sparse_attention_bwd_dkv_all_heads[(batch * rows,)](
+                q, pool, idx, grad_out, lse, delta, parts, *args, row0, rows, **cfg,
+                STORE_PARTS=True,
+            )  # fmt: skip
+        else:
+            sparse_attention_bwd_dkv[(batch * rows, n_parts)](
+                q, pool, idx, grad_out, lse, delta, parts, d_q, *args, row0, rows, **cfg,
+                WITH_DQ=fused, STORE_PARTS=True,
+            )  # fmt: skip
+        picks = idx[:, row0 : row0 + rows, sorted_from:]
+        has_csr = picks.shape[-1] > 0
+        if has_csr:  # pool row r of batch b is key b * P + r; entries name parts rows
+            keys = torch.where(picks >= 0, picks + shift, -1).reshape(batch * rows, -1)
+            csr = build_inverted_index(keys, batch * n_pool, trim=False)
+            csr_args = (csr.offsets, csr.query_rows, csr.columns)
+        else:
+            csr_args = (band_args[0],) * 3
+        pool_grad_owned[(batch * n_pool, -(-dim // block_d))](
+            parts, d_pool, *csr_args, *band_args, sorted_from, n_bands, n_runs, row0, rows,
+            seq, n_pool, k, dim, n_parts, batch * rows,
+            BLOCK_E=32, BLOCK_D=block_d, HAS_BANDS=n_bands > 0, HAS_CSR=has_csr,
+        )  # fmt: skip
+        del parts
 
 
 def sparse_attention_triton(
@@ -278,6 +444,7 @@ def sparse_attention_triton(
     scale: float,
     *,
     tuning: dict[str, Any] | None = None,
+    bands: ColumnBands | None = None,
 ) -> torch.Tensor:
     """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
 
@@ -296,6 +463,10 @@ def sparse_attention_triton(
         scale: Softmax scale applied to ``q . kv``.
         tuning: launch overrides per phase, ``{"fwd": {...}, "bwd": {...}}``, keys in
             :data:`TUNABLE` (benchmarks; the defaults follow D, H and the dtype).
+        bands: the plan's window (and HCA) columns as
+            :class:`hp_cp_core.columns.ColumnBands` (``PlanColumns.column_bands`` for the
+            same queries and pool): the atomics-free backward reads their readers from the
+            plan and inverts only the later columns; without it every column is inverted.
 
     Returns:
         The attention output ``[B, S, H, D]`` in ``q``'s dtype.
@@ -313,4 +484,12 @@ def sparse_attention_triton(
             f"bfloat16 and float16; got q {q.dtype} and kv_pool {kv_pool.dtype}. Cast them "
             "to one (the layer's dtype)."
         )
-    return _TritonSparseAttention.apply(q, kv_pool, idx, sink, scale, tuning)
+    unknown = set(tuning or {}) - set(TUNABLE)
+    if unknown:
+        raise HpCpError(
+            f"sparse_attention_triton tuning has unknown phases {sorted(unknown)}; expected "
+            f"some of {sorted(TUNABLE)}."
+        )
+    for phase in tuning or {}:  # every override checked now, not at the backward
+        _launch(q.dtype, q.shape[2], q.shape[3], phase, tuning)
+    return _TritonSparseAttention.apply(q, kv_pool, idx, sink, scale, tuning, bands)

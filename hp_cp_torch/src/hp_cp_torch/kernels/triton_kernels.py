@@ -1,25 +1,33 @@
 """The Triton programs of :mod:`hp_cp_torch.kernels.triton_attention` (imports ``triton``).
 
-Three programs (and a variant of the third), each over a grid ``(B * S, ceil(H / BLOCK_H))``:
-one program takes one query row and a block of its heads, and walks that row's column list
-``idx[b, s, :]`` in blocks of ``BLOCK_K`` columns. Every head of the row reads the same
-gathered KV rows (MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product,
-as in FlashMLA's sparse kernel:
+The attention programs run over a grid ``(B * S, ceil(H / BLOCK_H))``: one program takes
+one query row and a block of its heads, and walks that row's column list ``idx[b, s, :]``
+in blocks of ``BLOCK_K`` columns. Every head of the row reads the same gathered KV rows
+(MQA), so the score block is one ``[BLOCK_H, D] x [D, BLOCK_K]`` product, as in FlashMLA's
+sparse kernel:
 
-* ``sparse_attention_fwd``: online softmax whose running max starts at the sink logit
-  (``m = sink``, ``l = exp(sink - m) = 1``), so the max includes the sink and an all ``-1``
-  row gives 0; writes ``o`` and ``lse = m + log(l)``;
+* ``sparse_attention_fwd_heads_m`` (the default forward): up to 128 heads as M, D in two
+  halves, base-2 online softmax whose running max starts at the sink logit;
+* ``sparse_attention_fwd`` (the 0.2.0 forward, ``LAYOUT="head_blocks"``): online softmax
+  whose running max starts at the sink logit (``m = sink``, ``l = exp(sink - m) = 1``), so
+  the max includes the sink and an all ``-1`` row gives 0; writes ``o`` and
+  ``lse = m + log(l)``;
 * ``sparse_attention_bwd_dq``: two passes over the columns, the first for
   ``delta = sum_i p_i dp_i`` (``= dO . o``, recomputed instead of saving ``o``), the second
   (``DQ_PASS``) for ``dq = scale * sum_i ds_i kv_i``; writes ``dq`` and ``delta``;
 * ``sparse_attention_bwd_dkv``: per column block
-  ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block) and an atomic add
-  into the fp32 pool gradient at the block's rows; duplicates add up, ``-1`` columns are
-  masked out. With ``WITH_DQ`` it also accumulates ``dq`` (then the dq kernel runs only its
-  ``delta`` pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers;
+  ``dkv = p^T dO + scale * ds^T q`` (summed over the heads of the block), stored as the
+  head block's part of each column (``STORE_PARTS``) or added atomically into the fp32
+  pool gradient at the block's rows; duplicates add up, ``-1`` columns are masked out.
+  With ``WITH_DQ`` it also accumulates ``dq`` (then the dq kernel runs only its ``delta``
+  pass, ``DQ_PASS=False``): one pass over the columns fewer, more registers. Its grid's
+  rows are the chunk ``ROW0 .. ROW0 + ROWS - 1`` of every batch;
 * ``sparse_attention_bwd_dkv_all_heads`` (tuning ``ALL_HEADS``): the same pool gradient
-  from one program per row that sums every head block before its atomic add, so
-  ``ceil(H / BLOCK_H)`` times fewer atomics (no dq; the dq kernel makes it).
+  from one program per row that sums every head block before its store or atomic add, so
+  ``ceil(H / BLOCK_H)`` times fewer (no dq; the dq kernel makes it);
+* ``pool_grad_owned``: one program per pool row and feature block adds the parts of the
+  row's readers (plan bands, then the inverted picks) in query order and writes the row
+  (Note [Atomics-free pool gradient] in :mod:`hp_cp_torch.kernels.triton_attention`).
 
 Only ``tl.load`` / ``tl.store`` / ``tl.dot`` / ``tl.atomic_add`` and elementwise ops are used
 (no descriptors, no autotuning), which behave the same from Triton 3.0 on, and in the
@@ -35,10 +43,12 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "pool_grad_owned",
     "sparse_attention_bwd_dkv",
     "sparse_attention_bwd_dkv_all_heads",
     "sparse_attention_bwd_dq",
     "sparse_attention_fwd",
+    "sparse_attention_fwd_heads_m",
 ]
 
 
@@ -191,15 +201,20 @@ def sparse_attention_bwd_dkv(
     K,
     H,
     D,
+    ROW0,
+    ROWS,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     WITH_DQ: tl.constexpr,
+    STORE_PARTS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // S
+    # programs over the query rows ROW0 .. ROW0 + ROWS - 1 of every batch
+    part_row = tl.program_id(0).to(tl.int64)  # b * ROWS + (s - ROW0)
+    b = part_row // ROWS
+    row = b * S + ROW0 + part_row % ROWS
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,7 +236,12 @@ def sparse_attention_bwd_dkv(
         ds = p * (dp - delta[:, None])
         dkv = tl.dot(tl.trans(p.to(kv.dtype)), do, input_precision=PRECISION)
         dkv += tl.dot(tl.trans((ds * scale).to(kv.dtype)), q, input_precision=PRECISION)
-        tl.atomic_add(dkv_base + kv_off, dkv, mask=kd_ok, sem="relaxed")
+        if STORE_PARTS:  # this head block's share of each column, summed by the owner
+            part = (tl.program_id(1) * tl.num_programs(0) + part_row) * K + k0 + offs_k
+            part_off = part.to(tl.int64)[:, None] * D + offs_d[None, :]
+            tl.store(DKV + part_off, dkv, mask=kd_ok)
+        else:
+            tl.atomic_add(dkv_base + kv_off, dkv, mask=kd_ok, sem="relaxed")
         if WITH_DQ:
             dq += tl.dot(ds.to(kv.dtype), kv, input_precision=PRECISION)
     if WITH_DQ:
@@ -243,17 +263,22 @@ def sparse_attention_bwd_dkv_all_heads(
     K,
     H,
     D,
+    ROW0,
+    ROWS,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STORE_PARTS: tl.constexpr,
 ):
-    """The dKV kernel over a grid ``(B * S,)``: per column block, the heads are walked in
+    """The dKV kernel over a grid ``(B * ROWS,)``: per column block, the heads are walked in
     blocks of ``BLOCK_H`` (their q and dO rows reloaded, from cache) and summed in registers
-    before one atomic add per pool element, instead of one per head block."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // S
+    before one atomic add per pool element (or one store of the row's share, STORE_PARTS),
+    instead of one per head block."""
+    part_row = tl.program_id(0).to(tl.int64)
+    b = part_row // ROWS
+    row = b * S + ROW0 + part_row % ROWS
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -276,4 +301,177 @@ def sparse_attention_bwd_dkv_all_heads(
             ds = p * (dp - delta[:, None])
             dkv += tl.dot(tl.trans(p.to(kv.dtype)), do, input_precision=PRECISION)
             dkv += tl.dot(tl.trans((ds * scale).to(kv.dtype)), q, input_precision=PRECISION)
-        tl.atomic_add(dkv_base + kv_off, dkv, mask=kd_ok, sem="relaxed")
+        if STORE_PARTS:
+            part_off = (part_row * K + k0 + offs_k).to(tl.int64)[:, None] * D + offs_d[None, :]
+            tl.store(DKV + part_off, dkv, mask=kd_ok)
+        else:
+            tl.atomic_add(dkv_base + kv_off, dkv, mask=kd_ok, sem="relaxed")
+
+
+@triton.jit
+def _sum_parts(
+    PARTS,
+    part_rows,
+    cols,
+    ok,
+    offs_d,
+    d_ok,
+    K,
+    D,
+    N_PARTS,
+    N_PART_ROWS,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``sum_e sum_p PARTS[p, part_rows[e], cols[e], offs_d]`` over the entries ``ok``: the
+    head-block parts of each entry added in order, then the entries (a fixed tree)."""
+    mask = ok[:, None] & d_ok[None, :]
+    tile = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+    for p in range(N_PARTS):
+        flat = ((p * N_PART_ROWS + part_rows) * K + cols).to(tl.int64)
+        tile += tl.load(PARTS + flat[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+    return tl.sum(tile, 0)
+
+
+@triton.jit
+def pool_grad_owned(
+    PARTS,
+    DKV,
+    OFFSETS,
+    QROWS,
+    COLS,
+    BAND_COL0,
+    BAND_START,
+    BAND_LEN,
+    BAND_FIRST,
+    BAND_STOP,
+    COL_BASE,
+    NB,
+    NR,
+    ROW0,
+    ROWS,
+    S,
+    P,
+    K,
+    D,
+    N_PARTS,
+    N_PART_ROWS,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BANDS: tl.constexpr,
+    HAS_CSR: tl.constexpr,
+):
+    """The pool gradient of one pool row (and ``BLOCK_D`` of its features) from the parts of
+    the query rows ``ROW0 .. ROW0 + ROWS - 1``: first its band readers (ranges per band and
+    run, from the plan), then its CSR entries (the inverted picks, columns from
+    ``COL_BASE``), each in ``BLOCK_E`` blocks, in query order; added to ``DKV`` by this
+    program alone (no atomics: bitwise the same every run)."""
+    pool_row = tl.program_id(0).to(tl.int64)  # b * P + r
+    b = pool_row // P
+    r = pool_row % P
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_e = tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    if HAS_BANDS:
+        for j in range(NB):
+            col0 = tl.load(BAND_COL0 + j)
+            for run in range(NR):
+                at = (j * NR + run) * P + r
+                t0 = tl.maximum(tl.load(BAND_FIRST + at), ROW0)
+                t1 = tl.minimum(tl.load(BAND_STOP + at), ROW0 + ROWS)
+                for e0 in range(t0, t1, BLOCK_E):
+                    t = e0 + offs_e
+                    ok = t < t1
+                    st = tl.load(BAND_START + j * S + t, mask=ok, other=0)
+                    n = tl.load(BAND_LEN + j * S + t, mask=ok, other=0)
+                    ok = ok & (r >= st) & (r < st + n)
+                    part_rows = b * ROWS + t - ROW0
+                    cols = col0 + r - st
+                    acc += _sum_parts(PARTS, part_rows, cols, ok, offs_d, d_ok, K, D,
+                                      N_PARTS, N_PART_ROWS, BLOCK_E, BLOCK_D)  # fmt: skip
+    if HAS_CSR:
+        e_lo = tl.load(OFFSETS + pool_row)
+        e_hi = tl.load(OFFSETS + pool_row + 1)
+        for e0 in range(e_lo, e_hi, BLOCK_E):
+            e = e0 + offs_e
+            ok = e < e_hi
+            part_rows = tl.load(QROWS + e, mask=ok, other=0)
+            cols = COL_BASE + tl.load(COLS + e, mask=ok, other=0)
+            acc += _sum_parts(PARTS, part_rows, cols, ok, offs_d, d_ok, K, D,
+                              N_PARTS, N_PART_ROWS, BLOCK_E, BLOCK_D)  # fmt: skip
+    out = DKV + pool_row * D + offs_d
+    tl.store(out, tl.load(out, mask=d_ok, other=0.0) + acc, mask=d_ok)
+
+
+@triton.jit
+def sparse_attention_fwd_heads_m(
+    Q,
+    KV,
+    IDX,
+    SINK,
+    OUT,
+    LSE,
+    scale,
+    S,
+    P,
+    K,
+    H,
+    D,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The forward with the row's heads as the M dimension of every product (up to 128,
+    padded to 16) and the feature dimension in two halves (FlashMLA's split of D = 512
+    over two warpgroups): ``s = q_lo kv_lo^T + q_hi kv_hi^T`` and ``o_lo += p kv_lo``,
+    ``o_hi += p kv_hi`` from one gather of each KV block; the softmax in base 2 with the
+    scale folded into one multiply."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    HALF: tl.constexpr = BLOCK_D // 2
+    row = tl.program_id(0).to(tl.int64)
+    b = row // S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, BLOCK_K)
+    lo = tl.arange(0, HALF)
+    hi = HALF + tl.arange(0, HALF)
+    h_ok = offs_h < H
+    lo_ok = lo < D
+    hi_ok = hi < D
+    q_row = row * H * D + offs_h[:, None] * D
+    q_lo = _row_tile(Q, q_row + lo[None, :], h_ok[:, None] & lo_ok[None, :], UPCAST)
+    q_hi = _row_tile(Q, q_row + hi[None, :], h_ok[:, None] & hi_ok[None, :], UPCAST)
+    qk_scale = scale * LOG2E
+    m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+    l_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # 2^(sink - m) with m = sink
+    acc_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
+    kv_base = KV + b * P * D
+    for k0 in range(0, K, BLOCK_K):
+        cols = tl.load(IDX + row * K + k0 + offs_k, mask=k0 + offs_k < K, other=-1)
+        ok = cols >= 0
+        kv_row = kv_base + cols.to(tl.int64)[:, None] * D
+        kv_lo = tl.load(kv_row + lo[None, :], mask=ok[:, None] & lo_ok[None, :], other=0.0)
+        kv_hi = tl.load(kv_row + hi[None, :], mask=ok[:, None] & hi_ok[None, :], other=0.0)
+        if UPCAST:
+            kv_lo = kv_lo.to(tl.float32)
+            kv_hi = kv_hi.to(tl.float32)
+        s = tl.dot(q_lo, tl.trans(kv_lo), input_precision=PRECISION)
+        s = tl.dot(q_hi, tl.trans(kv_hi), s, input_precision=PRECISION) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        pv = p.to(kv_lo.dtype)
+        acc_lo = tl.dot(pv, kv_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pv, kv_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
+        m = m_new
+    out_row = OUT + q_row
+    tl.store(out_row + lo[None, :], (acc_lo / l_sum[:, None]).to(OUT.dtype.element_ty),
+             mask=h_ok[:, None] & lo_ok[None, :])  # fmt: skip
+    tl.store(out_row + hi[None, :], (acc_hi / l_sum[:, None]).to(OUT.dtype.element_ty),
+             mask=h_ok[:, None] & hi_ok[None, :])  # fmt: skip
+    tl.store(LSE + row * H + offs_h, (m + tl.log2(l_sum)) / LOG2E, mask=h_ok)
