@@ -189,6 +189,14 @@ def memory(keys: dict[str, Any], peak_seqs: list[int], ladder: list[int]) -> Non
     longest S under VeOmni's budget at ``ladder[0]`` (each side climbs until over it)."""
     from peers_memory import max_seq_summary
 
+    if peak_seqs:
+        _peak_by_seq(keys, peak_seqs)
+    veomni_peaks = run_ranks(4, memory_job, "veomni", ladder, None)[0]["peaks"]
+    ours_peaks = run_ranks(4, memory_job, "ours", ladder, veomni_peaks[ladder[0]])[0]["peaks"]
+    keys.update(max_seq_summary("veomni", veomni_peaks, ours_peaks))
+
+
+def _peak_by_seq(keys: dict[str, Any], peak_seqs: list[int]) -> None:
     unbounded = 2**62
     peaks = {
         side: run_ranks(4, memory_job, side, peak_seqs, unbounded)[0]["peaks"]
@@ -201,9 +209,6 @@ def memory(keys: dict[str, Any], peak_seqs: list[int], ladder: list[int]) -> Non
     }
     keys["veomni_peak_mem_over_ours"] = by_seq[str(max(peak_seqs))]
     keys["veomni_peak_mem_seq"] = max(peak_seqs)
-    veomni_peaks = run_ranks(4, memory_job, "veomni", ladder, None)[0]["peaks"]
-    ours_peaks = run_ranks(4, memory_job, "ours", ladder, veomni_peaks[ladder[0]])[0]["peaks"]
-    keys.update(max_seq_summary("veomni", veomni_peaks, ours_peaks))
 
 
 def reference_logits(seq_len: int) -> torch.Tensor:
@@ -222,7 +227,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)  # 128 * cp * k: VeOmni's shards
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peak-seqs", default="512,1024,2048,4096")  # peak memory, cp 4
-    parser.add_argument("--ladder", default=",".join(map(str, range(512, 8193, 512))))
+    # longest S: VeOmni's step at the first S sets the budget (at 512 a rung of 512 is 2x S)
+    parser.add_argument(
+        "--ladder", default="2048,2560,3072,4096,5120,6144,7168,8192,9216,10240,12288"
+    )
     parser.add_argument("--parts", default="compare,memory,refuses")
     args = parser.parse_args()
     keys: dict[str, Any] = {}
