@@ -5,6 +5,10 @@ per training step (forward + backward, gradient sum excluded on both sides) are 
 wrapping the torch.distributed collectives in the bench process, the same way for both.
 Updates only the ``nemo_*`` / ours-vs-nemo keys of ``bench-peers.json`` (repo root).
 
+Peak memory and the longest S under NeMo's budget (cp 4, real training steps): the shared
+ladder of bench/peers_memory.py. ``HP_CP_PEERS_PARTS`` (default ``compare,memory,refuses``)
+runs a part alone.
+
     nox -s bench_peers_nemo        # or: TORCHDYNAMO_DISABLE=1 python bench/peers_nemo.py
 """
 
