@@ -299,7 +299,8 @@ def veomni_refuses() -> str:
     return (
         "VeOmni 0.1.12's CP: contiguous shards only (no load balance), shards at least 128 "
         "rows (HCA's r; narrower ones raise ValueError on every rank, read from its "
-        "sharding.py), all-gathers the full MQA KV on every layer, its indexer loss needs TileLang (GPU); 192-row shards (S=384, "
+        "sharding.py), all-gathers the full MQA KV on every layer, its indexer loss needs "
+        "TileLang (GPU); 192-row shards (S=384, "
         f"cp 2, HCA r=128): {case}. hp_cp takes any S (padding), contiguous or load-balanced, "
         "packed documents without re-padding."
     )
