@@ -341,8 +341,8 @@ def bench_peers_nemo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def veomni(session: nox.Session) -> None:
-    """hp_cp inside VeOmni's DeepSeek V4 on gloo ranks (tests/veomni), and the snippet of
-    docs/veomni.md on 2 torchrun ranks."""
+    """hp_cp inside VeOmni's DeepSeek V4 on gloo ranks (tests/veomni: cp 2, 4, 8), and the
+    snippet of docs/veomni.md on 2 torchrun ranks."""
     _install_veomni(session)
     env = {"HP_CP_REQUIRE_BACKEND": "veomni", "OMP_NUM_THREADS": "1"}
     session.run("pytest", "tests/veomni", *session.posargs, env=env)

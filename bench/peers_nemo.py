@@ -5,6 +5,10 @@ per training step (forward + backward, gradient sum excluded on both sides) are 
 wrapping the torch.distributed collectives in the bench process, the same way for both.
 Updates only the ``nemo_*`` / ours-vs-nemo keys of ``bench-peers.json`` (repo root).
 
+Peak memory and the longest S under NeMo's budget (cp 4, real training steps): the shared
+ladder of bench/peers_memory.py. ``HP_CP_PEERS_PARTS`` (default ``compare,memory,refuses``)
+runs a part alone.
+
     nox -s bench_peers_nemo        # or: TORCHDYNAMO_DISABLE=1 python bench/peers_nemo.py
 """
 
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -21,7 +24,11 @@ from typing import Any
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [os.path.join(ROOT, "tests", "nemo_automodel"), os.path.join(ROOT, "tests", "torch")]
+sys.path[:0] = [
+    HERE,
+    os.path.join(ROOT, "tests", "nemo_automodel"),
+    os.path.join(ROOT, "tests", "torch"),
+]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -29,7 +36,10 @@ import torch.nn.functional as F  # noqa: E402
 
 SEQ = int(os.environ.get("HP_CP_PEERS_SEQ", "2048"))  # a multiple of 128 * cp for NeMo
 ROUNDS = int(os.environ.get("HP_CP_PEERS_ROUNDS", "5"))
-LADDER = [int(s) for s in os.environ.get("HP_CP_PEERS_LADDER", "2048,4096,8192").split(",")]
+# S of the memory ladder (multiples of 128 * cp for NeMo), from the bench's S upwards
+LADDER = [int(s) for s in os.environ.get("HP_CP_PEERS_LADDER", "").split(",") if s] or list(
+    range(2048, 8193, 512)
+)
 
 
 class Counter:
@@ -171,30 +181,26 @@ def compare_job(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def memory_job(rank: int, world: int, side: str) -> dict[str, Any]:
-    """Peak RSS growth of a training step per S of the ladder (one side per job)."""
+def memory_job(rank: int, world: int, side: str, budget: int | None) -> dict[str, Any]:
+    """One side's peak memory per S of the ladder (bench/peers_memory.py)."""
     import nemo_cases
+    from peers_memory import ladder_peaks
 
     from hp_cp_torch.integrations.nemo_automodel import enable_cp
 
     group = dist.group.WORLD
     model = nemo_cases.build_model(0)
     handle = enable_cp(model, group) if side == "ours" else None
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peaks = {}
-    for seq in LADDER:
+
+    def step(seq: int) -> None:
         global SEQ
         SEQ = seq
-        ids = nemo_cases.make_ids(seq)
         model.zero_grad(set_to_none=True)
-        try:
-            _step_nemo(model, ids, group) if side == "nemo" else _step_ours(model, ids, handle)
-        except RuntimeError as exc:  # out of memory: stop the ladder
-            peaks[seq] = f"failed: {exc}"[:200]
-            break
-        peaks[seq] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
-        dist.barrier()
-    return {"rank": rank, "peaks": peaks}
+        ids = nemo_cases.make_ids(seq)
+        _step_nemo(model, ids, group) if side == "nemo" else _step_ours(model, ids, handle)
+        model.zero_grad(set_to_none=True)
+
+    return {"rank": rank, "peaks": ladder_peaks(step, LADDER, budget, group)}
 
 
 def nemo_192_rows(rank: int, world: int) -> dict[str, Any]:
@@ -243,7 +249,8 @@ def main() -> None:
     from dist_utils import run_ranks
 
     out: dict[str, Any] = {}
-    for cp in (2, 4):
+    parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory,refuses").split(",")
+    for cp in (2, 4) if "compare" in parts else ():
         ranks = run_ranks(cp, compare_job)
         busiest = {s: max(r["bytes"][s] for r in ranks) for s in ("nemo", "ours")}
         step = {s: max(r["time"][s] for r in ranks) for s in ("nemo", "ours")}
@@ -254,26 +261,40 @@ def main() -> None:
         out["nemo_step_time_over_ours" + sfx] = step["nemo"] / step["ours"]
         out["nemo_max_rel_err" + sfx] = ranks[0]["err"]["nemo"]
         out["ours_max_rel_err_vs_nemo" + sfx] = ranks[0]["err"]["ours"]
-    peaks = {side: run_ranks(4, memory_job, side) for side in ("nemo", "ours")}
+    if "memory" in parts:
+        memory(run_ranks, out)
+    if "refuses" in parts:
+        refuses(run_ranks, out)
+    if "compare" in parts:
+        for k in ("busiest_rank_bytes_over_ours", "step_time_over_ours", "max_rel_err"):
+            out[f"nemo_{k}"] = out[f"nemo_{k}_cp4"]
+        out["ours_max_rel_err"] = out["ours_max_rel_err_vs_nemo_cp4"]
+        out["nemo_bench_setup"] = (
+            f"tiny NeMo DeepseekV4ForCausalLM (sliding, CSA r=4, HCA r=128, MoE), fp32, gloo "
+            f"CPU, S={SEQ}, median of {ROUNDS} interleaved rounds, one process per rank"
+        )
+    path = os.path.join(ROOT, "bench-peers.json")
+    data = json.load(open(path)) if os.path.exists(path) else {}
+    data.update(out)
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    print(json.dumps(out, indent=2))
 
-    def busiest_peak(side: str, seq: int) -> float | None:
-        vals = [r["peaks"].get(seq) for r in peaks[side]]
-        return None if any(not isinstance(v, int) for v in vals) else max(vals)
 
-    first = LADDER[0]
-    out["nemo_peak_mem_over_ours"] = busiest_peak("nemo", first) / busiest_peak("ours", first)
-    budget = busiest_peak("nemo", first)  # NeMo's step at the first S sets the budget
+def memory(run_ranks: Any, out: dict[str, Any]) -> None:
+    """Peak memory at the ladder's first S and the longest S under NeMo's budget (cp 4)."""
+    from peers_memory import max_seq_summary
 
-    def longest(side: str) -> int:
-        fits = [s for s in LADDER if (p := busiest_peak(side, s)) is not None and p <= budget]
-        return max(fits) if fits else 0
+    nemo_peaks = run_ranks(4, memory_job, "nemo", None)[0]["peaks"]
+    ours_peaks = run_ranks(4, memory_job, "ours", nemo_peaks[LADDER[0]])[0]["peaks"]
+    out["nemo_peak_mem_over_ours"] = nemo_peaks[LADDER[0]] / ours_peaks[LADDER[0]]
+    out.update(max_seq_summary("nemo", nemo_peaks, ours_peaks))
+    out["nemo_peak_mem_seq"] = LADDER[0]
 
-    out["ours_max_seq_over_nemo"] = longest("ours") / max(longest("nemo"), 1)
-    out["nemo_max_seq_measured"] = {
-        "budget_bytes": budget, "ladder": LADDER, "nemo": longest("nemo"), "ours": longest("ours"),
-        "peaks_nemo": {s: busiest_peak("nemo", s) for s in LADDER},
-        "peaks_ours": {s: busiest_peak("ours", s) for s in LADDER},
-    }  # fmt: skip
+
+def refuses(run_ranks: Any, out: dict[str, Any]) -> None:
+    """What NeMo's CP refuses or gets wrong, with the 192-row case measured."""
     case = run_ranks(2, nemo_192_rows)
     errs = [r["err"] for r in case if r["err"] is not None]
     raised = [r["raised"] for r in case if r["raised"]]
@@ -287,20 +308,6 @@ def main() -> None:
         "windows in NeMo's own packing (read from its code: its windows are aligned to the packed "
         "stream; hp_cp compresses each document from its first row)."
     )
-    for k in ("busiest_rank_bytes_over_ours", "step_time_over_ours", "max_rel_err"):
-        out[f"nemo_{k}"] = out[f"nemo_{k}_cp4"]
-    out["ours_max_rel_err"] = out["ours_max_rel_err_vs_nemo_cp4"]
-    out["nemo_bench_setup"] = (
-        f"tiny NeMo DeepseekV4ForCausalLM (sliding, CSA r=4, HCA r=128, MoE), fp32, gloo CPU, "
-        f"S={SEQ}, median of {ROUNDS} interleaved rounds, one process per rank"
-    )
-    path = os.path.join(ROOT, "bench-peers.json")
-    data = json.load(open(path)) if os.path.exists(path) else {}
-    data.update(out)
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

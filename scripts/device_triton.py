@@ -49,8 +49,8 @@ if SMOKE:
 import torch  # noqa: E402
 
 from hp_cp_core import HpCpError  # noqa: E402
-from hp_cp_torch.kernels.smallop import sparse_attention_smallop  # noqa: E402
 from hp_cp_torch.kernels.pool_index import build_inverted_index  # noqa: E402
+from hp_cp_torch.kernels.smallop import sparse_attention_smallop  # noqa: E402
 from hp_cp_torch.kernels.triton_attention import sparse_attention_triton  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"

@@ -1,8 +1,9 @@
 """hp_cp inside VeOmni's DeepSeek V4 (0.1.12): the whole tiny model (sliding, CSA r=4, HCA
-r=128 layers), a training step at cp 2 and 4, contiguous and load-balanced, padded (B=2)
+r=128 layers), a training step at cp 2 and 4 (and 8), contiguous and load-balanced, padded (B=2)
 and packed (VeOmni's per-document position_ids), S = 263 (prime; 2 HCA slots), against the
 same model and weights on one process in the same rank function: logits, loss, every
-parameter gradient.
+parameter gradient (relative to the largest of its own and 1e-3 of the model's largest
+gradient, see veomni_cases.GRAD_FLOOR), with the default attention kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def test_logits_loss_gradients_match_one_process(ranks: list[dict]) -> None:
         for res in report["results"]:
             case = (report["rank"], res["cp"], res["layout"], res["packed"])
             assert res["seq_len"] == 263  # prime: a multiple of nothing
+            assert res["logits_rel_err"] <= LOGITS_RTOL, case
+            assert res["loss_rel_err"] <= LOGITS_RTOL, case
+            assert res["grad_presence_mismatch"] == [], case
+            assert res["grad_rel_err_max"] <= GRAD_RTOL, (case, res["grad_worst"])
+
+
+def test_every_attention_layer_at_cp8() -> None:
+    reports = run_ranks(8, veomni_cases.parity_cp8)
+    kinds = set(veomni_cases.build_model(0).config.layer_types)
+    assert len(kinds) == 3  # sliding, CSA, HCA: every layer kind runs at cp 8
+    for report in reports:
+        assert [(r["cp"], r["layout"], r["packed_as"]) for r in report["results"]] == [
+            (8, "contiguous", None),
+            (8, "load_balanced", "cu"),
+        ]
+        for res in report["results"]:
+            case = (report["rank"], res["layout"], res["packed"])
             assert res["logits_rel_err"] <= LOGITS_RTOL, case
             assert res["loss_rel_err"] <= LOGITS_RTOL, case
             assert res["grad_presence_mismatch"] == [], case

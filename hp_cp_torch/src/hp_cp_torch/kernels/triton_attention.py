@@ -297,7 +297,10 @@ class _TritonSparseAttention(torch.autograd.Function):
         tuning: dict[str, Any] | None,
         bands: ColumnBands | None,
     ) -> torch.Tensor:
-        from hp_cp_torch.kernels.triton_kernels import sparse_attention_fwd, sparse_attention_fwd_heads_m
+        from hp_cp_torch.kernels.triton_kernels import (
+            sparse_attention_fwd,
+            sparse_attention_fwd_heads_m,
+        )
 
         batch, seq, heads, dim = q.shape
         q = q.contiguous()

@@ -1,0 +1,71 @@
+"""Peak memory per S and the longest S under one memory budget, shared by the peer benches.
+
+One job per side (the peer stack's own CP, then hp_cp) at the same cp runs real training
+steps for an increasing ladder of S in the same rank processes. After each step every rank
+reads its peak RSS growth over the RSS it had before the first step (``ru_maxrss``, which
+only grows, so a later S includes the earlier ones) and the ranks agree on the busiest
+rank's value. The budget is the peer's own peak at the ladder's first S; each side climbs
+the ladder until its busiest rank goes over the budget (the step after that is not run),
+so both longest S are measured, not assumed. If hp_cp is still within the budget at the
+top of the ladder, its longest S is a lower bound and the summary says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def ladder_peaks(
+    step: Callable[[int], Any], ladder: Sequence[int], budget: int | None, group: Any = None
+) -> dict[int, int]:
+    """In every rank of ``group``: one training step ``step(seq)`` per S of ``ladder``;
+    the busiest rank's peak RSS growth per S tried. Stops after the first S over ``budget``
+    (``None``: the first S's peak is the budget, the peer's case)."""
+    gc.collect()
+    base = _rss_bytes()
+    peaks: dict[int, int] = {}
+    for seq in ladder:
+        step(seq)
+        gc.collect()
+        grown = torch.tensor([_rss_bytes() - base], dtype=torch.int64)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX, group=group)
+        peaks[seq] = int(grown)
+        budget = peaks[seq] if budget is None else budget
+        if peaks[seq] > budget:
+            break
+    return peaks
+
+
+def max_seq_summary(peer: str, peer_peaks: dict[int, int], ours_peaks: dict[int, int]) -> dict:
+    """``ours_max_seq_over_<peer>`` and the measurement behind it (every S tried, both sides)."""
+    budget = peer_peaks[min(peer_peaks)]
+
+    def longest(peaks: dict[int, int]) -> int:
+        return max((s for s, p in peaks.items() if p <= budget), default=0)
+
+    top = max(ours_peaks)
+    lower_bound = ours_peaks[top] <= budget  # never went over: the ladder ended first
+    return {
+        f"ours_max_seq_over_{peer}": longest(ours_peaks) / max(longest(peer_peaks), 1),
+        f"ours_max_seq_over_{peer}_is_lower_bound": lower_bound,
+        f"{peer}_max_seq_measured": {
+            "budget_bytes": budget,
+            "budget_is": f"{peer}'s busiest-rank peak RSS growth of a training step at S="
+            f"{min(peer_peaks)}",
+            peer: longest(peer_peaks),
+            "ours": longest(ours_peaks),
+            f"peaks_{peer}": {str(s): p for s, p in sorted(peer_peaks.items())},
+            "peaks_ours": {str(s): p for s, p in sorted(ours_peaks.items())},
+            "ours_stopped_by": f"the ladder's top S={top}" if lower_bound else "the budget",
+        },
+    }
