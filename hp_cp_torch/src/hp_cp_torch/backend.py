@@ -223,8 +223,14 @@ class TorchGroup:
         out, _ = self.all_gather_rows(rows.reshape(shape[0], -1), None)
         return out.reshape(self.size * shape[0], *shape[1:]).movedim(0, dim)
 
-    def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
+    def all_gather_meta(self, values: np.ndarray, device_flags: Sequence[Any] = ()) -> np.ndarray:
+        """``[n]`` int64 -> ``[size, n + len(device_flags)]``: the device flags (0-dim tensors
+        or bools, not read by the caller) are appended on the device, so the gather's one
+        host read returns them too (``LocalCheck.deferred``)."""
         local = torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        if len(device_flags):
+            flags = [torch.as_tensor(f, device=self.device).reshape(1) for f in device_flags]
+            local = torch.cat([local, torch.cat(flags).to(torch.int64)])
         out = torch.empty(self.size * local.numel(), dtype=torch.int64, device=self.device)
         with _collective(self, "all_gather_meta"):
             _all_gather_single(out, local, self.pg)

@@ -37,8 +37,33 @@ WARMUP = 2
 STEPS = 3
 N_LAYERS = 4
 SEQ = 128
-READS = frozenset({"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
-"""The ``Tensor`` methods that read a tensor's values on the host."""
+READS = frozenset(
+    {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+    | {"is_nonzero", "equal", "allclose"}
+)
+"""The ``Tensor`` methods and functions that read a tensor's values on the host."""
+
+SHAPED_BY_DATA = frozenset(
+    {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount"}
+)
+"""Ops whose output shape depends on the values: on a GPU the host waits for them."""
+
+
+def is_host_read(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call seen by the bench's ``TorchFunctionMode`` reads device values on the
+    host: :data:`READS`, :data:`SHAPED_BY_DATA`, ``repeat_interleave`` by a tensor of repeats
+    without ``output_size``, and indexing (get or set) with a boolean mask."""
+    import torch
+
+    if name in READS or name in SHAPED_BY_DATA:
+        return True
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name in ("__getitem__", "__setitem__") and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
 
 
 class CountingStore:
@@ -60,10 +85,13 @@ class CountingStore:
 
 
 def _from_cp_code(frame: FrameType | None) -> bool:
-    """Whether a frame of ``hp_cp_core`` or ``hp_cp_torch`` (not this bench) is on the stack."""
+    """Whether a frame of ``hp_cp_core`` or ``hp_cp_torch`` is on the stack between the read
+    and this bench's training step (the launcher's frames above the step do not count)."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith(("hp_cp_core", "hp_cp_torch")) and name != __name__:
+        if name == __name__:
+            return False
+        if name.startswith(("hp_cp_core", "hp_cp_torch")):
             return True
         frame = frame.f_back
     return False
@@ -112,8 +140,9 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
     class Reads(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
             name = getattr(func, "__name__", "")
-            out = func(*args, **(kwargs or {}))
-            if name in READS and not (args and args[0] is copied[0]):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if is_host_read(name, args, kwargs) and not (args and args[0] is copied[0]):
                 counts["model"] += 1
                 if _from_cp_code(sys._getframe(1)):
                     counts["cp"] += 1

@@ -395,32 +395,45 @@ class DeepseekV4AttentionAdapter:
         )
         memo = getattr(cp_forward, "memo", None)
         seen = (id(attention_mask), id(position_ids), rows_hint(hidden_states, 1))
-        if check.ok and memo is not None and memo.checked == seen and cp_forward.reuses_agreement():
+        reuse = memo is not None and cp_forward.reuses_agreement()
+        # the mask and positions checks read tensor values: on the device, and read by the
+        # agreement's one gather (LocalCheck.deferred) when this layer agrees across ranks
+        across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
+        messages = (
+            f"{where}: got an attention mask that hides tokens (padding, or a custom "
+            "mask); HF's compressors ignore padding, so CP supports only unpadded "
+            "sequences. Pass attention_mask=None (or all ones) and equal-length sequences.",
+            f"{where}: got position_ids that are not the global row numbers of the local "
+            "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
+            "the same layout as the inputs (packed: positions restarting per document, "
+            "with the documents' boundaries as hp_cp_cu_seqlens=...).",
+        )
+        bad: list[Any] = [False, False]  # the same number of flags on every rank
+        if check.ok and reuse and memo.checked == seen:
             pass  # this forward's first layer checked these very objects; no host read
         elif check.ok:  # the plan exists: compare the mask and positions with it
             n_local = int(hidden_states.shape[1])
-            bad = [_mask_is_unsupported(attention_mask), False]
+            bad[0] = _mask_is_unsupported(attention_mask)
             if position_ids is not None:
                 want = torch.as_tensor(check.plan.positions, device=position_ids.device)
                 got = position_ids.reshape(-1, position_ids.shape[-1])
                 bad[1] = True if got.shape[-1] != n_local else (got != want).any()
-            dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
-            mask_bad, positions_bad = dev.cpu().tolist()  # one host sync (per model forward)
+            if not across:  # nothing to ride on: read here (a reused or local agreement)
+                dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
+                bad = [bool(b) for b in dev.cpu().tolist()]
+                for failed, message in zip(bad, messages):
+                    if failed:
+                        check.fail(message)
+                if memo is not None:
+                    memo.checked = None if any(bad) else seen
+        if across:
+            check.deferred = list(zip(bad, messages))
             if memo is not None:
-                memo.checked = None if (mask_bad or positions_bad) else seen
-            if mask_bad:
-                check.fail(
-                    f"{where}: got an attention mask that hides tokens (padding, or a custom "
-                    "mask); HF's compressors ignore padding, so CP supports only unpadded "
-                    "sequences. Pass attention_mask=None (or all ones) and equal-length sequences."
-                )
-            if positions_bad:
-                check.fail(
-                    f"{where}: got position_ids that are not the global row numbers of the local "
-                    "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
-                    "the same layout as the inputs (packed: positions restarting per document, "
-                    "with the documents' boundaries as hp_cp_cu_seqlens=...)."
-                )
+                memo.checked = None
+            call = cp_forward.agree(check)
+            if memo is not None:
+                memo.checked = seen  # every rank's flags were clear
+            return call
         return cp_forward.agree(check)
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
