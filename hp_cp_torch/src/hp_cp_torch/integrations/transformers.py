@@ -223,6 +223,19 @@ class DeepseekV4AttentionAdapter:
                 call,
             )
 
+    def indexer_queries(
+        self, xb: torch.Tensor, qrb: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
+        ix = self.module.compressor.indexer
+        with torch.no_grad():
+            batch, length = xb.shape[:2]
+            cos_q, sin_q = ix.rotary_emb(
+                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
+            )
+            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
+            return self.apply_rope(q, cos_q, sin_q).transpose(1, 2)
+
     def select(
         self,
         xb: torch.Tensor,
@@ -232,14 +245,9 @@ class DeepseekV4AttentionAdapter:
     ) -> torch.Tensor:
         """Indexer top-k of the local queries over their visible slots (global slot ids)."""
         ix = self.module.compressor.indexer
-        apply_rope = self.apply_rope
+        prepared = call.extra.get("local", {}).get("indexer_q")
         with torch.no_grad():
-            batch, length = xb.shape[:2]
-            cos_q, sin_q = ix.rotary_emb(
-                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
-            )
-            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
-            q = apply_rope(q, cos_q, sin_q).transpose(1, 2)  # [B, L, H_I, D_I]
+            q = self.indexer_queries(xb, qrb, position_ids) if prepared is None else prepared
             keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
             return select_topk_chunked(
                 lambda lo, hi, s0, s1: self.score(ix, q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
@@ -251,6 +259,9 @@ class DeepseekV4AttentionAdapter:
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
         m = self.module
+        local = call.extra.get("local")
+        if query is None and local is not None:  # computed while the exchanges travelled
+            query, qr = local["query"], local["qr"]
         cos, sin, position_ids = call.extra["cos"], call.extra["sin"], call.extra["position_ids"]
         selected = None
         if call.cmp_idx_global is not None:
@@ -466,20 +477,33 @@ class DeepseekV4AttentionAdapter:
             apply_rope = adapter.apply_rope
             batch, length = hidden_states.shape[:2]
             shape = (batch, length, -1, m.head_dim)
-            q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
-            q = m.q_b_norm(m.q_b_proj(q_residual).view(shape).transpose(1, 2))
-            q = apply_rope(q, cos, sin)  # [B, H, L, D]
             kv = m.kv_norm(m.kv_proj(hidden_states)).view(shape).transpose(1, 2)
             kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
+            local: dict[str, Any] = {}  # filled while the exchanges travel
+
+            def queries() -> None:
+                q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
+                q = m.q_b_norm(m.q_b_proj(q_residual).view(shape).transpose(1, 2))
+                local["query"] = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
+                local["qr"] = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
+
+            def indexer_queries() -> None:
+                if adapter.is_csa:
+                    local["indexer_q"] = adapter.indexer_queries(
+                        hidden_states, local["qr"].transpose(0, 1), position_ids
+                    )
+
             out = cp_forward(
-                q.permute(2, 0, 1, 3),  # sequence-major [L, B, H, D]
+                None,  # the queries: computed by `queries` while the halo travels
                 kv[:, 0].transpose(0, 1),  # [L, B, D]
                 hidden_states.transpose(0, 1),  # [L, B, hidden]
-                q_residual.transpose(0, 1),  # [L, B, q_lora_rank]
+                None,
                 call=call,
+                local_work=(queries, indexer_queries),
                 cos=cos,
                 sin=sin,
                 position_ids=position_ids,
+                local=local,
             )
             return out, None  # HF returns (output, attn_weights)
 
