@@ -481,25 +481,28 @@ class DeepseekV4AttentionAdapter:
             kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
             local: dict[str, Any] = {}  # filled while the exchanges travel
 
-            def queries() -> None:
+            # Note [Overlapped exchanges] in hp_cp_core.collectives: the query residual and
+            # the indexer's queries while the halo travels, the queries while the slots do.
+            # Each window holds work with a gradient, so backward overlaps both exchanges too.
+            def residual_and_indexer_queries() -> None:
                 q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
-                q = m.q_b_norm(m.q_b_proj(q_residual).view(shape).transpose(1, 2))
-                local["query"] = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
                 local["qr"] = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
-
-            def indexer_queries() -> None:
                 if adapter.is_csa:
                     local["indexer_q"] = adapter.indexer_queries(
-                        hidden_states, local["qr"].transpose(0, 1), position_ids
+                        hidden_states, q_residual, position_ids
                     )
 
+            def queries() -> None:
+                q = m.q_b_norm(m.q_b_proj(local["qr"].transpose(0, 1)).view(shape).transpose(1, 2))
+                local["query"] = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
+
             out = cp_forward(
-                None,  # the queries: computed by `queries` while the halo travels
+                None,  # the queries: computed while the exchanges travel (`local`)
                 kv[:, 0].transpose(0, 1),  # [L, B, D]
                 hidden_states.transpose(0, 1),  # [L, B, hidden]
                 None,
                 call=call,
-                local_work=(queries, indexer_queries),
+                local_work=(residual_and_indexer_queries, queries),
                 cos=cos,
                 sin=sin,
                 position_ids=position_ids,
