@@ -361,6 +361,8 @@ class AgreementMemo:
         """A backend's key for the per-forward inputs the forward's first layer checked on
         the device (the torch HF integration: the mask and position_ids objects), so later
         layers that reuse the agreement skip that check's host read."""
+        self.checked_index = -1
+        """The layer index that last set :attr:`checked`."""
 
     def reuses(self, index: int) -> bool:
         """Whether layer ``index``'s next :func:`agree` reuses an agreement (the same answer

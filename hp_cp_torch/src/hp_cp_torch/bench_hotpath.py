@@ -31,7 +31,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-__all__ = ["CountingStore", "hotpath_measures"]
+__all__ = ["CountingStore", "HostReads", "hotpath_measures", "is_host_read"]
 
 WARMUP = 2
 STEPS = 3
@@ -97,9 +97,37 @@ def _from_cp_code(frame: FrameType | None) -> bool:
     return False
 
 
+def HostReads() -> Any:  # noqa: N802 - a class made on first use (torch imported lazily)
+    """A ``TorchFunctionMode`` counting host reads (:func:`is_host_read`) into its
+    ``counts``: ``model`` (all), ``cp`` (made from hp_cp code, :func:`_from_cp_code`) and
+    ``agreement`` (the ``cpu`` calls among those). Reading the last ``.cpu()`` result again
+    is not a second read."""
+    from torch.overrides import TorchFunctionMode
+
+    class _HostReads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts = {"cp": 0, "model": 0, "agreement": 0}
+            self.copied: Any = None
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            name = getattr(func, "__name__", "")
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if is_host_read(name, args, kwargs) and not (args and args[0] is self.copied):
+                self.counts["model"] += 1
+                if _from_cp_code(sys._getframe(1)):
+                    self.counts["cp"] += 1
+                    self.counts["agreement"] += int(name == "cpu")  # agreement / input check
+            if name == "cpu":
+                self.copied = out
+            return out
+
+    return _HostReads()
+
+
 def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[str, float]:
     import torch
-    from torch.overrides import TorchFunctionMode
 
     from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
@@ -134,31 +162,16 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
         opt.step()
         opt.zero_grad()
 
-    counts = {"cp": 0, "model": 0, "agreement": 0}
-    copied: list[Any] = [None]  # the last ``.cpu()`` result: reading it is no second sync
-
-    class Reads(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            name = getattr(func, "__name__", "")
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            if is_host_read(name, args, kwargs) and not (args and args[0] is copied[0]):
-                counts["model"] += 1
-                if _from_cp_code(sys._getframe(1)):
-                    counts["cp"] += 1
-                    counts["agreement"] += int(name == "cpu")  # agreement / input check
-            if name == "cpu":
-                copied[0] = out
-            return out
-
+    reads = HostReads()
     for _ in range(warmup):
         step()
     store = group.log.store = CountingStore(group.log.store)
     calls_before = sum(group.calls.values())
     seq0, agreed0, reused0 = group.log.seq, memo.collectives, memo.reused
-    with Reads():
+    with reads:
         for _ in range(steps):
             step()
+    counts = reads.counts
     res = {
         "host_syncs": counts["cp"] / steps,
         "host_syncs_model": counts["model"] / steps,

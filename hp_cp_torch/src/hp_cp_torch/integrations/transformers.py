@@ -420,7 +420,11 @@ class DeepseekV4AttentionAdapter:
             "with the documents' boundaries as hp_cp_cu_seqlens=...).",
         )
         bad: list[Any] = [False, False]  # the same number of flags on every rank
-        if check.ok and reuse and memo.checked == seen:
+        index = getattr(cp_forward, "index", 0)
+        # a group of one never reuses an agreement (there is none); a later layer of the same
+        # forward (a higher index) given the very objects its first layer checked skips too
+        same_forward = group.size == 1 and memo is not None and index > memo.checked_index
+        if check.ok and (reuse or same_forward) and memo.checked == seen:
             pass  # this forward's first layer checked these very objects; no host read
         elif check.ok:  # the plan exists: compare the mask and positions with it
             n_local = int(hidden_states.shape[1])
@@ -437,6 +441,7 @@ class DeepseekV4AttentionAdapter:
                         check.fail(message)
                 if memo is not None:
                     memo.checked = None if any(bad) else seen
+                    memo.checked_index = index
         if across:
             check.deferred = list(zip(bad, messages))
             if memo is not None:
@@ -444,6 +449,7 @@ class DeepseekV4AttentionAdapter:
             call = cp_forward.agree(check)
             if memo is not None:
                 memo.checked = seen  # every rank's flags were clear
+                memo.checked_index = index
             return call
         return cp_forward.agree(check)
 
