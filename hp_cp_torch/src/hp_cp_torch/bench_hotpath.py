@@ -5,13 +5,17 @@ CSA, HCA, CSA) trains at cp = 2 on gloo, ``enable_cp`` with the defaults. After
 :data:`WARMUP` steps (plans built, agreements recorded) the bench counts over
 :data:`STEPS` steps, per rank, with instrumentation it installs itself:
 
-* ``host_syncs_per_step``: device-to-host reads inside the CP code, i.e. calls of
-  ``Tensor.cpu / item / tolist / numpy`` and ``bool / int / float`` of a tensor made while
-  with a frame of ``hp_cp_core`` / ``hp_cp_torch`` on the stack (CP layer forwards, their
-  input checks and agreement, the CP autograd functions' backward). A ``TorchFunctionMode``
-  sees every such call; on this CPU they cost nothing, on a GPU each one drains the launch
-  queue. The model's own reads (HF's mask building) are left out; the
-  model-wide count is ``host_syncs_per_step_model``.
+* ``host_syncs_per_step``: device-to-host reads inside the CP code: calls of
+  ``Tensor.cpu / item / tolist / numpy``, ``bool / int / float / index`` of a tensor,
+  ``equal / allclose``, ops whose output shape depends on the values (``nonzero``,
+  ``unique``, ``masked_select``, ...), and boolean-mask indexing (:func:`is_host_read`), made
+  with a frame of ``hp_cp_core`` / ``hp_cp_torch`` on the stack between the read and the
+  bench's step (CP layer forwards, their input checks and agreement, the CP autograd
+  functions' backward). A ``TorchFunctionMode`` (:func:`HostReads`) sees every such call; on
+  this CPU they cost nothing, on a GPU each one drains the launch queue. ``.to("cpu")`` is
+  not counted (on this CPU it cannot be told from a move to the group's device). The
+  model's own reads (HF's packed-sequence check of ``position_ids``: one per forward) are
+  left out; the model-wide count is ``host_syncs_per_step_model``.
 * ``store_ops_per_step``: operations on the desync report's store (a counting wrapper
   around it, :class:`CountingStore`).
 * ``cp_collectives_per_step`` and ``agreements_per_step`` (``all_gather_meta`` calls; the
