@@ -21,8 +21,10 @@ that rank's delayed exchanges per step times :data:`DELAY_S`. 1.0: every delay a
 step; 0: all hidden under compute. The model is the memory bench's (hidden 1024,
 :data:`~hp_cp_torch.bench_memory.HF_MEM_CONFIG`, 4 layers): the tiny demo model has too little
 work to hide anything behind. ``exposed_wait_fraction_cp4`` is the same share read off the
-waits themselves (the time a wait sat out the rest of a delay, over the delay): free of the
-step time's noise on a shared machine, blind to a peer's wait delaying this rank. The
+waits themselves: the time a step spends in its exchanges' waits with the link minus without
+it (a zero-delay link that only times them), over the summed delays, the busiest rank. Free
+of the compute's noise on a shared machine (a step's few seconds vary by more than its
+summed delays here), it still sees a peer's late message. The
 agreement's small all-gather (one per forward) is not delayed. Four ranks share this
 machine's two cores, so the compute that hides a delay is itself slowed by the other ranks;
 the blocking twin runs under the same conditions.
@@ -52,11 +54,12 @@ class _DelayedWork:
         self.work, self.deadline, self.link = work, deadline, link
 
     def wait(self, *args: Any) -> bool:
+        t0 = time.monotonic()
         self.work.wait(*args)
         left = self.deadline - time.monotonic()
         if left > 0:
             time.sleep(left)
-            self.link.slept += left
+        self.link.waited += time.monotonic() - t0
         return True
 
     def is_completed(self) -> bool:
@@ -69,7 +72,7 @@ class DelayedLink:
 
     def __init__(self, delay_s: float = DELAY_S) -> None:
         self.delay_s, self.batches = float(delay_s), 0
-        self.slept = 0.0  # the part of the delays a wait sat out (not hidden by compute)
+        self.waited = 0.0  # seconds spent in the waits (the delay's rest, and the peers)
 
     def __call__(self, works: list[Any]) -> list[Any]:
         if not works:
@@ -122,7 +125,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
 
     times: dict[tuple[bool, bool], list[float]] = {}
     batches: dict[bool, int] = {}
-    slept: dict[bool, list[float]] = {}
+    waited: dict[tuple[bool, bool], list[float]] = {}
     for overlap in (True, False):
         for _ in range(WARMUP):
             step(overlap)
@@ -130,7 +133,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
         for overlap in (True, False):
             group = runs[overlap][1].group
             for delayed in (False, True):
-                link = DelayedLink(delay) if delayed else None
+                link = DelayedLink(delay if delayed else 0.0)
                 group.link = link
                 dist.barrier()
                 for _ in range(steps):
@@ -138,13 +141,13 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
                     step(overlap)
                     times.setdefault((overlap, delayed), []).append(time.perf_counter() - t0)
                 group.link = None
-                if link is not None:
+                if delayed:
                     batches[overlap] = link.batches // steps
-                    slept.setdefault(overlap, []).append(link.slept / link.batches)
+                waited.setdefault((overlap, delayed), []).append(link.waited / steps)
     return {
         "median": {f"{o}_{d}": statistics.median(v) for (o, d), v in times.items()},
         "batches": {str(o): b for o, b in batches.items()},
-        "slept": {str(o): statistics.mean(v) for o, v in slept.items()},
+        "waited": {f"{o}_{d}": statistics.median(v) for (o, d), v in waited.items()},
     }
 
 
@@ -169,9 +172,10 @@ def overlap_measures(
         res[f"overlap_step_s_cp{world}{suffix}"] = plain
         res[f"overlap_step_delayed_s_cp{world}{suffix}"] = slow
         res[f"overlap_summed_delays_s_cp{world}{suffix}"] = summed
-        res[f"exposed_wait_fraction_cp{world}{suffix}"] = (
-            max(r["slept"][str(overlap)] for r in ranks) / delay
+        extra_wait = max(
+            r["waited"][f"{overlap}_True"] - r["waited"][f"{overlap}_False"] for r in ranks
         )
+        res[f"exposed_wait_fraction_cp{world}{suffix}"] = extra_wait / summed
     res["overlap_delay_s"] = delay
     res["overlap_seq"] = float(seq)
     return res
