@@ -172,10 +172,8 @@ def overlap_measures(
         res[f"overlap_step_s_cp{world}{suffix}"] = plain
         res[f"overlap_step_delayed_s_cp{world}{suffix}"] = slow
         res[f"overlap_summed_delays_s_cp{world}{suffix}"] = summed
-        extra_wait = max(
-            r["waited"][f"{overlap}_True"] - r["waited"][f"{overlap}_False"] for r in ranks
-        )
-        res[f"exposed_wait_fraction_cp{world}{suffix}"] = extra_wait / summed
+        slept = max(r["slept"][str(overlap)] for r in ranks)
+        res[f"exposed_wait_fraction_cp{world}{suffix}"] = slept / delay
     res["overlap_delay_s"] = delay
     res["overlap_seq"] = float(seq)
     return res
