@@ -142,7 +142,6 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
                 group.link = None
                 if delayed:
                     batches[overlap] = link.batches // steps
-                if delayed:
                     slept.setdefault(overlap, []).append(link.slept / link.batches)
     return {
         "median": {f"{o}_{d}": statistics.median(v) for (o, d), v in times.items()},
