@@ -126,13 +126,21 @@ def parity_suite(rank: int, world: int) -> dict[str, Any]:
                 res["case"] = name
                 results.append(res)
         if name == "long":
-            if rank < 2:  # the other attention kernel, and several query chunks per rank
-                for kernel, chunk in (("efficient", 1024), ("smallop", 40)):
+            if rank < 2:  # the other attention kernels, several query chunks per rank, and
+                # the blocking exchanges (overlap_exchanges=False; the others overlap)
+                for kernel, chunk, overlap in (
+                    ("efficient", 1024, True),
+                    ("smallop", 40, True),
+                    ("banded", 1024, False),
+                ):
                     config = DeepSeekV4CPConfig(
-                        layout="load_balanced", attention_kernel=kernel, query_chunk=chunk
+                        layout="load_balanced",
+                        attention_kernel=kernel,
+                        query_chunk=chunk,
+                        overlap_exchanges=overlap,
                     )
                     res = cp_parity(model, ids, ref, groups[2], "load_balanced", config=config)
-                    res["case"] = f"long {kernel} query_chunk={chunk}"
+                    res["case"] = f"long {kernel} query_chunk={chunk} overlap={overlap}"
                     variants.append(res)
             errors = error_checks(model, ids, ref.logits)
         dist.barrier()

@@ -77,19 +77,18 @@ def test_banded_matches_smallop(ratio, layout, packed, block, monkeypatch):
 @pytest.mark.parametrize("layout,packed", [("contiguous", False), ("load_balanced", True)])
 @pytest.mark.parametrize("factor", [2, 1000])
 def test_banded_picks_read_as_a_band(layout, packed, factor, monkeypatch):
-    """Distinct picks (the indexer's) in a narrow band are read as a masked slot band, not
-    gathered; the result is the small-op kernel's. A picks band that holds a duplicate or a
-    pick outside it falls back to the gather for that block."""
+    """Distinct picks (the indexer's) in a narrow band are read as a slot band weighted by
+    pick count, not gathered; the result is the small-op kernel's. A pick list with a repeated
+    pick is still read as a band, and the repeat adds up as in the gather."""
     monkeypatch.setattr(banded, "PICKS_BAND_FACTOR", factor)
     read_as_band = []
-    original = banded._picks_mask
+    original = banded._picks_bias
 
     def spy(sel, start, stop):
-        mask = original(sel, start, stop)
-        read_as_band.append(mask is not None)
-        return mask
+        read_as_band.append((start, stop))
+        return original(sel, start, stop)
 
-    monkeypatch.setattr(banded, "_picks_mask", spy)
+    monkeypatch.setattr(banded, "_picks_bias", spy)
     seq = 600
     cu = np.array([0, 37, 38, seq // 2, seq - 45, seq]) if packed else None
     case = plan_case(4, layout, seq=seq, cu=cu, distinct=True)
@@ -98,9 +97,9 @@ def test_banded_picks_read_as_a_band(layout, packed, factor, monkeypatch):
     for a, b in zip(got, ref):
         assert_close(a, b, 1e-5)
     if factor > 2:  # every block's band is narrow enough
-        assert read_as_band and all(read_as_band)
+        assert read_as_band
 
-    # a foreign pick list with a repeated pick: that block is gathered, repeats add up
+    # a foreign pick list with a repeated pick: still a band, repeats add up
     plan, q, ori, cmp, sel, sink = case
     sel = sel.clone()
     row = int(np.flatnonzero(plan.cmp_count >= 2)[-1])
@@ -111,15 +110,13 @@ def test_banded_picks_read_as_a_band(layout, packed, factor, monkeypatch):
     for a, b in zip(got, ref):
         assert_close(a, b, 1e-5)
     if factor > 2:
-        assert read_as_band.count(False) == 2  # that block, in forward and in backward
+        assert read_as_band
 
 
-def test_picks_mask_marks_each_pick_or_declines():
+def test_picks_bias_counts_each_pick():
     sel = torch.tensor([[[3, 5, -1], [4, 4, 6]]])
-    assert banded._picks_mask(sel, 3, 7) is None  # a repeat
-    assert banded._picks_mask(sel[:, :1], 4, 7) is None  # slot 3 is outside
-    mask = banded._picks_mask(sel[:, :1], 2, 7)
-    assert mask.tolist() == [[[False, True, False, True, False]]]
+    bias = banded._picks_bias(sel, 3, 7).exp()  # the pick counts
+    assert bias.tolist() == [[[1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 1.0]]]
 
 
 def test_banded_rank_without_slots_and_bf16():

@@ -116,7 +116,7 @@ def test_deterministic_topk_breaks_ties_by_lower_index() -> None:
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 8, 13, 40])
-@pytest.mark.parametrize("kind", ["random", "ties", "neg_inf", "nan"])
+@pytest.mark.parametrize("kind", ["random", "ties", "neg_inf", "nan", "signed_zero", "bf16"])
 def test_deterministic_topk_equals_a_stable_sort(k, kind) -> None:
     """Both of its paths (top-k threshold for small k, whole-row sort otherwise) give what a
     stable descending sort gives: values and indices, ties lowest index first."""
@@ -128,6 +128,12 @@ def test_deterministic_topk_equals_a_stable_sort(k, kind) -> None:
         scores = torch.where(torch.rand(scores.shape, generator=g) < 0.8, float("-inf"), scores)
     if kind == "nan":
         scores[1, 2, 7] = float("nan")
+        scores[1, 2, 9] = -float("nan")
+        scores[0, 1, 3] = float("inf")
+    if kind == "signed_zero":  # -0.0 and 0.0 are equal: a tie, lower index first
+        scores = torch.where(scores > 0, 0.0, -0.0)
+    if kind == "bf16":
+        scores = torch.round(scores * 4).to(torch.bfloat16)
     want_v, want_i = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, ids = deterministic_topk(scores, k)
     assert torch.equal(ids, want_i[..., :k])

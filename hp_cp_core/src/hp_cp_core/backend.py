@@ -80,7 +80,11 @@ class Group(Protocol):
         a single collective outside the layers)."""
 
     def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
-        """All-gather a small int64 vector (no autograd): ``[n]`` -> ``[size, n]``."""
+        """All-gather a small int64 vector (no autograd): ``[n]`` -> ``[size, n]``.
+
+        A group whose backend defers device-side checks (``LocalCheck.deferred``) also takes
+        ``device_flags=[0-dim tensors]``, appended to the vector before the gather (one
+        device-to-host read in all): ``[n]`` -> ``[size, n + len(device_flags)]``."""
 
     def stats(self) -> dict[str, Any]:
         """Bytes sent / received and calls per collective kind since the group was made, in the

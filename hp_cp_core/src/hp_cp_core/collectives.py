@@ -36,6 +36,22 @@ starts its backward exchanges only after this layer finished all of its own. Thi
 layers applied one after the other (a decoder stack), on every rank whose loss depends on the
 layer output; a rank that skips a layer's backward is a bug the desync report names.
 
+Note [Overlapped exchanges]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A group that offers ``issue_rows`` / ``wait_rows`` splits each exchange in two: issue (the
+messages leave, receives are posted) and wait (at the first consumer). The layer's local work
+that needs no received row runs in between (``DeepSeekV4CPForward(local_work=...)``: the
+query projections while the halo travels, the indexer queries while the slots travel)::
+
+    forward   issue halo -- q projections -- wait halo -- compress -- issue slots
+                                                       -- indexer queries -- wait slots -- attn
+    backward  (mirror) wait's backward issues the gradients' messages, the work's
+              backward runs, issue's backward waits for them
+
+The token runs through both halves (``t -> issue -> t' -> wait -> t''``), so backward still
+runs every exchange's issue and wait in one order on every rank (Note [Backward order]);
+only one exchange of a layer is in flight at a time.
+
 A backend implements tokens with its framework's autograd (an empty tensor in the graph,
 see ``hp_cp_torch``). A framework whose backward is the forward program reversed (JAX's
 transpose) already has a fixed order; its tokens can be placeholders passed through.
@@ -50,10 +66,39 @@ from hp_cp_core.backend import Backend, Group
 from hp_cp_core.plan import RankPlan
 
 
+def overlaps(group: Group, overlap: bool) -> bool:
+    """Whether exchanges on ``group`` are split into issue and wait (Note [Overlapped
+    exchanges]): asked for, and the group offers ``issue_rows`` / ``wait_rows``."""
+    return bool(overlap) and hasattr(group, "issue_rows") and hasattr(group, "wait_rows")
+
+
+def exchange_rows_around(
+    group: Group, items: Sequence[tuple[Any, Any]], token: Any, work: Any, overlap: bool
+) -> tuple[list[Any], Any]:
+    """``group.exchange_rows(items, token)`` with ``work()`` (local work that needs none of
+    its rows; may be ``None``) run while the messages travel when ``overlap``, else after."""
+    if overlaps(group, overlap):
+        pending, token = group.issue_rows(items, token)
+        if work is not None:
+            work()
+        return group.wait_rows(pending, token)
+    outs, token = group.exchange_rows(items, token)
+    if work is not None:
+        work()
+    return outs, token
+
+
 def exchange_halos(
-    group: Group, ops: Backend, ori_kv: Any, x: Any, plan: RankPlan, token: Any
+    group: Group,
+    ops: Backend,
+    ori_kv: Any,
+    x: Any,
+    plan: RankPlan,
+    token: Any,
+    work: Any = None,
+    overlap: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """Window KV halo and x halo in one exchange.
+    """Window KV halo and x halo in one exchange (``work()`` in between when ``overlap``).
 
     Returns ``(ori_ext, halo_x, token)``: the window KV in the ext frame (``[halo ; local]``
     for a contiguous layout), the received x rows in ascending global order (``None`` for
@@ -62,7 +107,7 @@ def exchange_halos(
     items = [(ori_kv, plan.window)]
     if plan.x is not None:
         items.append((x, plan.x))
-    outs, token = group.exchange_rows(items, token)
+    outs, token = exchange_rows_around(group, items, token, work, overlap)
     ori_ext = outs[0]
     if plan.window.ext_from_recv is not None:
         ori_ext = ops.index_rows(ori_ext, plan.window.ext_from_recv)
@@ -82,7 +127,13 @@ def slot_exchange_kind(group: Group) -> str:
 
 
 def exchange_compressed_slots(
-    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan, token: Any
+    group: Group,
+    ops: Backend,
+    owned: Sequence[Any],
+    plan: RankPlan,
+    token: Any,
+    work: Any = None,
+    overlap: bool = False,
 ) -> tuple[list[Any], Any]:
     """Every rank's owned slots of several compressors, point to point in one message per
     peer, each rank receiving only the slots its queries see.
@@ -90,7 +141,8 @@ def exchange_compressed_slots(
     Returns, per input, ``[received (source-rank order) ; owned]``, and the next order
     token; see :func:`~hp_cp_core.compression.slot_buffer` for putting it in global order.
     """
-    return group.exchange_rows([(t, plan.slot_exchange) for t in owned], token)
+    items = [(t, plan.slot_exchange) for t in owned]
+    return exchange_rows_around(group, items, token, work, overlap)
 
 
 def gather_compressed_slots(

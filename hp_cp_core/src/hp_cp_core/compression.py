@@ -71,16 +71,26 @@ def slot_buffer(ops: Backend, exchanged: Any, slots: SlotExchangePlan) -> Any:
 
 
 def build_global_compressed_kv_for_cp(
-    group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan, token: Any
+    group: Group,
+    ops: Backend,
+    owned: Sequence[Any],
+    plan: RankPlan,
+    token: Any,
+    work: Any = None,
+    overlap: bool = False,
 ) -> tuple[list[Any], Any]:
     """Every rank's owned slots (main, then indexer) in global slot order ``0 ..
     plan.n_needed_slots - 1``, moved in one exchange: point to point when the group offers it
     (:func:`~hp_cp_core.collectives.slot_exchange_kind`), else one all-gather; and the next
-    order token (Note [Backward order] in :mod:`hp_cp_core.collectives`)."""
+    order token (Note [Backward order] in :mod:`hp_cp_core.collectives`). ``work()`` (may be
+    ``None``) runs while the slots travel when ``overlap`` (Note [Overlapped exchanges]), else
+    after the exchange."""
     if slot_exchange_kind(group) == "p2p":
-        exchanged, token = exchange_compressed_slots(group, ops, owned, plan, token)
+        exchanged, token = exchange_compressed_slots(group, ops, owned, plan, token, work, overlap)
         return [slot_buffer(ops, t, plan.slot_exchange) for t in exchanged], token
     gathered, token = gather_compressed_slots(group, ops, owned, plan, token)
+    if work is not None:
+        work()
     return [select_and_pad_smallop(ops, g, plan) for g in gathered], token
 
 

@@ -50,6 +50,12 @@ class DeepSeekV4CPConfig:
             peers can read, and read theirs, so the error names where every rank is (the
             torch backend: no store traffic while all goes well). ``False`` keeps only this
             rank's own record and never touches the store.
+        overlap_exchanges: issue each halo and slot exchange as soon as its inputs exist and
+            wait for it only where its output is first used, with the layer's local work in
+            between (query projections, indexer queries); backward mirrors it (Note
+            [Overlapped exchanges] in :mod:`hp_cp_core.collectives`). ``False``: every
+            exchange is issued and waited in place (the blocking path). Same results either
+            way; backends without split exchanges always block.
     """
 
     layout: str = "contiguous"
@@ -59,6 +65,7 @@ class DeepSeekV4CPConfig:
     plan_cache_size: int = 64
     single_rank_bypass: bool = True
     desync_report: bool = True
+    overlap_exchanges: bool = True
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -24,6 +24,13 @@ from hp_cp_core.validation import (
 )
 
 
+def _run_all(works: Sequence[Any]) -> Any:
+    """One callable running ``works`` in order, ``None`` when there are none."""
+    if not works:
+        return None
+    return lambda: [w() for w in works]
+
+
 class DeepSeekV4CPForward:
     """Runs one attention layer on local rows through the hooks and the group's exchanges.
 
@@ -70,6 +77,7 @@ class DeepSeekV4CPForward:
         *,
         cu_seqlens: Any = None,
         call: DeepSeekV4CPContext | None = None,
+        local_work: Sequence[Any] = (),
         **extra: Any,
     ) -> Any:
         """One layer forward on this rank's rows (sequence-major, rows first).
@@ -80,6 +88,13 @@ class DeepSeekV4CPForward:
             call: the context :meth:`agree` returned, when the install wrapper already
                 checked its inputs (then ``cu_seqlens`` is taken from it); else this call
                 checks the inputs and agrees across ranks itself.
+            local_work: zero-argument callables of the caller's local work that needs no
+                received row, run in order while the exchanges travel (Note [Overlapped
+                exchanges] in :mod:`hp_cp_core.collectives`): the first during the halo
+                exchange, the others during the slot exchange (all during the halo exchange
+                of a layer without compressed slots). Whatever they compute reaches the hooks
+                through the caller's own tensors (``query`` / ``qr`` may then be ``None``
+                here and filled through ``call.extra``).
             extra: backend-private values for the hooks (``call.extra``).
         """
         if call is None:
@@ -97,24 +112,33 @@ class DeepSeekV4CPForward:
             call = call.replace(extra={**call.extra, **extra})
         token = self.group.begin_order(x)  # Note [Backward order] in hp_cp_core.collectives
         ori_kv = self.hooks.extract_ori_kv(self.module, key)
+        works = list(local_work)
+        compressed = self.spec.compress_ratio > 0
+        first = works[:1] if compressed else works
+        rest = works[1:] if compressed else []
+        overlap = self.config.overlap_exchanges
         ori_ext, halo_x, token = exchange_halos(
-            self.group, self.backend, ori_kv, x, call.plan, token
+            self.group, self.backend, ori_kv, x, call.plan, token, _run_all(first), overlap
         )
-        cmp_kv_global, cmp_idx_global, token = self.global_compressed_kv(x, halo_x, call, token)
+        cmp_kv_global, cmp_idx_global, token = self.global_compressed_kv(
+            x, halo_x, call, token, _run_all(rest)
+        )
         call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
         out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
         return self.group.end_order(out, token)
 
-    def global_compressed_kv(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any):
+    def global_compressed_kv(
+        self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
+    ):
         """Main compressed KV and indexer keys of every rank, in global slot order, and the
-        next order token."""
+        next order token (``work()`` while the slots travel)."""
         if self.spec.compress_ratio == 0:
             return None, None, token
         owned = [self.hooks.compress_main(self.module, x, halo_x, call)]
         if self.spec.has_indexer:
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
         gathered, token = build_global_compressed_kv_for_cp(
-            self.group, self.backend, owned, call.plan, token
+            self.group, self.backend, owned, call.plan, token, work, self.config.overlap_exchanges
         )
         return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
 

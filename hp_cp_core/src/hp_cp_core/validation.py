@@ -38,7 +38,19 @@ its peers fail in the layer's first exchange within the group's timeout (the des
 names this rank's layer); still no silent wrong answer and no unbounded wait. Bad *inputs* on
 one rank (rows, cu_seqlens, batch, dtype, masks) enter at the first layer and so still make
 every rank raise the same error before any data moves. Steady-state cost: one all-gather of
-seven integers per model forward per handle.
+seven integers per model forward per handle, and its one host read.
+
+Checks of tensor *values* (the HF integration's: does the attention mask hide a token, are
+``position_ids`` the plan's rows) are computed on the device and not read by the layer
+(``LocalCheck.deferred``): their flags ride in the same all-gather, appended to the vector,
+so the agreement's one read learns every rank's verdict on them too::
+
+    local vector (int64, host)     device flags (0-dim, not read)
+    [kind, rows, cu, ..., count] ++ [mask hides a token, positions differ]
+    +------------- one all_gather_meta, one device-to-host read ----------+
+
+A rank whose flag is set fails like a rank whose host check failed: every rank raises the same
+error before any data moves.
 """
 
 from __future__ import annotations
@@ -103,6 +115,10 @@ class LocalCheck:
         plan: this rank's plan, ``None`` when a check failed.
         problems: ``(error class, message)`` of every failed check, in order.
         cause: the exception a check caught (kept as ``__cause__`` on this rank).
+        deferred: ``(flag, message)`` of checks the backend computed on the device (a 0-dim
+            tensor, true = failed) and did not read: they travel in the agreement collective
+            (Note [Validate, agree, then communicate]), so they cost no host read of their
+            own. Every rank of a group must defer the same number of checks.
     """
 
     n_local: int
@@ -112,6 +128,7 @@ class LocalCheck:
     plan: Any = None
     problems: list[tuple[type[HpCpError], str]] = field(default_factory=list)
     cause: BaseException | None = None
+    deferred: list[tuple[Any, str]] = field(default_factory=list)
 
     def fail(self, message: str, kind: type[HpCpError] = HpCpError) -> None:
         """Record a failed check (raised later, on every rank, by :func:`agree`)."""
@@ -344,6 +361,8 @@ class AgreementMemo:
         """A backend's key for the per-forward inputs the forward's first layer checked on
         the device (the torch HF integration: the mask and position_ids objects), so later
         layers that reuse the agreement skip that check's host read."""
+        self.checked_index = -1
+        """The layer index that last set :attr:`checked`."""
 
     def reuses(self, index: int) -> bool:
         """Whether layer ``index``'s next :func:`agree` reuses an agreement (the same answer
@@ -421,7 +440,16 @@ def agree(
                 "peers fail in the layer's first exchange (see Note [Validate, agree, then "
                 "communicate]). Change a layer on every rank, not on one."
             ) from check.cause
-    every = group.all_gather_meta(mine)
+    if check.deferred:  # device-side checks: read in the same collective, on every rank
+        every = group.all_gather_meta(mine, device_flags=[f for f, _ in check.deferred])
+        flags = every[:, len(mine) :] != 0
+        every = np.ascontiguousarray(every[:, : len(mine)])
+        for (_, message), bad in zip(check.deferred, flags[group.rank]):
+            if bad:
+                check.fail(message)
+        every[flags.any(axis=1) & (every[:, 0] == 0), 0] = 1
+    else:
+        every = group.all_gather_meta(mine)
     failed = np.flatnonzero(every[:, 0]).tolist()
     agreed = every[:, 1 : 1 + len(FIELDS)]
     differ = [f for i, f in enumerate(FIELDS) if np.any(agreed[:, i] != agreed[0, i])]

@@ -36,11 +36,10 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
 
     ``torch.topk`` leaves the order of equal values unspecified (and device dependent); this
     does not, so a sequence-parallel run that scores the same candidate row picks the same
-    columns. On the CPU, when ``k`` is a small part of the row (a full sort there costs more
-    than the rest of the indexer), ``torch.topk`` finds the k-th largest value, every larger
-    entry is kept and equal ones lowest index first; only the ``k`` kept entries are then
-    sorted (stably, by descending value). Otherwise (and for rows holding NaN) one stable
-    descending sort of the row. Both give the same result.
+    columns. When ``k`` is a small part of the row (a full sort costs more than the rest of
+    the indexer), one ``torch.topk`` over keys that have no ties (Note [Top-k without ties]);
+    otherwise one stable descending sort of the row. Both give what a stable descending sort
+    gives (NaN first, as the sort puts it), on any device, with no host read.
 
     Args:
         scores: Scores ``[..., N]``; ``-inf`` entries are allowed (they sort last).
@@ -50,21 +49,32 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
         ``(values, indices)``, each ``[..., k]``, in descending-score order.
     """
     small_k = 0 < k * TOPK_SORT_FRACTION <= scores.shape[-1]
-    if not small_k or scores.device.type != "cpu" or scores.isnan().any():
+    if not small_k or scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
-    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    keep = scores >= kth
-    crowded = (keep.sum(dim=-1) > k).nonzero(as_tuple=True)  # rows with too many ties at kth
-    if crowded[0].numel():
-        row, row_kth = scores[crowded], kth[crowded]
-        above, tied = row > row_kth, row == row_kth
-        room = k - above.sum(dim=-1, keepdim=True)  # ties that still fit, lowest index first
-        keep[crowded] = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
-    indices = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)  # ascending per row
-    picked = torch.gather(scores, -1, indices)
-    values, order = torch.sort(picked, dim=-1, descending=True, stable=True)
-    return values, torch.gather(indices, -1, order)
+    indices = torch.topk(_untied_keys(scores), k, dim=-1, sorted=True).indices
+    return torch.gather(scores, -1, indices), indices
+
+
+def _untied_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Note [Top-k without ties]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    int64 keys in the order a stable descending sort puts ``scores`` (fp32 or narrower) in,
+    all distinct, so ``torch.topk`` of the keys has one answer on every device::
+
+        key = orderable(fp32 bits) * 2**32 + (N - 1 - index)
+              +-- value order --+          +-- lower index wins a tie --+
+
+    ``orderable`` maps the IEEE bits to int32 in value order (negative floats: all bits but
+    the sign flipped), after ``+ 0.0`` turns ``-0.0`` into ``+0.0`` (equal values, a tie) and
+    with every NaN above ``+inf`` (the sort puts NaN first). No host read, no data-dependent
+    shape (the earlier CPU path counted the ties at the k-th value with ``nonzero``)."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    order = torch.where(torch.isnan(scores), torch.iinfo(torch.int32).max, order)
+    n = scores.shape[-1]
+    rank = torch.arange(n - 1, -1, -1, dtype=torch.int64, device=scores.device)
+    return order.to(torch.int64) * (1 << 32) + rank
 
 
 def select_topk_chunked(

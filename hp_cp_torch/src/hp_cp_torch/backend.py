@@ -156,6 +156,7 @@ class TorchGroup:
         self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))
         self.n_layers = 0  # installed so far; a layer's index in the desync report
         self.closed = False  # disable_cp ran (its record is published)
+        self.link: Any = None  # a benchmark's slow-link model wrapping the p2p work handles
         self._send_index: collections.OrderedDict[tuple[int, str], tuple[Any, list]] = (
             collections.OrderedDict()
         )
@@ -223,8 +224,14 @@ class TorchGroup:
         out, _ = self.all_gather_rows(rows.reshape(shape[0], -1), None)
         return out.reshape(self.size * shape[0], *shape[1:]).movedim(0, dim)
 
-    def all_gather_meta(self, values: np.ndarray) -> np.ndarray:
+    def all_gather_meta(self, values: np.ndarray, device_flags: Sequence[Any] = ()) -> np.ndarray:
+        """``[n]`` int64 -> ``[size, n + len(device_flags)]``: the device flags (0-dim tensors
+        or bools, not read by the caller) are appended on the device, so the gather's one
+        host read returns them too (``LocalCheck.deferred``)."""
         local = torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        if len(device_flags):
+            flags = [torch.as_tensor(f, device=self.device).reshape(1) for f in device_flags]
+            local = torch.cat([local, torch.cat(flags).to(torch.int64)])
         out = torch.empty(self.size * local.numel(), dtype=torch.int64, device=self.device)
         with _collective(self, "all_gather_meta"):
             _all_gather_single(out, local, self.pg)
@@ -264,9 +271,37 @@ class TorchGroup:
             recvs[peer] = torch.empty(n, dtype=torch.uint8, device=self.device)
             ops.append(dist.P2POp(dist.irecv, recvs[peer], self.global_ranks[peer], self.pg))
         with _collective(self, name, layer):
-            for req in dist.batch_isend_irecv(ops) if ops else ():
+            for req in self.start_p2p(ops):
                 req.wait()
         return recvs
+
+    def start_p2p(self, ops: list[Any]) -> list[Any]:
+        """Issue ``ops`` (``dist.P2POp``) in one batch; their work handles. With a ``link``
+        (a benchmark's model of a slow link, see :mod:`hp_cp_torch.bench.overlap`) the handles
+        are the link's, completing only after its delay."""
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return works if self.link is None else self.link(works)
+
+    def issue_rows(
+        self, items: Sequence[tuple[torch.Tensor, Any]], token: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor | None]:
+        """The first half of :meth:`exchange_rows`: the messages leave, receives are posted;
+        returns what :meth:`wait_rows` completes (Note [Overlapped exchanges] in
+        :mod:`hp_cp_core.collectives`)."""
+        pending = _Pending(self, [plan for _, plan in items])
+        tensors = [t for t, _ in items]
+        token = _IssueRows.apply(pending, token, *tensors)
+        pending.tensors = tensors
+        return pending, _token_or_none(token)
+
+    def wait_rows(
+        self, pending: Any, token: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The second half: wait for the messages; ``[received rows ; local]`` per item, as
+        :meth:`exchange_rows` returns them, and the next token."""
+        tensors, pending.tensors = pending.tensors, None
+        token, *outs = _WaitRows.apply(pending, token, *tensors)
+        return outs, _token_or_none(token)
 
 
 def _all_gather_single(out: torch.Tensor, tensor: torch.Tensor, pg: Any) -> None:
@@ -424,6 +459,170 @@ class _HaloExchange(torch.autograd.Function):
                     out[i].index_add_(0, group.send_index(p, peer, got.device), got)
                     off += nb
         return (None, None, _token_grad(ctx, 2, group.device), *out)
+
+
+class _Pending:
+    """One exchange between :meth:`TorchGroup.issue_rows` and :meth:`TorchGroup.wait_rows`
+    (and between its backward halves): the work handles, the buffers, where it was entered."""
+
+    def __init__(self, group: TorchGroup, plans: list[Any]) -> None:
+        self.group, self.plans = group, plans
+        self.name = _exchange_name(plans)
+        self.layer = group.log.layer
+        self.tensors: list[torch.Tensor] | None = None
+        self.works: list[Any] = []
+        self.recvs: dict[int, torch.Tensor] = {}
+        self.sends: dict[int, torch.Tensor] = {}  # kept alive until the wait
+        self.where = ""
+
+    def start(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int], name: str) -> None:
+        group = self.group
+        ops = []
+        self.sends, self.recvs = sends, {}
+        for peer, buf in sends.items():
+            ops.append(dist.P2POp(dist.isend, buf, group.global_ranks[peer], group.pg))
+        for peer, n in recv_sizes.items():
+            self.recvs[peer] = torch.empty(n, dtype=torch.uint8, device=group.device)
+            ops.append(dist.P2POp(dist.irecv, self.recvs[peer], group.global_ranks[peer], group.pg))
+        self.where = group.log.enter(name, self.layer)
+        try:
+            self.works = group.start_p2p(ops)
+        except RuntimeError as exc:
+            raise _peer_failure(group, name, exc, self.where) from exc
+
+    def finish(self, name: str) -> dict[int, torch.Tensor]:
+        works, self.works = self.works, []
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:
+            raise _peer_failure(self.group, name, exc, self.where) from exc
+        self.sends = {}
+        recvs, self.recvs = self.recvs, {}
+        return recvs
+
+
+def _forward_messages(group: TorchGroup, plans: list[Any], tensors: Sequence[torch.Tensor]):
+    """Per peer: the bytes of the rows ``tensors`` send it, and the bytes it sends back."""
+    sends, recv_sizes = {}, {}
+    for peer in range(group.size):
+        parts = [
+            _as_bytes(t[group.send_index(p, peer, t.device)])
+            for t, p in zip(tensors, plans)
+            if p.send_rows[peer].size
+        ]
+        if parts:
+            sends[peer] = torch.cat(parts)
+        n = sum(p.recv_counts[peer] * _row_bytes(t) for t, p in zip(tensors, plans))
+        if n:
+            recv_sizes[peer] = n
+    return sends, recv_sizes
+
+
+def _assemble(recvs: dict[int, torch.Tensor], plans: list[Any], tensors: Sequence[torch.Tensor]):
+    """``[received rows (source-rank order) ; local]`` per tensor."""
+    offsets = dict.fromkeys(recvs, 0)
+    pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
+    for peer in sorted(recvs):
+        for i, (t, p) in enumerate(zip(tensors, plans)):
+            n = p.recv_counts[peer]
+            if n:
+                nb = n * _row_bytes(t)
+                buf = recvs[peer][offsets[peer] : offsets[peer] + nb]
+                pieces[i].append(_from_bytes(buf, t, n))
+                offsets[peer] += nb
+    return [torch.cat([*got, t]) if got else t.clone() for t, got in zip(tensors, pieces)]
+
+
+def _backward_messages(group: TorchGroup, plans: list[Any], grads, like):
+    """Per peer: the gradient bytes of the rows received from it, and the bytes coming back."""
+    starts = [0] * len(plans)
+    per_peer: dict[int, list[torch.Tensor]] = {}
+    for peer in range(group.size):
+        for i, (g, p) in enumerate(zip(grads, plans)):
+            n = p.recv_counts[peer]
+            if n:
+                per_peer.setdefault(peer, []).append(_as_bytes(g[starts[i] : starts[i] + n]))
+                starts[i] += n
+    sends = {peer: torch.cat(parts) for peer, parts in per_peer.items()}
+    recv_sizes = {}
+    for peer in range(group.size):
+        n = sum(p.send_rows[peer].size * _row_bytes(t) for t, p in zip(like, plans))
+        if n:
+            recv_sizes[peer] = n
+    return sends, recv_sizes
+
+
+class _IssueRows(torch.autograd.Function):
+    """The issue half of an overlapped exchange; backward waits for the gradients of the
+    rows this rank sent and returns them (Note [Overlapped exchanges])."""
+
+    @staticmethod
+    def forward(ctx: Any, pending: _Pending, token: Any, *tensors: torch.Tensor):
+        ctx.pending = pending
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        sends, recv_sizes = _forward_messages(pending.group, pending.plans, tensors)
+        pending.start(sends, recv_sizes, pending.name)
+        sent = sum(b.numel() for b in sends.values())
+        pending.group.count(pending.name, sent, sum(recv_sizes.values()))
+        return _new_token(pending.group.device)
+
+    @staticmethod
+    def backward(ctx: Any, _token_grad_out: torch.Tensor):
+        pending, group = ctx.pending, ctx.pending.group
+        recvs = pending.finish(f"{pending.name} backward")
+        outs: list[torch.Tensor | None] = []
+        for i, (shape, dtype, device) in enumerate(ctx.shapes):
+            outs.append(
+                torch.zeros(shape, dtype=dtype, device=device)
+                if ctx.needs_input_grad[2 + i]
+                else None
+            )
+        like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
+        for peer in sorted(recvs):
+            off = 0
+            for i, (t, p) in enumerate(zip(like, pending.plans)):
+                rows = p.send_rows[peer]
+                if rows.size:
+                    nb = rows.size * _row_bytes(t)
+                    if outs[i] is not None:
+                        got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
+                        outs[i].index_add_(0, group.send_index(p, peer, got.device), got)
+                    off += nb
+        return (None, _token_grad(ctx, 1, group.device), *outs)
+
+
+class _WaitRows(torch.autograd.Function):
+    """The wait half: ``[received ; local]`` per tensor; backward issues the gradients of the
+    received rows to their owners and returns the local rows' gradients at once."""
+
+    @staticmethod
+    def forward(ctx: Any, pending: _Pending, token: Any, *tensors: torch.Tensor):
+        ctx.pending = pending
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        recvs = pending.finish(pending.name)
+        return (_new_token(pending.group.device), *_assemble(recvs, pending.plans, tensors))
+
+    @staticmethod
+    def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
+        pending, group, plans = ctx.pending, ctx.pending.group, ctx.pending.plans
+        grads = [
+            g
+            if g is not None
+            else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2])
+            for g, p, s in zip(grads, plans, ctx.shapes)
+        ]
+        like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
+        sends, recv_sizes = _backward_messages(group, plans, grads, like)
+        pending.start(sends, recv_sizes, f"{pending.name} backward")
+        group.count(
+            f"{pending.name}_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
+        )
+        local = [
+            g[p.n_halo :] if ctx.needs_input_grad[2 + i] else None
+            for i, (g, p) in enumerate(zip(grads, plans))
+        ]
+        return (None, _token_grad(ctx, 1, group.device), *local)
 
 
 class _AllGatherRows(torch.autograd.Function):

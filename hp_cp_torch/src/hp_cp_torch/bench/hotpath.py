@@ -5,13 +5,17 @@ CSA, HCA, CSA) trains at cp = 2 on gloo, ``enable_cp`` with the defaults. After
 :data:`WARMUP` steps (plans built, agreements recorded) the bench counts over
 :data:`STEPS` steps, per rank, with instrumentation it installs itself:
 
-* ``host_syncs_per_step``: device-to-host reads inside the CP code, i.e. calls of
-  ``Tensor.cpu / item / tolist / numpy`` and ``bool / int / float`` of a tensor made while
-  with a frame of ``hp_cp_core`` / ``hp_cp_torch`` on the stack (CP layer forwards, their
-  input checks and agreement, the CP autograd functions' backward). A ``TorchFunctionMode``
-  sees every such call; on this CPU they cost nothing, on a GPU each one drains the launch
-  queue. The model's own reads (HF's mask building) are left out; the
-  model-wide count is ``host_syncs_per_step_model``.
+* ``host_syncs_per_step``: device-to-host reads inside the CP code: calls of
+  ``Tensor.cpu / item / tolist / numpy``, ``bool / int / float / index`` of a tensor,
+  ``equal / allclose``, ops whose output shape depends on the values (``nonzero``,
+  ``unique``, ``masked_select``, ...), and boolean-mask indexing (:func:`is_host_read`), made
+  with a frame of ``hp_cp_core`` / ``hp_cp_torch`` on the stack between the read and the
+  bench's step (CP layer forwards, their input checks and agreement, the CP autograd
+  functions' backward). A ``TorchFunctionMode`` (:func:`HostReads`) sees every such call; on
+  this CPU they cost nothing, on a GPU each one drains the launch queue. ``.to("cpu")`` is
+  not counted (on this CPU it cannot be told from a move to the group's device). The
+  model's own reads (HF's packed-sequence check of ``position_ids``: one per forward) are
+  left out; the model-wide count is ``host_syncs_per_step_model``.
 * ``store_ops_per_step``: operations on the desync report's store (a counting wrapper
   around it, :class:`CountingStore`).
 * ``cp_collectives_per_step`` and ``agreements_per_step`` (``all_gather_meta`` calls; the
@@ -31,14 +35,39 @@ import sys
 from types import FrameType
 from typing import Any
 
-__all__ = ["CountingStore", "hotpath_measures"]
+__all__ = ["CountingStore", "HostReads", "hotpath_measures", "is_host_read"]
 
 WARMUP = 2
 STEPS = 3
 N_LAYERS = 4
 SEQ = 128
-READS = frozenset({"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
-"""The ``Tensor`` methods that read a tensor's values on the host."""
+READS = frozenset(
+    {"cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+    | {"is_nonzero", "equal", "allclose"}
+)
+"""The ``Tensor`` methods and functions that read a tensor's values on the host."""
+
+SHAPED_BY_DATA = frozenset(
+    {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount"}
+)
+"""Ops whose output shape depends on the values: on a GPU the host waits for them."""
+
+
+def is_host_read(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call seen by the bench's ``TorchFunctionMode`` reads device values on the
+    host: :data:`READS`, :data:`SHAPED_BY_DATA`, ``repeat_interleave`` by a tensor of repeats
+    without ``output_size``, and indexing (get or set) with a boolean mask."""
+    import torch
+
+    if name in READS or name in SHAPED_BY_DATA:
+        return True
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name in ("__getitem__", "__setitem__") and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
 
 
 class CountingStore:
@@ -60,18 +89,49 @@ class CountingStore:
 
 
 def _from_cp_code(frame: FrameType | None) -> bool:
-    """Whether a frame of ``hp_cp_core`` or ``hp_cp_torch`` (not this bench) is on the stack."""
+    """Whether a frame of ``hp_cp_core`` or ``hp_cp_torch`` is on the stack between the read
+    and this bench's training step (the launcher's frames above the step do not count)."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith(("hp_cp_core", "hp_cp_torch")) and name != __name__:
+        if name == __name__:
+            return False
+        if name.startswith(("hp_cp_core", "hp_cp_torch")):
             return True
         frame = frame.f_back
     return False
 
 
+def HostReads() -> Any:  # noqa: N802 - a class made on first use (torch imported lazily)
+    """A ``TorchFunctionMode`` counting host reads (:func:`is_host_read`) into its
+    ``counts``: ``model`` (all), ``cp`` (made from hp_cp code, :func:`_from_cp_code`) and
+    ``agreement`` (the ``cpu`` calls among those). Reading the last ``.cpu()`` result again
+    is not a second read."""
+    from torch.overrides import TorchFunctionMode
+
+    class _HostReads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts = {"cp": 0, "model": 0, "agreement": 0}
+            self.copied: Any = None
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            name = getattr(func, "__name__", "")
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if is_host_read(name, args, kwargs) and not (args and args[0] is self.copied):
+                self.counts["model"] += 1
+                if _from_cp_code(sys._getframe(1)):
+                    self.counts["cp"] += 1
+                    self.counts["agreement"] += int(name == "cpu")  # agreement / input check
+            if name == "cpu":
+                self.copied = out
+            return out
+
+    return _HostReads()
+
+
 def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[str, float]:
     import torch
-    from torch.overrides import TorchFunctionMode
 
     from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
@@ -106,30 +166,16 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
         opt.step()
         opt.zero_grad()
 
-    counts = {"cp": 0, "model": 0, "agreement": 0}
-    copied: list[Any] = [None]  # the last ``.cpu()`` result: reading it is no second sync
-
-    class Reads(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            name = getattr(func, "__name__", "")
-            out = func(*args, **(kwargs or {}))
-            if name in READS and not (args and args[0] is copied[0]):
-                counts["model"] += 1
-                if _from_cp_code(sys._getframe(1)):
-                    counts["cp"] += 1
-                    counts["agreement"] += int(name == "cpu")  # agreement / input check
-            if name == "cpu":
-                copied[0] = out
-            return out
-
+    reads = HostReads()
     for _ in range(warmup):
         step()
     store = group.log.store = CountingStore(group.log.store)
     calls_before = sum(group.calls.values())
     seq0, agreed0, reused0 = group.log.seq, memo.collectives, memo.reused
-    with Reads():
+    with reads:
         for _ in range(steps):
             step()
+    counts = reads.counts
     res = {
         "host_syncs": counts["cp"] / steps,
         "host_syncs_model": counts["model"] / steps,

@@ -219,6 +219,19 @@ class DeepseekV4AttentionAdapter:
                 call,
             )
 
+    def indexer_queries(
+        self, xb: torch.Tensor, qrb: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
+        ix = self.module.compressor.indexer
+        with torch.no_grad():
+            batch, length = xb.shape[:2]
+            cos_q, sin_q = ix.rotary_emb(
+                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
+            )
+            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
+            return self.apply_rope(q, cos_q, sin_q).transpose(1, 2)
+
     def select(
         self,
         xb: torch.Tensor,
@@ -228,14 +241,9 @@ class DeepseekV4AttentionAdapter:
     ) -> torch.Tensor:
         """Indexer top-k of the local queries over their visible slots (global slot ids)."""
         ix = self.module.compressor.indexer
-        apply_rope = self.apply_rope
+        prepared = call.extra.get("local", {}).get("indexer_q")
         with torch.no_grad():
-            batch, length = xb.shape[:2]
-            cos_q, sin_q = ix.rotary_emb(
-                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
-            )
-            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
-            q = apply_rope(q, cos_q, sin_q).transpose(1, 2)  # [B, L, H_I, D_I]
+            q = self.indexer_queries(xb, qrb, position_ids) if prepared is None else prepared
             keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
             return select_topk_chunked(
                 lambda lo, hi, s0, s1: self.score(ix, q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
@@ -247,6 +255,9 @@ class DeepseekV4AttentionAdapter:
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
         m = self.module
+        local = call.extra.get("local")
+        if query is None and local is not None:  # computed while the exchanges travelled
+            query, qr = local["query"], local["qr"]
         cos, sin, position_ids = call.extra["cos"], call.extra["sin"], call.extra["position_ids"]
         selected = None
         if call.cmp_idx_global is not None:
@@ -391,32 +402,51 @@ class DeepseekV4AttentionAdapter:
         )
         memo = getattr(cp_forward, "memo", None)
         seen = (id(attention_mask), id(position_ids), rows_hint(hidden_states, 1))
-        if check.ok and memo is not None and memo.checked == seen and cp_forward.reuses_agreement():
+        reuse = memo is not None and cp_forward.reuses_agreement()
+        # the mask and positions checks read tensor values: on the device, and read by the
+        # agreement's one gather (LocalCheck.deferred) when this layer agrees across ranks
+        across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
+        messages = (
+            f"{where}: got an attention mask that hides tokens (padding, or a custom "
+            "mask); HF's compressors ignore padding, so CP supports only unpadded "
+            "sequences. Pass attention_mask=None (or all ones) and equal-length sequences.",
+            f"{where}: got position_ids that are not the global row numbers of the local "
+            "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
+            "the same layout as the inputs (packed: positions restarting per document, "
+            "with the documents' boundaries as hp_cp_cu_seqlens=...).",
+        )
+        bad: list[Any] = [False, False]  # the same number of flags on every rank
+        index = getattr(cp_forward, "index", 0)
+        # a group of one never reuses an agreement (there is none); a later layer of the same
+        # forward (a higher index) given the very objects its first layer checked skips too
+        same_forward = group.size == 1 and memo is not None and index > memo.checked_index
+        if check.ok and (reuse or same_forward) and memo.checked == seen:
             pass  # this forward's first layer checked these very objects; no host read
         elif check.ok:  # the plan exists: compare the mask and positions with it
             n_local = int(hidden_states.shape[1])
-            bad = [_mask_is_unsupported(attention_mask), False]
+            bad[0] = _mask_is_unsupported(attention_mask)
             if position_ids is not None:
                 want = torch.as_tensor(check.plan.positions, device=position_ids.device)
                 got = position_ids.reshape(-1, position_ids.shape[-1])
                 bad[1] = True if got.shape[-1] != n_local else (got != want).any()
-            dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
-            mask_bad, positions_bad = dev.cpu().tolist()  # one host sync (per model forward)
+            if not across:  # nothing to ride on: read here (a reused or local agreement)
+                dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
+                bad = [bool(b) for b in dev.cpu().tolist()]
+                for failed, message in zip(bad, messages):
+                    if failed:
+                        check.fail(message)
+                if memo is not None:
+                    memo.checked = None if any(bad) else seen
+                    memo.checked_index = index
+        if across:
+            check.deferred = list(zip(bad, messages))
             if memo is not None:
-                memo.checked = None if (mask_bad or positions_bad) else seen
-            if mask_bad:
-                check.fail(
-                    f"{where}: got an attention mask that hides tokens (padding, or a custom "
-                    "mask); HF's compressors ignore padding, so CP supports only unpadded "
-                    "sequences. Pass attention_mask=None (or all ones) and equal-length sequences."
-                )
-            if positions_bad:
-                check.fail(
-                    f"{where}: got position_ids that are not the global row numbers of the local "
-                    "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
-                    "the same layout as the inputs (packed: positions restarting per document, "
-                    "with the documents' boundaries as hp_cp_cu_seqlens=...)."
-                )
+                memo.checked = None
+            call = cp_forward.agree(check)
+            if memo is not None:
+                memo.checked = seen  # every rank's flags were clear
+                memo.checked_index = index
+            return call
         return cp_forward.agree(check)
 
     def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
@@ -449,20 +479,36 @@ class DeepseekV4AttentionAdapter:
             apply_rope = adapter.apply_rope
             batch, length = hidden_states.shape[:2]
             shape = (batch, length, -1, m.head_dim)
-            q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
-            q = m.q_b_norm(m.q_b_proj(q_residual).view(shape).transpose(1, 2))
-            q = apply_rope(q, cos, sin)  # [B, H, L, D]
             kv = m.kv_norm(m.kv_proj(hidden_states)).view(shape).transpose(1, 2)
             kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
+            local: dict[str, Any] = {}  # filled while the exchanges travel
+
+            # Note [Overlapped exchanges] in hp_cp_core.collectives: the query residual and
+            # the indexer's queries while the halo travels, the queries while the slots do.
+            # Each window holds work with a gradient, so backward overlaps both exchanges too.
+            def residual_and_indexer_queries() -> None:
+                q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
+                local["qr"] = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
+                if adapter.is_csa:
+                    local["indexer_q"] = adapter.indexer_queries(
+                        hidden_states, q_residual, position_ids
+                    )
+
+            def queries() -> None:
+                q = m.q_b_norm(m.q_b_proj(local["qr"].transpose(0, 1)).view(shape).transpose(1, 2))
+                local["query"] = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
+
             out = cp_forward(
-                q.permute(2, 0, 1, 3),  # sequence-major [L, B, H, D]
+                None,  # the queries: computed while the exchanges travel (`local`)
                 kv[:, 0].transpose(0, 1),  # [L, B, D]
                 hidden_states.transpose(0, 1),  # [L, B, hidden]
-                q_residual.transpose(0, 1),  # [L, B, q_lora_rank]
+                None,
                 call=call,
+                local_work=(residual_and_indexer_queries, queries),
                 cos=cos,
                 sin=sin,
                 position_ids=position_ids,
+                local=local,
             )
             return out, None  # HF returns (output, attn_weights)
 

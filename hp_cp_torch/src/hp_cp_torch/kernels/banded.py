@@ -19,10 +19,12 @@ differ per query and are gathered::
 
 Where a block's visible slots are few (at most :data:`PICKS_BAND_FACTOR` times the top-k:
 early positions of a sequence), the core plans the picks as a band too
-(``DenseBlock.picks_in_band``): the block reads that slice of ``cmp_kv`` and masks it to its
-picks, one dense product instead of a ``[rows, K, D]`` gather and ``rows`` small ones. A mask
-counts a column once, so a block whose pick list repeats a slot (never the indexer's top-k)
-is gathered instead, where repeats add up as in the small-op kernel.
+(``DenseBlock.picks_in_band``): the block reads that slice of ``cmp_kv`` and weighs each
+column by how often the query picked it, one dense product instead of a ``[rows, K, D]``
+gather and ``rows`` small ones. The weight is a logit bias, ``log(count)``: ``-inf`` for a
+column not picked (masked), ``0`` for one pick, ``log 2`` for a slot picked twice (never the
+indexer's top-k, but a caller's pick list may repeat), so ``exp(logit + log c) = c exp(logit)``
+adds repeats up exactly as the small-op kernel's gather does, with no host read to find them.
 
 All parts share one softmax with the sink: with ``m = max(max band logit, max slot logit,
 sink)`` (exactly the small-op kernel's max),
@@ -98,18 +100,19 @@ class _Workspace:
         return buf[:numel].view(shape)
 
 
-def _picks_mask(sel: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
-    """``[B, n, stop - start]``: True at each pick of ``sel`` ``[B, n, K]`` (global slots,
-    ``-1`` = none) inside the band, or ``None`` when a pick lies outside it or repeats (a mask
-    cannot count a column twice; such blocks are gathered, where duplicates add up)."""
+def _picks_bias(sel: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``[B, n, stop - start]`` fp32: ``log(times picked)`` of each band column by ``sel``
+    ``[B, n, K]`` (global slots, ``-1`` = none): ``-inf`` where not picked, ``log 2`` where
+    picked twice. Added to the band's logits it weighs each column by its pick count, as the
+    gather would (Note [Band plus gather, one softmax]); no host read. The planner's band holds
+    every slot the block's queries see, so every pick lands in it (one outside would count in
+    the spare column, dropped)."""
     width = stop - start
-    valid = sel >= 0
-    inside = valid & (sel >= start) & (sel < stop)
-    column = torch.where(inside, sel - start, width)  # outside: a spare last column
-    mask = torch.zeros(*sel.shape[:2], width + 1, dtype=torch.bool, device=sel.device)
-    mask.scatter_(2, column, True)
-    mask = mask[..., :width]
-    return mask if int(mask.sum()) == int(valid.sum()) else None
+    inside = (sel >= start) & (sel < stop)
+    column = torch.where(inside, sel - start, width)  # none or outside: a spare last column
+    counts = torch.zeros(*sel.shape[:2], width + 1, dtype=torch.float32, device=sel.device)
+    counts.scatter_add_(2, column, torch.ones(sel.shape, dtype=torch.float32, device=sel.device))
+    return counts[..., :width].log()
 
 
 class _Block:
@@ -127,18 +130,19 @@ class _Block:
         self.k = idx.shape[-1]
         if self.k:
             sel = idx[:, blk.lo : blk.hi].long()  # [B, n, K]
-            picked = None
             if blk.picks_in_band:
-                picked = _picks_mask(sel, blk.slot_start, blk.slot_stop)
-            if picked is not None:
-                ranges.append((cmp, blk.slot_start, blk.slot_stop, picked))
+                bias = _picks_bias(sel, blk.slot_start, blk.slot_stop)
+                ranges.append((cmp, blk.slot_start, blk.slot_stop, bias))
                 self.k = 0
         q2 = self.q.reshape(b, n * h, d)
         self.dense = []  # (keys [B, nb, D], logits [B, n, H, nb], pool, start)
         for pool, k0, k1, mask in ranges:
             keys = pool[:, k0:k1].float()
             logits = (torch.matmul(q2, keys.transpose(1, 2)) * scale).view(b, n, h, -1)
-            logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+            if mask.dtype == torch.bool:
+                logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+            else:  # picks: log of each column's pick count
+                logits = logits + mask[:, :, None, :]
             self.dense.append((keys, logits, pool, k0))
         self.kc = self.lc = None
         if self.k:
