@@ -16,8 +16,8 @@ anchor's own message. The worker is ``tests/mindformers/mf_anchor_worker.py``.
 ``_apply_cp_to_block`` does), in a second msrun job of N ranks
 (``tests/mindformers/mf_model_anchor_worker.py``), under ``model``:
 ``mf_model_anchor_step_time_over_ours``, ``mf_model_anchor_busiest_bytes_over_ours``, the
-loss and gradient errors of each against one device. ``--model-only`` runs just that job and
-updates an existing file.
+loss and gradient errors of each against one device. ``--model-only`` runs just that job
+(into the existing file, if any).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ def main() -> None:
     parser.add_argument("--model-only", action="store_true")
     args = parser.parse_args()
     if args.model_only:
-        with open(args.out) as fh:
-            out = json.load(fh)
+        out = {"command": "nox -s bench_mindformers -- --model-only"}
+        if os.path.exists(args.out):
+            with open(args.out) as fh:
+                out = json.load(fh)
         out.update(model_side_by_side(args.model_cp, args.timeout))
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=1)

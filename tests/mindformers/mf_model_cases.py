@@ -5,11 +5,12 @@ One msrun job of 4 ranks: cp = 4 on the world group, then cp = 2 on two sub-grou
 device (the reference) and under CP in several layouts:
 
 * ``padded``: a batch of 2 sequences of 136 rows (no ``actual_seq_len``);
-* ``packed``: one stream of 136 rows, 3 documents (``actual_seq_len`` = their ends; the HCA
-  slot and the CSA slots straddle documents and ranks);
-* ``odd``: one packed stream of 133 rows, a multiple of neither cp nor 2 * cp: padded at the end
-  as the core pads it (``handle.padding``: the padding is its own trailing document, its rows
-  out of the loss).
+* ``packed``: one stream of 136 rows, 3 documents (``actual_seq_len`` = their ends): two
+  shorter than r = 4, then 128 rows (the HCA layer's one slot; CSA slots and windows cross
+  ranks);
+* ``odd``: one packed stream of 133 rows (documents of 5 and 128 rows), a multiple of
+  neither cp nor 2 * cp: padded at the end as the core pads it (``handle.padding``: the
+  padding is its own trailing document, its rows out of the loss).
 
 136 > 128, so the HCA layer has a slot; at cp = 4 a rank holds 34 rows (fewer than r = 128, not
 a multiple of r = 4; load-balanced runs of 17 rows).
@@ -28,8 +29,8 @@ compares by its error over the model's largest gradient instead (fp32 noise)."""
 
 INPUTS = {
     "padded": {"seq": 136, "batch": 2, "ends": None},
-    "packed": {"seq": 136, "batch": 1, "ends": (50, 97, 136)},
-    "odd": {"seq": 133, "batch": 1, "ends": (61, 133)},
+    "packed": {"seq": 136, "batch": 1, "ends": (3, 8, 136)},
+    "odd": {"seq": 133, "batch": 1, "ends": (5, 133)},
 }
 
 
