@@ -130,6 +130,9 @@ def model_side_by_side(cp: int, timeout: int) -> dict:
                     "max_grad_rel_err_indexer_params",
                     "max_grad_rel_err_other",
                     "worst_param",
+                    "max_grad_err_over_model_scale",
+                    "max_grad_rel_err_not_tiny",
+                    "tiny_grads",
                 )
             },
         }
@@ -144,6 +147,12 @@ def model_side_by_side(cp: int, timeout: int) -> dict:
         "mf_model_ours_loss_rel_err": ours["loss_rel_err"],
         "mf_model_anchor_max_grad_rel_err": anchor["max_grad_rel_err"],
         "mf_model_ours_max_grad_rel_err": ours["max_grad_rel_err"],
+        "mf_model_anchor_max_grad_rel_err_not_tiny": anchor["max_grad_rel_err_not_tiny"],
+        "mf_model_ours_max_grad_rel_err_not_tiny": ours["max_grad_rel_err_not_tiny"],
+        "mf_model_anchor_max_grad_rel_err_indexer_params": anchor[
+            "max_grad_rel_err_indexer_params"
+        ],
+        "mf_model_ours_max_grad_rel_err_indexer_params": ours["max_grad_rel_err_indexer_params"],
         "model": model,
     }
 
