@@ -5,10 +5,10 @@ One msrun job of 4 ranks: cp = 4 on the world group, then cp = 2 on two sub-grou
 device (the reference) and under CP in several layouts:
 
 * ``padded``: a batch of 2 sequences of 136 rows (no ``actual_seq_len``);
-* ``packed``: one stream of 136 rows, 3 documents (``actual_seq_len`` = their ends): two
-  shorter than r = 4, then 128 rows (the HCA layer's one slot; CSA slots and windows cross
-  ranks);
-* ``odd``: one packed stream of 133 rows (documents of 5 and 128 rows), a multiple of
+* ``packed``: one stream of 136 rows, 3 documents (``actual_seq_len`` = their ends): 130
+  rows (the HCA layer's one slot, rows 0-127 on the global grid, seen by rows 128-129), then
+  two shorter than r = 4 (CSA slots and windows cross ranks and documents);
+* ``odd``: one packed stream of 133 rows (documents of 131 and 2 rows), a multiple of
   neither cp nor 2 * cp: padded at the end as the core pads it (``handle.padding``: the
   padding is its own trailing document, its rows out of the loss).
 
@@ -29,8 +29,8 @@ compares by its error over the model's largest gradient instead (fp32 noise)."""
 
 INPUTS = {
     "padded": {"seq": 136, "batch": 2, "ends": None},
-    "packed": {"seq": 136, "batch": 1, "ends": (3, 8, 136)},
-    "odd": {"seq": 133, "batch": 1, "ends": (5, 133)},
+    "packed": {"seq": 136, "batch": 1, "ends": (130, 133, 136)},
+    "odd": {"seq": 133, "batch": 1, "ends": (131, 133)},
 }
 
 
@@ -52,6 +52,11 @@ class ModelCase:
     def ranks(self) -> list[int]:
         first = 0 if self.part < 0 else self.part * self.cp
         return list(range(first, first + self.cp))
+
+
+def indexer_param(name: str) -> bool:
+    """The CSA layer's indexer parameters: their only gradient is the indexer KL loss's."""
+    return ".indexer." in name
 
 
 REFERENCE_OF_RANK = {0: "padded", 1: "packed", 2: "odd", 3: "padded"}
