@@ -1,14 +1,15 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, docs, core (no framework), torch, mindformers, example_jax, example_train,
-nemo_automodel, veomni, bench, bench_mindformers, bench_peers (bench_peers_nemo,
-bench_peers_veomni), dist, device, fuzz.
+"""Sessions: lint, docs, core (no framework), torch, mindformers, example_mindformers,
+example_jax, example_train, nemo_automodel, veomni, bench, bench_mindformers, bench_peers
+(bench_peers_nemo, bench_peers_veomni), dist, device, fuzz.
 
-`nox` runs lint, docs, core, torch, mindformers, example_jax, example_train, nemo_automodel
-and veomni; each installs its own distributions (the wheels built once per run) into a fresh
-virtualenv, so the core is proven framework-free and every backend is tested with its
-framework for real. Every backend passes the same installed contract suite
+`nox` runs lint, docs, core, torch, mindformers, example_mindformers, example_jax,
+example_train, nemo_automodel and veomni; each installs its own distributions (the wheels
+built once per run) into a fresh virtualenv, so the core is proven framework-free and every
+backend is tested with its framework for real. Every backend passes the same installed
+contract suite
 (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under the
 entry-point group `hp_cp.contract`.
 """
@@ -31,6 +32,7 @@ nox.options.sessions = [
     "core",
     "torch",
     "mindformers",
+    "example_mindformers",
     "example_jax",
     "example_train",
     "nemo_automodel",
@@ -248,6 +250,40 @@ def mindformers(session: nox.Session) -> None:
         env={"HP_CP_MSRUN_BIN": session.bin},
         success_codes=[0, 5] if "-m" in session.posargs else [0],
     )
+
+
+@nox.session(python=PYTHONS)
+def example_mindformers(session: nox.Session) -> None:
+    """examples/train_mindformers_cp.py (mindformers' PyNativeDeepseekV4ForCausalLM, CPU with the
+    test stand-ins): 4 steps on one process; then 2 steps at cp 2 under msrun, saved, and
+    resumed at cp 4 for steps 3-4; both msrun runs check their losses equal the one-process
+    run's (``--expect``)."""
+    _install_mindformers(session)
+    tmp = os.path.abspath(session.create_tmp())
+    recipe = os.path.abspath("examples/train_mindformers_cp.py")
+    common = [recipe, "--cpu-standins", os.path.abspath("tests/mindformers")]
+    one, ckpt = os.path.join(tmp, "one_process.json"), os.path.join(tmp, "ckpt")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    if os.path.exists(one):
+        os.remove(one)
+    session.chdir(tmp)  # mindformers logs to ./output/log
+    env = {"GLOG_v": "3"}
+    session.run("python", *common, "--steps", "4", "--losses", one, env=env)
+
+    def msrun(n: int) -> list[str]:
+        port = random.randint(20000, 40000)
+        return [
+            "msrun",
+            f"--worker_num={n}",
+            f"--local_worker_num={n}",
+            f"--master_port={port}",
+            f"--log_dir={os.path.join(tmp, f'logs_cp{n}')}",
+            "--join=True",
+            "--tail_worker_log=0",
+        ]
+
+    session.run(*msrun(2), *common, "--steps", "2", "--save", ckpt, "--expect", one, env=env)
+    session.run(*msrun(4), *common, "--steps", "4", "--resume", ckpt, "--expect", one, env=env)
 
 
 @nox.session(python=PYTHONS)

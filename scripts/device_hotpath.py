@@ -10,7 +10,7 @@ optimizer step) under ``torch.cuda.set_sync_debug_mode("error")``, where any
 device-to-host sync raises:
 
 * ``hf``: the 4-layer HF ``DeepseekV4ForCausalLM`` of the benches (sliding, CSA, HCA, CSA;
-  hidden 1024, ``hp_cp_torch.bench_memory.HF_MEM_CONFIG``), bf16, at cp = 1 on NCCL
+  hidden 1024, ``hp_cp_torch.bench.memory.HF_MEM_CONFIG``), bf16, at cp = 1 on NCCL
   through the CP path (``DeepSeekV4CPConfig(single_rank_bypass=False)``), default kernel;
 * ``csa_triton``: the reference CSA layer (``hp_cp_torch.reference.DeepSeekV4Attention``,
   the step bench's config) with ``attention_kernel="triton"``, same CP path.
@@ -82,7 +82,7 @@ def _hf_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
     import torch
 
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
-    from hp_cp_torch.bench_memory import HF_MEM_CONFIG
+    from hp_cp_torch.bench.memory import HF_MEM_CONFIG
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
     from hp_cp_torch.integrations.transformers_demo import (
         CSA,

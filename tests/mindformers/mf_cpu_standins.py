@@ -32,6 +32,10 @@ form, ``output_tensor=      its backward, has no CPU kernel)      backward (only
 None``)                                                           group: CPU ``AllGather``)
 ==========================  ====================================  ===========================
 
+The operations of the whole model (MoE: ``mint.histc``, ``GroupedMatmul``, the token
+permutation; MTP: ``Tensor.clone``; ...) have their stand-ins in the sibling
+``mf_model_standins``, installed here too.
+
 ``all_gather_into_tensor`` needs msrun ranks; the real-cell msrun worker checks it against its
 formula (rank-major concatenation forward, sum over ranks of the own slice backward).
 """
@@ -42,6 +46,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import mf_model_standins
 import numpy as np
 from mindspore import Tensor, mint, ops
 from mindspore import dtype as mstype
@@ -186,6 +191,7 @@ def install() -> Callable[[], None]:
     targets.append((ops, "rms_norm", rms_norm))  # read at build time (hyper-connections)
     comm = importlib.import_module("mindspore.ops.communication")
     targets.append((comm, "all_gather_into_tensor", all_gather_into_tensor))
+    undo_model = mf_model_standins.install()
     missing = object()
     saved = [(obj, name, getattr(obj, name, missing)) for obj, name, _ in targets]
     for obj, name, fn in targets:
@@ -197,5 +203,6 @@ def install() -> Callable[[], None]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
+        undo_model()
 
     return undo

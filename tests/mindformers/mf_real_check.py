@@ -164,86 +164,6 @@ def copy_vs_real(r: int, seq: int, ends) -> dict:
     return res
 
 
-class OneRankMesh:
-    """A HyperParallel-style mesh of one rank (no communication)."""
-
-    ndim = 1
-
-    def size(self) -> int:
-        return 1
-
-    def get_local_rank(self) -> int:
-        return 0
-
-    def get_group(self) -> str:
-        raise AssertionError("a mesh of one rank needs no communication group")
-
-
-def whole_model() -> dict:
-    """The real pynative DeepSeek V4 model (``PyNativeDeepseekV4ForCausalLM``, 3 layers with
-    ratios 0, 4, 128): does it build on CPU, does ``enable_cp`` find its CSA cells, and where
-    does its forward stop."""
-    import traceback
-
-    from mindformers.models.deepseek4.configuration_deepseek_v4 import DeepseekV4Config
-    from mindformers.models.deepseek4.modeling_deepseek_v4_pynative import (
-        PyNativeDeepseekV4ForCausalLM,
-    )
-
-    from hp_cp_core import disable_cp, enable_cp
-
-    res: dict = {}
-    cfg = DeepseekV4Config(
-        vocab_size=128,
-        hidden_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_nextn_predict_layers=0,
-        num_attention_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        head_dim=32,
-        v_head_dim=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        o_lora_rank=16,
-        o_groups=2,
-        index_n_heads=4,
-        index_head_dim=16,
-        index_topk=4,
-        num_hash_layers=0,
-        compress_ratios=[0, 4, 128],
-        sliding_window=8,
-        max_position_embeddings=1024,
-        seq_length=32,
-        compute_dtype="fp32",
-        params_dtype="fp32",
-        use_flash_attention=False,
-        apply_dsa_kernel_fusion=False,
-        moe_grouped_gemm=True,  # False: "moe_grouped_gemm = 'False' is not supported now."
-    )
-    model = PyNativeDeepseekV4ForCausalLM(cfg)
-    res["builds"] = True
-    handle = enable_cp(model, OneRankMesh(), DeepSeekV4CPConfig(single_rank_bypass=False))
-    res["layers"] = [[type(m).__name__, spec.compress_ratio] for m, spec in handle.layers]
-    ids = Tensor(np.random.default_rng(0).integers(0, 128, (1, 32)).astype(np.int32))
-    try:
-        model(input_ids=ids, labels=ids)
-        res["forward"] = "ok"
-    except Exception as exc:  # noqa: BLE001 - where it stops is the finding
-        res["forward"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-        frames = [
-            f.filename.split("site-packages/mindformers/")[-1]
-            for f in traceback.extract_tb(exc.__traceback__)
-            if "site-packages/mindformers/" in f.filename
-        ]
-        res["stops_in"] = frames[-1] if frames else None
-        res["frames"] = frames
-    disable_cp(handle)
-    return res
-
-
 def main() -> None:
     REPORT["mapping"] = {}
     REPORT["parity"] = {}
@@ -267,7 +187,6 @@ def main() -> None:
         name = f"r{r}-S{seq}-{'packed' if ends else 'padded'}"
         REPORT["copy_vs_real"][name] = copy_vs_real(r, seq, ends)
     REPORT["anchor_refuses"] = env.anchor_refusals()
-    REPORT["whole_model"] = whole_model()
     emit()
 
 

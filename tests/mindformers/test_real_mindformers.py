@@ -93,22 +93,3 @@ def test_what_mindformers_own_csa_cp_refuses(report: dict) -> None:
     for name in ("local_rows_not_multiple_of_r", "local_rows_not_multiple_of_r128"):
         assert got[name].startswith("ValueError") and "divisible by compress_ratio" in got[name]
     assert "contiguous only" in got["load_balanced"]
-
-
-def test_what_stops_the_whole_pynative_deepseek_v4_model_on_cpu(report: dict) -> None:
-    """``PyNativeDeepseekV4ForCausalLM`` (MoE only) builds on CPU and ``enable_cp`` finds its
-    three CSA cells (r = 0, 4, 128), but its forward stops in the MoE layer: the router's
-    ``mint.histc`` has no CPU kernel, and the experts behind it run ``GroupedMatmul`` and
-    ``moe_token_permute`` / ``moe_token_unpermute`` (Ascend kernels). So the whole model is not
-    run under CP here; its CSA cells are (``test_real_mindformers_msrun.py``)."""
-    got = report["whole_model"]
-    assert got["builds"]
-    assert got["layers"] == [
-        ["CompressedSparseAttention", 0],
-        ["CompressedSparseAttention", 4],
-        ["CompressedSparseAttention", 128],
-    ], got["layers"]
-    assert got["forward"] != "ok", "the whole model runs on CPU now: put it under CP for real"
-    assert "HistcExt" in got["forward"], got
-    assert got["stops_in"].startswith("pynative/transformers/moe/"), got
-    assert any(f.endswith("transformer_layer.py") for f in got["frames"]), got

@@ -556,9 +556,41 @@ class _AllGatherRows(_Function):
 
 
 class MindSporeBackend(InstallingBackend):
-    """The mindformers backend: tensor ops for the core helpers, groups and forward install."""
+    """The mindformers backend: tensor ops for the core helpers, groups and forward install.
+
+    On a whole model, installing a CSA layer also puts its parent attention's RoPE at the
+    rank's global positions (Note [The parent's RoPE under CP] in
+    :mod:`hp_cp_mindformers.rope`); the install's undo restores both.
+    """
 
     name = "mindformers"
+
+    def __init__(self, find: Any, install: Any) -> None:
+        super().__init__(find, install)
+        self._parents: dict[int, Any] = {}
+
+    def find_layers(self, module: Any) -> list[Any]:
+        from hp_cp_mindformers.rope import rotary_parents
+
+        layers = super().find_layers(module)
+        self._parents = rotary_parents(module, layers)
+        return layers
+
+    def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
+        from hp_cp_mindformers.rope import wrap_parent_rotary
+
+        undo_forward = super().install(layer, cp_forward, group)
+        parent = self._parents.get(id(layer))
+        config = cp_forward.config
+        if parent is None or (group.size == 1 and config.single_rank_bypass):
+            return undo_forward
+        undo_rope = wrap_parent_rotary(parent, config.layout, group.rank, group.size)
+
+        def undo() -> None:
+            undo_rope()
+            undo_forward()
+
+        return undo
 
     def group(self, mesh: Any) -> MindSporeGroup:
         return MindSporeGroup(resolve_mesh(mesh))

@@ -19,7 +19,7 @@ latency would::
 with the step time the busiest rank's median over interleaved rounds, and the summed delays
 that rank's delayed exchanges per step times :data:`DELAY_S`. 1.0: every delay adds to the
 step; 0: all hidden under compute. The model is the memory bench's (hidden 1024,
-:data:`~hp_cp_torch.bench_memory.HF_MEM_CONFIG`, 4 layers): the tiny demo model has too little
+:data:`~hp_cp_torch.bench.memory.HF_MEM_CONFIG`, 4 layers): the tiny demo model has too little
 work to hide anything behind. ``exposed_wait_fraction_cp4`` is the share read off the waits
 themselves: the part of each delay a wait still had to sit out once the messages had arrived
 (the rest was hidden under the work since issue), averaged over the exchanges, the busiest
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
 
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
     from hp_cp_torch.bench.hotpath import N_LAYERS
-    from hp_cp_torch.bench_memory import HF_MEM_CONFIG
+    from hp_cp_torch.bench.memory import HF_MEM_CONFIG
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
     from hp_cp_torch.integrations.transformers_demo import (
         CSA,
@@ -159,7 +159,7 @@ def overlap_measures(
 ) -> dict[str, float]:
     """``exposed_comm_fraction_cp4`` (overlapped, the default) and ``..._blocking`` (Note
     [Exposed communication]), with the step times and delays they come from."""
-    from hp_cp_torch.launch import run_ranks
+    from hp_cp_torch.cli.launch import run_ranks
 
     ranks = run_ranks(world, _worker, seq, rounds, steps, delay, timeout=1800)
     res: dict[str, float] = {}

@@ -1,0 +1,95 @@
+"""The REAL mindformers 2.1.0 ``PyNativeDeepseekV4ForCausalLM`` (tiny: sliding-window, CSA and HCA
+layers, MoE, hyper-connections) trains under hp_cp on msrun ranks (MindSpore CPU): cp = 4 on
+the world group and cp = 2 on two sub-groups, in ONE msrun job of 4 ranks
+(``mf_model_msrun_worker.py``). Every case is compared with the same model run on one device in
+the same job: the loss, the logits and every parameter gradient (summed over the CP ranks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from mf_model_cases import (
+    GRAD_SCALE_TOL,
+    GRAD_TOL,
+    LOGITS_TOL,
+    LOSS_TOL,
+    ModelCase,
+    checking_rank,
+    indexer_param,
+    model_cases,
+)
+from mf_msrun_job import case_reports, run_msrun
+from mf_require import mindspore_or_skip, required_or_skip
+
+mindspore_or_skip()
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_mindformers]
+
+WORKER = "mf_model_msrun_worker.py"
+WORLD = 4
+CASES = model_cases()
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    import os
+
+    for need in ("mindformers", "yaml", "regex", "deprecated"):
+        if importlib.util.find_spec(need) is None:
+            required_or_skip(
+                f"`{need}` is not installed (mindformers==2.1.0 --no-deps, pyyaml, regex, "
+                "deprecated)"
+            )
+    here = os.path.dirname(os.path.abspath(__file__))
+    return run_msrun(os.path.join(here, WORKER), WORLD, 1500)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+def test_whole_model_under_cp_matches_one_device(job: dict, case: ModelCase) -> None:
+    per_rank = case_reports(job, case, case.ranks())
+    for res in per_rank:
+        assert res["cp_size"] == case.cp
+        assert res["wrapped_rope"] == 3 and res["restored_rope"], res  # the 3 parents' RoPE
+        assert res["stats"]["bytes_sent"] > 0
+    first = per_rank[case.ranks().index(checking_rank(case))]
+    assert first["zero_ref_grads"] == [], first["zero_ref_grads"]  # every weight is reached
+    assert first["loss_err"] <= LOSS_TOL, (first["loss_cp"], first["loss_ref"])
+    assert first["logits_err"] <= LOGITS_TOL, first["logits_err"]
+    assert len(first["grad_err"]) > 80
+    bad = bad_gradients(first, skip_indexer=case.data == "odd")  # see the xfail below
+    assert not bad, bad
+
+
+def bad_gradients(first: dict, *, skip_indexer: bool) -> dict:
+    """Gradients off by more than ``GRAD_TOL`` (relative) and ``GRAD_SCALE_TOL`` (over the
+    model's largest gradient)."""
+    scaled = first["grad_err_over_model_scale"]
+    return {
+        k: e
+        for k, e in first["grad_err"].items()
+        if e > GRAD_TOL and scaled[k] > GRAD_SCALE_TOL and not (skip_indexer and indexer_param(k))
+    }
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: with padding to fit (S % cp != 0) the indexer KL loss's global mean "
+    "counts the padding rows (the mindformers cell takes no loss mask, so the adapter cannot "
+    "tell them apart): the indexer parameters' gradients are off by pad_rows / padded_rows",
+)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES if c.data == "odd"])
+def test_indexer_gradients_with_padding_to_fit(job: dict, case: ModelCase) -> None:
+    per_rank = case_reports(job, case, case.ranks())
+    first = per_rank[case.ranks().index(checking_rank(case))]
+    bad = {k: e for k, e in bad_gradients(first, skip_indexer=False).items() if indexer_param(k)}
+    assert not bad, bad
+
+
+def test_model_grid_covers_the_issue() -> None:
+    for cp in (2, 4):
+        mine = [c for c in CASES if c.cp == cp]
+        assert {c.layout for c in mine} == {"contiguous", "load_balanced"}
+        assert {"padded", "odd"} <= {c.data for c in mine}  # odd: packed, needs padding
+    assert {c.part for c in CASES if c.cp == 2} == {0, 1}  # both sub-groups at work
