@@ -90,3 +90,10 @@ def test_the_check_catches_unmarked_blocks_and_stale_snippets(tmp_path: Path) ->
         encoding="utf-8",
     )
     assert problems(doc, tmp_path) == []
+
+
+def test_readme_stays_short() -> None:
+    """The README is the front page (what it is, install, the two commands, a short example,
+    the matrix, links); everything longer belongs in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
