@@ -122,7 +122,7 @@ def _csa_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
     import torch
 
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
-    from hp_cp_torch.bench import step_config
+    from hp_cp_torch.bench.scaling import step_config
     from hp_cp_torch.reference import DeepSeekV4Attention
 
     dtype = torch.float32 if args.dry_run else torch.bfloat16
