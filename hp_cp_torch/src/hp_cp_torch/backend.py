@@ -388,18 +388,7 @@ class _HaloExchange(torch.autograd.Function):
     def forward(ctx: Any, group: TorchGroup, plans: list[Any], token: Any, *tensors: torch.Tensor):
         ctx.group, ctx.plans, ctx.layer = group, plans, group.log.layer
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        sends, recv_sizes = {}, {}
-        for peer in range(group.size):
-            parts = [
-                _as_bytes(t[group.send_index(p, peer, t.device)])
-                for t, p in zip(tensors, plans)
-                if p.send_rows[peer].size
-            ]
-            if parts:
-                sends[peer] = torch.cat(parts)
-            n = sum(p.recv_counts[peer] * _row_bytes(t) for t, p in zip(tensors, plans))
-            if n:
-                recv_sizes[peer] = n
+        sends, recv_sizes = _forward_messages(group, plans, tensors)
         ctx.name = name = _exchange_name(plans)
         recvs = group.p2p(sends, recv_sizes, name)
         sent = sum(b.numel() for b in sends.values())
