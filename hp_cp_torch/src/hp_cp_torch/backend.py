@@ -393,20 +393,7 @@ class _HaloExchange(torch.autograd.Function):
         recvs = group.p2p(sends, recv_sizes, name)
         sent = sum(b.numel() for b in sends.values())
         group.count(name, sent, sum(recv_sizes.values()))
-        outs = []
-        offsets = dict.fromkeys(recvs, 0)
-        pieces: list[list[torch.Tensor]] = [[] for _ in tensors]
-        for peer in sorted(recvs):
-            for i, (t, p) in enumerate(zip(tensors, plans)):
-                n = p.recv_counts[peer]
-                if n:
-                    nb = n * _row_bytes(t)
-                    buf = recvs[peer][offsets[peer] : offsets[peer] + nb]
-                    pieces[i].append(_from_bytes(buf, t, n))
-                    offsets[peer] += nb
-        for t, got in zip(tensors, pieces):
-            outs.append(torch.cat([*got, t]) if got else t.clone())
-        return (_new_token(group.device), *outs)
+        return (_new_token(group.device), *_assemble(recvs, plans, tensors))
 
     @staticmethod
     def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
