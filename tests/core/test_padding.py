@@ -123,3 +123,44 @@ def test_toy_layer_on_any_length_matches_single_device(
 
         for got in world.run(rank_fn):
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"S={rows}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
+def test_shard_records_the_padding_the_indexer_loss_leaves_out(
+    host: PluginHost, layout: str
+) -> None:
+    cp, rows = 2, 7
+    world = fb.FakeWorld(cp)
+
+    def rank_fn(rank: int) -> tuple:
+        handle = enable_cp(
+            make_layer(0, 4), fb.FakeMesh(world, rank), DeepSeekV4CPConfig(layout), plugins=host
+        )
+        try:
+            assert handle.sequence.padding is None
+            handle.shard(np.zeros((1, rows, 2)), 1, pad_value=0)
+            recorded = handle.sequence.padding
+            padded = handle.layout(recorded.padded_rows)
+            real = handle.sequence.real_rows(padded, rank)
+            other = handle.sequence.real_rows(handle.layout(12), rank)  # another length
+            handle.shard(np.arange(recorded.padded_rows), 0)  # positions: the same sequence
+            kept = handle.sequence.padding
+            handle.shard(np.zeros((1, 12, 2)), 1)  # another length, no pad_value: forgotten
+            forgot = handle.sequence.padding
+            handle.shard(np.zeros((1, 7, 2)), 1, pad_value=0)
+            handle.shard(np.zeros((1, 8, 2)), 1, pad_value=0)  # fits: nothing padded
+            after = handle.sequence.real_rows(handle.layout(8), rank)
+            assert kept == recorded and forgot is None
+        finally:
+            disable_cp(handle)
+        return recorded, padded.shard_index(rank), real, other, after
+
+    results = world.run(rank_fn)
+    pad = pad_for_cp(rows, cp, layout)
+    seen = []
+    for recorded, index, real, other, after in results:
+        assert recorded == pad
+        assert real is not None and real.tolist() == (index < rows).tolist()
+        assert other is None and after is None
+        seen += index[real].tolist()
+    assert sorted(seen) == list(range(rows))  # every real row counted once, no padding row

@@ -2,11 +2,13 @@
 layouts cannot shard as they are, padded by ``handle.shard(..., pad_value=...)``.
 
 One job of 4 gloo ranks runs every case (cp 2 and 3 on sub-groups, cp 4 on the world). Each
-case pads x (zeros), the cotangent (zeros: padding rows are outside the loss) and a loss mask
-(ones padded with 0, the indexer loss's ``loss_mask``); packed input gets the padding as its
-own trailing document (``handle.padding(S).cu_seqlens(cu)``). Rank 0 returns the real rows
-of the output and input gradient (``handle.unshard(..., rows=S)``), the parameter gradients
-summed over the group, the indexer loss and the indexer picks.
+case pads x (zeros), the cotangent (zeros: padding rows are outside the loss) and, at even
+lengths, a loss mask (ones padded with 0, the indexer loss's ``loss_mask``); odd lengths pass
+no mask, so only the handle's record of what it padded keeps the padding rows out of the
+indexer loss (Note [Padding to the layout] in hp_cp_core.padding). Packed input gets the
+padding as its own trailing document (``handle.padding(S).cu_seqlens(cu)``). Rank 0 returns
+the real rows of the output and input gradient (``handle.unshard(..., rows=S)``), the
+parameter gradients summed over the group, the indexer loss and the indexer picks.
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def run_case(case: Case, group: Any) -> dict[str, Any] | None:
         pad = handle.padding(case.total)
         xl = handle.shard(x, dim, pad_value=0.0).requires_grad_(True)
         gl = handle.shard(g, dim, pad_value=0.0)
-        mask = handle.shard(torch.ones(x.shape[: dim + 1]), dim, pad_value=0)
-        kwargs: dict[str, Any] = {"loss_mask": mask}
+        kwargs: dict[str, Any] = {}
+        if case.total % 2 == 0:
+            kwargs["loss_mask"] = handle.shard(torch.ones(x.shape[: dim + 1]), dim, pad_value=0)
         if case.packed:
             kwargs["cu_seqlens"] = torch.as_tensor(pad.cu_seqlens(cu.numpy()))
         elif case.layout == "contiguous":

@@ -14,7 +14,7 @@ from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
 from hp_cp_core.errors import BackendNotFoundError, HpCpError
 from hp_cp_core.forward import DeepSeekV4CPForward
 from hp_cp_core.layout import SequenceLayout
-from hp_cp_core.padding import CPPadding, pad_for_cp
+from hp_cp_core.padding import CPPadding, ShardedSequence, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
 from hp_cp_core.validation import AgreementMemo, check_group, check_layer_spec
@@ -51,6 +51,9 @@ class CPHandle:
     agreements: AgreementMemo = field(default_factory=AgreementMemo)
     """What the ranks agreed (Note [Validate, agree, then communicate]): its ``collectives``
     and ``reused`` count agreements run and skipped."""
+    sequence: ShardedSequence = field(default_factory=ShardedSequence)
+    """The padding of the sequence :meth:`shard` cut last: the indexer loss leaves those
+    padding rows out (Note [Padding to the layout])."""
     _tokens: list[tuple[Any, Any]] = field(default_factory=list)
     _cleanups: list[Callable[[], None]] = field(default_factory=list)
     active: bool = True
@@ -94,8 +97,15 @@ class CPHandle:
         ``pad_value`` is given: then the sequence is first padded at the end to
         ``self.padding(length).padded_rows`` with that value (0 for inputs, the ignore
         index for labels, 0 on a tensor of ones for a loss mask).
+
+        A call with ``pad_value`` records the sequence's real and padded length
+        (:attr:`sequence`): a layer forward over that padded length leaves the padding rows
+        out of the indexer loss. A call without it, on a tensor of another length, clears
+        the record (a tensor of the padded length, such as ``arange(padded_rows)``
+        positions, belongs to the recorded sequence).
         """
         total = self.backend.shape(tensor)[seq_dim]
+        real = total
         if pad_value is not None:
             pad = self.padding(total)
             if pad.pad_rows:
@@ -108,6 +118,9 @@ class CPHandle:
                     )
                 tensor = pad_dim(tensor, seq_dim, pad.padded_rows, pad_value)
                 total = pad.padded_rows
+            self.sequence.record(real, total)
+        else:
+            self.sequence.forget_unless(total)
         index = self.layout(total).shard_index(self.cp_rank)
         return self.backend.take(tensor, index, seq_dim)
 
@@ -204,7 +217,16 @@ def enable_cp(
     specs = [(layer, check_layer_spec(hooks.layer_spec(layer), layer)) for layer in layers]
     for index, (layer, spec) in enumerate(specs):
         cp_forward = DeepSeekV4CPForward(
-            layer, hooks, be, group, spec, config, handle.cache, handle.agreements, index
+            layer,
+            hooks,
+            be,
+            group,
+            spec,
+            config,
+            handle.cache,
+            handle.agreements,
+            index,
+            sequence=handle.sequence,
         )
         handle._tokens.append((layer, be.install(layer, cp_forward, group)))
         handle.layers.append((layer, spec))

@@ -12,6 +12,8 @@ from hp_cp_core.collectives import exchange_halos
 from hp_cp_core.compression import build_global_compressed_kv_for_cp
 from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.errors import HpCpError
+from hp_cp_core.layout import SequenceLayout
+from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
 from hp_cp_core.validation import (
@@ -44,6 +46,8 @@ class DeepSeekV4CPForward:
         cache: where plans are kept (shared by the layers of one ``enable_cp`` call).
         memo, index: the handle's :class:`AgreementMemo` (shared by its layers) and this
             layer's index among them; ``None``: every forward agrees.
+        sequence: the handle's :class:`~hp_cp_core.padding.ShardedSequence` (what
+            ``handle.shard`` padded); ``None``: every row is real.
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class DeepSeekV4CPForward:
         cache: PlanCache | None = None,
         memo: AgreementMemo | None = None,
         index: int = 0,
+        *,
+        sequence: ShardedSequence | None = None,
     ) -> None:
         self.module = module
         self.hooks = hooks
@@ -66,6 +72,7 @@ class DeepSeekV4CPForward:
         self.config = config or DeepSeekV4CPConfig()
         self.cache = cache if cache is not None else PlanCache()
         self.memo, self.index = memo, index
+        self.sequence = sequence
         self._spec_text, self._config_text = repr(spec), agreed_config_text(self.config)
 
     def __call__(
@@ -104,9 +111,11 @@ class DeepSeekV4CPForward:
                 n_local, cu_seqlens, signature=" ".join(str(list(s)) for s in shapes)
             )
             if self.spec.has_indexer and extra.get("loss_rows") is None:
-                # every row counts in the indexer loss: N = batch x total rows
+                # every real row counts in the indexer loss: N = batch x real rows
                 batch = int(np.prod(self.backend.shape(x)[1:-1], dtype=np.int64))
-                extra = {**extra, "loss_rows": batch * n_local}
+                real = self.real_rows(n_local)
+                rows = n_local if real is None else int(real.sum())
+                extra = {**extra, "loss_rows": batch * rows}
             call = self.agree(check, extra)
         elif extra:
             call = call.replace(extra={**call.extra, **extra})
@@ -141,6 +150,17 @@ class DeepSeekV4CPForward:
             self.group, self.backend, owned, call.plan, token, work, self.config.overlap_exchanges
         )
         return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
+
+    def real_rows(self, n_local: int) -> np.ndarray | None:
+        """``[n_local]`` bool: which of this rank's rows are real, when this forward's
+        sequence is the one ``handle.shard(..., pad_value=...)`` padded last; ``None`` when
+        every row is (Note [Padding to the layout] in :mod:`hp_cp_core.padding`). The
+        indexer loss counts only real rows."""
+        if self.sequence is None:
+            return None
+        total = int(n_local) * self.group.size
+        layout = SequenceLayout(self.config.layout, self.group.size, total)
+        return self.sequence.real_rows(layout, self.group.rank)
 
     def local_positions(self, n_local: int, cu_seqlens: Any = None) -> np.ndarray:
         """Default RoPE positions of this rank's rows (used when the caller passes none)."""

@@ -16,6 +16,20 @@ attends into a real document. The loss must skip the padding rows: labels set to
 index (``handle.shard(labels, 1, pad_value=-100)``), or a mask (``pad_value=0`` on a tensor
 of ones) for the indexer loss's ``loss_mask``.
 
+The indexer's KL loss skips them by itself: ``handle.shard`` records the padding of the
+sequence it sharded last (:class:`ShardedSequence`), and a layer whose global row count is
+that padded length leaves the rows at or past the real length out of the loss's sum and its
+divisor (a cell without a loss mask, such as MindFormers', has no other way to tell)::
+
+    handle.shard(ids, 1, pad_value=0)      records  7 real rows of 8
+    handle.shard(arange(8), 0)             same length: the record stays
+    layer forward over 8 global rows    -> rows 0..6 count, row 7 does not (N = 7 * batch)
+    layer forward over 6 global rows    -> another sequence: every row counts
+    handle.shard(t6, 1)                    another length, no pad_value: the record goes
+
+Pass ``pad_value`` on every step's inputs: a sequence of exactly 8 real rows sharded
+without it right after the one above would count as the padded one.
+
 The math is here (numpy); the backends pad the tensors with their ``pad_dim`` op.
 """
 
@@ -28,7 +42,7 @@ import numpy as np
 from hp_cp_core.errors import PlanError
 from hp_cp_core.layout import SequenceLayout
 
-__all__ = ["CPPadding", "pad_for_cp"]
+__all__ = ["CPPadding", "ShardedSequence", "pad_for_cp"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +106,34 @@ def pad_for_cp(rows: int, cp_size: int, layout: str = "contiguous") -> CPPadding
         raise PlanError(f"layout must be 'contiguous' or 'load_balanced', got {layout!r}.")
     parts = SequenceLayout(layout, int(cp_size), 0).n_chunks
     return CPPadding(rows, -(-rows // parts) * parts)
+
+
+class ShardedSequence:
+    """The padding of the sequence a handle sharded last (Note [Padding to the layout]).
+
+    ``CPHandle.shard(..., pad_value=...)`` records each call, padded or not, so a later
+    sequence that needs no padding replaces an earlier padded one; a call without
+    ``pad_value`` on another length forgets it. Layers read it through :meth:`real_rows`.
+    """
+
+    def __init__(self) -> None:
+        self.padding: CPPadding | None = None
+
+    def record(self, rows: int, padded_rows: int) -> None:
+        """Note that the last sharded sequence has ``rows`` real rows of ``padded_rows``."""
+        self.padding = CPPadding(int(rows), int(padded_rows))
+
+    def forget_unless(self, padded_rows: int) -> None:
+        """Forget the record unless ``padded_rows`` is its padded length (a tensor of the
+        same sequence, sharded without ``pad_value``)."""
+        if self.padding is not None and self.padding.padded_rows != int(padded_rows):
+            self.padding = None
+
+    def real_rows(self, layout: SequenceLayout, rank: int) -> np.ndarray | None:
+        """``[rows of rank]`` bool, True for this rank's real rows, when ``layout`` (the
+        forward's global rows) is the recorded padded sequence and it has padding; else
+        ``None`` (every row is real)."""
+        pad = self.padding
+        if pad is None or pad.pad_rows == 0 or pad.padded_rows != layout.total_rows:
+            return None
+        return layout.shard_index(rank) < pad.rows

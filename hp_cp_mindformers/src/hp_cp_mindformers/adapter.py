@@ -327,10 +327,19 @@ class MindFormersDeepSeekV4CSAAdapter:
         kpad = n_total - int(cmp_kv.shape[0])
         if kpad:
             cmp_kv = mint.cat([cmp_kv, ops.zeros((kpad, *cmp_kv.shape[1:]), cmp_kv.dtype)], 0)
-        loss = m.unfused_indexer_loss(
-            selected, Tensor(raw.astype(np.int32)), ops.stop_gradient(query), cmp_kv, mask=mask_t
-        )
-        loss = loss * (b * int(query.shape[0]) * indexer_loss_weight(call))
+        query_d, raw_i = ops.stop_gradient(query), Tensor(raw.astype(np.int32))
+        real = call.extra.get("real_rows")
+        counted = int(query.shape[0]) if real is None else int(real.sum())
+        if real is not None and 0 < counted < int(query.shape[0]):
+            # padding rows are out of the loss (Note [Padding to the layout]); the cell's loss
+            # is a mean over its query rows, so it runs on the real rows only
+            keep = Tensor(np.flatnonzero(real).astype(np.int64))
+            selected, raw_i, mask_t = (
+                mint.index_select(t, 1, keep) for t in (selected, raw_i, mask_t)
+            )
+            query_d = mint.index_select(query_d, 0, keep)
+        loss = m.unfused_indexer_loss(selected, raw_i, query_d, cmp_kv, mask=mask_t)
+        loss = loss * (b * counted * indexer_loss_weight(call))
         self._log_indexer_loss(loss, call)
         return picks, loss
 
@@ -384,12 +393,17 @@ class MindFormersDeepSeekV4CSAAdapter:
                 cu = self.cu_seqlens(actual_seq_len, query, group.size)
             except HpCpError as exc:
                 problems.append(str(exc))
-            # every row counts in the indexer loss's global mean (no loss mask on this cell)
+            # every real row counts in the indexer loss's global mean: the cell takes no loss
+            # mask, so the rows handle.shard(..., pad_value=) appended are left out here
+            n_local, b = int(query.shape[0]), int(query.shape[1])
+            real = cp_forward.real_rows(n_local)
             wanted = self._loss_wanted() or cp_forward.spec.has_indexer
-            rows = int(query.shape[0]) * int(query.shape[1]) if wanted else None
+            extra = {"real_rows": real}
+            if wanted:
+                extra["loss_rows"] = b * (n_local if real is None else int(real.sum()))
             shapes = " ".join(str(list(t.shape[1:])) for t in (query, key, x, qr) if t is not None)
             check = cp_forward.inspect(int(x.shape[0]), cu, problems=problems, signature=shapes)
-            call = cp_forward.agree(check, None if rows is None else {"loss_rows": rows})
+            call = cp_forward.agree(check, extra)
             return cp_forward(query, key, x, qr, call=call)
 
         return construct

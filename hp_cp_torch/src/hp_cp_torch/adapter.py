@@ -182,9 +182,17 @@ class ReferenceLayerAdapter:
             mask, loss_rows = None, None
             if check.ok:
                 xb = x[None] if packed and x.dim() == 2 else x  # [B, L, hidden]
+                # the rows handle.shard(..., pad_value=) appended never count (None: none)
+                real = cp_forward.real_rows(xb.shape[1]) if m.computes_indexer_loss else None
+                real_t = None if real is None else torch.as_tensor(real, device=x.device)
                 if loss_mask is not None and m.computes_indexer_loss:
-                    mask = (loss_mask != 0).reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
+                    keep = loss_mask.reshape(-1, xb.shape[1]) != 0
+                    keep = keep if real_t is None else keep & real_t
+                    mask = keep.expand(xb.shape[0], -1)
                     loss_rows = int(mask.sum())
+                elif real_t is not None:  # N = batch x real rows, known on the host
+                    mask = real_t.reshape(1, -1).expand(xb.shape[0], -1)
+                    loss_rows = int(xb.shape[0]) * int(real.sum())
                 elif m.computes_indexer_loss:  # every row counts: N = batch x total rows
                     loss_rows = int(xb.shape[0] * xb.shape[1])
             call = cp_forward.agree(check, {"loss_rows": loss_rows})
