@@ -94,6 +94,10 @@ if SKIP_REASON is None:
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
+    # MindSpore's CPU kernels default to 25 threads per process: msrun ranks sharing a few
+    # cores then spend their time switching threads (cores / ranks each, at least one)
+    _ranks = int(os.environ.get("MS_WORKER_NUM", "1"))
+    ms.device_context.cpu.op_tuning.threads_num(max(1, (os.cpu_count() or 1) // _ranks))
     try:
         from mindformers.parallel_core.transformer_config import MLATransformerConfig
         from mindformers.pynative.base_models.gpt.experimental_attention_variant_module_specs import (  # noqa: E501
