@@ -1,5 +1,5 @@
 """msrun worker (4 ranks): the REAL mindformers 2.1.0 ``PyNativeDeepseekV4ForCausalLM`` (tiny,
-``mf_real_model``, no MTP layer) trains under hp_cp, every case of
+``mf_real_model``, one MTP layer) trains under hp_cp, every case of
 ``mf_model_cases.model_cases()``; writes ``<outdir>/rank<r>.json`` after each case.
 
 Every rank builds the same model (seeded weights) and first runs it on one device on one of
@@ -40,6 +40,7 @@ from mindspore.communication import (  # noqa: E402
 )
 
 from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp  # noqa: E402
+from hp_cp_mindformers.mtp import mtp_owners  # noqa: E402
 from hp_cp_mindformers.rope import GlobalPositionRotary  # noqa: E402
 
 init()
@@ -118,6 +119,7 @@ def under_cp(model, case: ModelCase, group: str) -> dict:
     config = DeepSeekV4CPConfig(layout=case.layout)
     handle = enable_cp(model, HPMesh(group), config)
     res: dict = {"cp_size": handle.cp_size, "cp_rank": handle.cp_rank}
+    res["wrapped_mtp"] = sum("construct" in c.__dict__ for c in mtp_owners(model))
     res["wrapped_rope"] = sum(
         isinstance(getattr(c, "rotary_pos_emb", None), GlobalPositionRotary)
         for _, c in model.cells_and_names()
@@ -148,6 +150,7 @@ def under_cp(model, case: ModelCase, group: str) -> dict:
         isinstance(getattr(c, "rotary_pos_emb", None), GlobalPositionRotary)
         for _, c in model.cells_and_names()
     )
+    res["restored_mtp"] = not any("construct" in c.__dict__ for c in mtp_owners(model))
     names = sorted(grads)
     flat = np.concatenate([grads[k].reshape(-1) for k in names] + [np.array([loss])])
     total = all_reduce(flat.astype(np.float32), group)
@@ -164,7 +167,8 @@ def under_cp(model, case: ModelCase, group: str) -> dict:
 def run_case(model, case: ModelCase, refs: dict) -> dict:
     group = group_of(case)
     got = under_cp(model, case, group)
-    out = {k: got[k] for k in ("cp_size", "cp_rank", "wrapped_rope", "restored_rope", "step_s")}
+    keys = ("cp_size", "cp_rank", "wrapped_rope", "restored_rope", "wrapped_mtp", "restored_mtp")
+    out = {k: got[k] for k in (*keys, "step_s")}
     out["stats"] = got["stats"]
     if WORLD_RANK == checking_rank(case):
         ref = refs[case.data]
@@ -185,7 +189,7 @@ def main() -> None:
     report = {"rank": WORLD_RANK, "world": WORLD, "cases": {}}
     path = os.path.join(OUT, f"rank{WORLD_RANK}.json")
     t0 = time.time()
-    model = mdl.tiny_model(mtp=0, seed=5)
+    model = mdl.tiny_model(mtp=1, seed=5)
     refs = {REFERENCE_OF_RANK[WORLD_RANK]: one_device(model, REFERENCE_OF_RANK[WORLD_RANK])}
     report["reference_s"] = round(time.time() - t0, 2)
     for case in cases:

@@ -1,6 +1,6 @@
 """The REAL mindformers 2.1.0 ``PyNativeDeepseekV4ForCausalLM`` (tiny: sliding-window, CSA and HCA
-layers, MoE, hyper-connections) trains under hp_cp on msrun ranks (MindSpore CPU): cp = 4 on
-the world group and cp = 2 on two sub-groups, in ONE msrun job of 4 ranks
+layers, MoE, hyper-connections, one MTP layer) trains under hp_cp on msrun ranks (MindSpore
+CPU): cp = 4 on the world group and cp = 2 on two sub-groups, in ONE msrun job of 4 ranks
 (``mf_model_msrun_worker.py``). Every case is compared with the same model run on one device in
 the same job: the loss, the logits and every parameter gradient (summed over the CP ranks).
 """
@@ -51,17 +51,19 @@ def test_whole_model_under_cp_matches_one_device(job: dict, case: ModelCase) -> 
     per_rank = case_reports(job, case, case.ranks())
     for res in per_rank:
         assert res["cp_size"] == case.cp
-        assert res["wrapped_rope"] == 3 and res["restored_rope"], res  # the 3 parents' RoPE
+        assert res["wrapped_rope"] == 4 and res["restored_rope"], res  # 3 decoder + 1 MTP
+        assert res["wrapped_mtp"] == 1 and res["restored_mtp"], res  # the MTP token shift
         assert res["stats"]["bytes_sent"] > 0
     first = per_rank[case.ranks().index(checking_rank(case))]
     assert first["zero_ref_grads"] == [], first["zero_ref_grads"]  # every weight is reached
     assert first["loss_err"] <= LOSS_TOL, (first["loss_cp"], first["loss_ref"])
     assert first["logits_err"] <= LOGITS_TOL, first["logits_err"]
-    assert len(first["grad_err"]) > 80
+    assert len(first["grad_err"]) > 110  # every parameter, the MTP layer's included
     # "odd" pads 133 rows to fit: the indexer parameters' gradients then prove the padding
     # rows stay out of the indexer KL loss (the cell takes no loss mask; the handle knows
     # what handle.shard(..., pad_value=) appended)
     assert any(indexer_param(k) for k in first["grad_err"])
+    assert any(k.startswith("mtp.") for k in first["grad_err"])  # MTP under CP too
     bad = bad_gradients(first)
     assert not bad, bad
 

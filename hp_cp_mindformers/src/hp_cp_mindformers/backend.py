@@ -560,7 +560,9 @@ class MindSporeBackend(InstallingBackend):
 
     On a whole model, installing a CSA layer also puts its parent attention's RoPE at the
     rank's global positions (Note [The parent's RoPE under CP] in
-    :mod:`hp_cp_mindformers.rope`); the install's undo restores both.
+    :mod:`hp_cp_mindformers.rope`); installing the first layer also puts the model's MTP
+    token shift under CP (Note [MTP under CP] in :mod:`hp_cp_mindformers.mtp`). Each
+    install's undo restores what it changed.
     """
 
     name = "mindformers"
@@ -568,27 +570,38 @@ class MindSporeBackend(InstallingBackend):
     def __init__(self, find: Any, install: Any) -> None:
         super().__init__(find, install)
         self._parents: dict[int, Any] = {}
+        self._mtp: tuple[int, list[Any]] = (0, [])
 
     def find_layers(self, module: Any) -> list[Any]:
+        from hp_cp_mindformers.mtp import mtp_owners
         from hp_cp_mindformers.rope import rotary_parents
 
         layers = super().find_layers(module)
         self._parents = rotary_parents(module, layers)
+        self._mtp = (id(layers[0]) if layers else 0, mtp_owners(module))
         return layers
 
     def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
+        from hp_cp_mindformers.mtp import CPRowShift, check_mtp_owner, wrap_mtp_owner
         from hp_cp_mindformers.rope import wrap_parent_rotary
 
-        undo_forward = super().install(layer, cp_forward, group)
-        parent = self._parents.get(id(layer))
         config = cp_forward.config
-        if parent is None or (group.size == 1 and config.single_rank_bypass):
-            return undo_forward
-        undo_rope = wrap_parent_rotary(parent, config.layout, group.rank, group.size)
+        local = group.size == 1 and config.single_rank_bypass
+        first, owners = self._mtp
+        owners = owners if id(layer) == first and group.size > 1 and not local else []
+        for owner in owners:  # before the first install: a refusal leaves nothing behind
+            check_mtp_owner(owner)
+        undos = [super().install(layer, cp_forward, group)]
+        parent = self._parents.get(id(layer))
+        if parent is not None and not local:
+            undos.append(wrap_parent_rotary(parent, config.layout, group.rank, group.size))
+        undos += [wrap_mtp_owner(o, CPRowShift(group, config.layout)) for o in owners]
+        if len(undos) == 1:
+            return undos[0]
 
         def undo() -> None:
-            undo_rope()
-            undo_forward()
+            for fn in reversed(undos):
+                fn()
 
         return undo
 
