@@ -141,15 +141,16 @@ def test_shard_records_the_padding_the_indexer_loss_leaves_out(
             handle.shard(np.zeros((1, rows, 2)), 1, pad_value=0)
             recorded = handle.sequence.padding
             padded = handle.layout(recorded.padded_rows)
-            real = handle.sequence.real_rows(padded, rank)
-            other = handle.sequence.real_rows(handle.layout(12), rank)  # another length
+            real = handle.sequence.real_rows(layout, cp, rank, recorded.padded_rows)
+            other = handle.sequence.real_rows(layout, cp, rank, 12)  # another length
+            assert handle.sequence.real_rows(layout, cp, rank, 7) is None  # never raises
             handle.shard(np.arange(recorded.padded_rows), 0)  # positions: the same sequence
             kept = handle.sequence.padding
             handle.shard(np.zeros((1, 12, 2)), 1)  # another length, no pad_value: forgotten
             forgot = handle.sequence.padding
             handle.shard(np.zeros((1, 7, 2)), 1, pad_value=0)
             handle.shard(np.zeros((1, 8, 2)), 1, pad_value=0)  # fits: nothing padded
-            after = handle.sequence.real_rows(handle.layout(8), rank)
+            after = handle.sequence.real_rows(layout, cp, rank, 8)
             assert kept == recorded and forgot is None
         finally:
             disable_cp(handle)

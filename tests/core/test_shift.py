@@ -24,9 +24,7 @@ def shifted(x: np.ndarray, shift: int) -> np.ndarray:
 @pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("shift", [-1, -2, -3, 1, 3, 0])
-def test_every_rank_gets_its_rows_of_the_shifted_sequence(
-    layout: str, cp: int, shift: int
-) -> None:
+def test_every_rank_gets_its_rows_of_the_shifted_sequence(layout: str, cp: int, shift: int) -> None:
     parts = cp * (2 if layout == "load_balanced" else 1)
     for chunk in (3, 4):
         total = parts * chunk

@@ -184,6 +184,27 @@ def run_case(model, case: ModelCase, refs: dict) -> dict:
     return out
 
 
+def refuse_mean_mtp_loss(model) -> dict:
+    """enable_cp at cp 4 on the model with its MTP loss a per-rank mean
+    (``calculate_per_token_loss=False``): the error, and whether anything stayed installed."""
+    from hp_cp_core import HpCpError
+
+    (owner,) = mtp_owners(model)
+    config = owner.config
+    before = [n for n, c in model.cells_and_names() if "construct" in c.__dict__]
+    config.calculate_per_token_loss = False
+    try:
+        enable_cp(model, HPMesh(GlobalComm.WORLD_COMM_GROUP))
+        out = {"error": None}
+    except HpCpError as exc:
+        out = {"error": str(exc)}
+    finally:
+        config.calculate_per_token_loss = True
+    out["installed_before"] = before
+    out["installed_after"] = [n for n, c in model.cells_and_names() if "construct" in c.__dict__]
+    return out
+
+
 def main() -> None:
     cases = [c for c in model_cases() if WORLD_RANK in c.ranks()]
     report = {"rank": WORLD_RANK, "world": WORLD, "cases": {}}
@@ -202,6 +223,7 @@ def main() -> None:
             }
         with open(path, "w") as fh:
             json.dump(report, fh, indent=1)
+    report["mean_mtp_loss_refused"] = refuse_mean_mtp_loss(model)
     report["total_s"] = round(time.time() - t0, 2)
     with open(path, "w") as fh:
         json.dump(report, fh, indent=1)

@@ -68,6 +68,13 @@ def test_whole_model_under_cp_matches_one_device(job: dict, case: ModelCase) -> 
     assert not bad, bad
 
 
+def test_a_per_rank_mean_mtp_loss_is_refused_on_every_rank(job: dict) -> None:
+    for rank in range(WORLD):
+        got = job["reports"][rank]["mean_mtp_loss_refused"]
+        assert got["error"] and "calculate_per_token_loss=False" in got["error"], got
+        assert got["installed_after"] == got["installed_before"], got  # nothing half-done
+
+
 def bad_gradients(first: dict) -> dict:
     """Gradients off by more than ``GRAD_TOL`` (relative) and ``GRAD_SCALE_TOL`` (over the
     model's largest gradient)."""

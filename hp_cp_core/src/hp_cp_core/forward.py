@@ -12,7 +12,6 @@ from hp_cp_core.collectives import exchange_halos
 from hp_cp_core.compression import build_global_compressed_kv_for_cp
 from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.errors import HpCpError
-from hp_cp_core.layout import SequenceLayout
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
@@ -158,9 +157,8 @@ class DeepSeekV4CPForward:
         indexer loss counts only real rows."""
         if self.sequence is None:
             return None
-        total = int(n_local) * self.group.size
-        layout = SequenceLayout(self.config.layout, self.group.size, total)
-        return self.sequence.real_rows(layout, self.group.rank)
+        size = self.group.size
+        return self.sequence.real_rows(self.config.layout, size, self.group.rank, n_local * size)
 
     def local_positions(self, n_local: int, cu_seqlens: Any = None) -> np.ndarray:
         """Default RoPE positions of this rank's rows (used when the caller passes none)."""

@@ -129,11 +129,13 @@ class ShardedSequence:
         if self.padding is not None and self.padding.padded_rows != int(padded_rows):
             self.padding = None
 
-    def real_rows(self, layout: SequenceLayout, rank: int) -> np.ndarray | None:
-        """``[rows of rank]`` bool, True for this rank's real rows, when ``layout`` (the
-        forward's global rows) is the recorded padded sequence and it has padding; else
-        ``None`` (every row is real)."""
+    def real_rows(self, kind: str, cp_size: int, rank: int, total_rows: int) -> np.ndarray | None:
+        """``[rows of rank]`` bool, True for this rank's real rows, when a forward over
+        ``total_rows`` global rows (``kind`` layout over ``cp_size`` ranks) is the recorded
+        padded sequence and it has padding; else ``None`` (every row is real). Never raises:
+        a length the layout cannot take is the forward's own check to report."""
         pad = self.padding
-        if pad is None or pad.pad_rows == 0 or pad.padded_rows != layout.total_rows:
+        if pad is None or pad.pad_rows == 0 or pad.padded_rows != int(total_rows):
             return None
+        layout = SequenceLayout(kind, int(cp_size), int(total_rows))  # fits: pad_for_cp made it
         return layout.shard_index(rank) < pad.rows
