@@ -98,6 +98,19 @@ if SKIP_REASON is None:
     # cores then spend their time switching threads (cores / ranks each, at least one)
     _ranks = int(os.environ.get("MS_WORKER_NUM", "1"))
     ms.device_context.cpu.op_tuning.threads_num(max(1, (os.cpu_count() or 1) // _ranks))
+    if "hyper_parallel" in STUBS:
+        import hyper_parallel.platform as _hp_platform
+
+        class _CPUPlatform:
+            """hyper_parallel's platform (not on PyPI) for the one call mindformers' MoE router
+            makes under CP: the sum of its detached token counts over the CP group."""
+
+            @staticmethod
+            def differentiable_all_reduce(tensor, op, group):
+                assert op == "sum", op
+                return ms.ops.AllReduce(ms.ops.ReduceOp.SUM, group=group)(tensor)
+
+        _hp_platform.get_platform = _CPUPlatform
     try:
         from mindformers.parallel_core.transformer_config import MLATransformerConfig
         from mindformers.pynative.base_models.gpt.experimental_attention_variant_module_specs import (  # noqa: E501

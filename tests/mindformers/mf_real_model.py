@@ -26,7 +26,7 @@ WINDOW = 8
 HCA_RATIO = 128
 
 
-def tiny_config(mtp: int = 0, seq_length: int = 64) -> Any:
+def tiny_config(mtp: int = 0, seq_length: int = 64, aux_loss: float = 0.0) -> Any:
     from mindformers.models.deepseek4.configuration_deepseek_v4 import DeepseekV4Config
 
     return DeepseekV4Config(
@@ -62,6 +62,10 @@ def tiny_config(mtp: int = 0, seq_length: int = 64) -> Any:
         calculate_per_token_loss=True,
         dsa_indexer_loss_coeff=0.5,
         mtp_loss_scaling_factor=0.3,
+        moe_aux_loss_coeff=aux_loss,
+        # the DeepSeek V2/V3 sequence-wise loss (the default, "sub_seq_aux_loss", is not in
+        # the pynative router); used only when moe_aux_loss_coeff > 0
+        moe_router_load_balancing_type="seq_aux_loss",
     )
 
 
@@ -83,12 +87,12 @@ def seed_weights(model: Any, seed: int = 0) -> None:
         p.set_data(Tensor(value.astype(np.float32)))
 
 
-def tiny_model(mtp: int = 0, seed: int = 0, train: bool = True) -> Any:
+def tiny_model(mtp: int = 0, seed: int = 0, train: bool = True, aux_loss: float = 0.0) -> Any:
     from mindformers.models.deepseek4.modeling_deepseek_v4_pynative import (
         PyNativeDeepseekV4ForCausalLM,
     )
 
-    model = PyNativeDeepseekV4ForCausalLM(tiny_config(mtp))
+    model = PyNativeDeepseekV4ForCausalLM(tiny_config(mtp, aux_loss=aux_loss))
     seed_weights(model, seed)
     model.set_train(train)
     return model

@@ -53,6 +53,7 @@ def test_whole_model_under_cp_matches_one_device(job: dict, case: ModelCase) -> 
         assert res["cp_size"] == case.cp
         assert res["wrapped_rope"] == 4 and res["restored_rope"], res  # 3 decoder + 1 MTP
         assert res["wrapped_mtp"] == 1 and res["restored_mtp"], res  # the MTP token shift
+        assert res["routers_cp"] == [case.cp] and res["routers_cp_after"] == [1], res  # aux
         assert res["stats"]["bytes_sent"] > 0
     first = per_rank[case.ranks().index(checking_rank(case))]
     assert first["zero_ref_grads"] == [], first["zero_ref_grads"]  # every weight is reached

@@ -561,8 +561,9 @@ class MindSporeBackend(InstallingBackend):
     On a whole model, installing a CSA layer also puts its parent attention's RoPE at the
     rank's global positions (Note [The parent's RoPE under CP] in
     :mod:`hp_cp_mindformers.rope`); installing the first layer also puts the model's MTP
-    token shift under CP (Note [MTP under CP] in :mod:`hp_cp_mindformers.mtp`). Each
-    install's undo restores what it changed.
+    token shift (Note [MTP under CP] in :mod:`hp_cp_mindformers.mtp`) and its MoE routers'
+    aux-loss statistics (Note [MoE aux loss under CP] in :mod:`hp_cp_mindformers.moe`) under
+    CP. Each install's undo restores what it changed.
     """
 
     name = "mindformers"
@@ -570,25 +571,29 @@ class MindSporeBackend(InstallingBackend):
     def __init__(self, find: Any, install: Any) -> None:
         super().__init__(find, install)
         self._parents: dict[int, Any] = {}
-        self._mtp: tuple[int, list[Any]] = (0, [])
+        self._model: tuple[int, list[Any], list[Any]] = (0, [], [])
 
     def find_layers(self, module: Any) -> list[Any]:
+        from hp_cp_mindformers.moe import moe_routers
         from hp_cp_mindformers.mtp import mtp_owners
         from hp_cp_mindformers.rope import rotary_parents
 
         layers = super().find_layers(module)
         self._parents = rotary_parents(module, layers)
-        self._mtp = (id(layers[0]) if layers else 0, mtp_owners(module))
+        first = id(layers[0]) if layers else 0
+        self._model = (first, mtp_owners(module), moe_routers(module))
         return layers
 
     def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
+        from hp_cp_mindformers.moe import put_routers_under_cp
         from hp_cp_mindformers.mtp import CPRowShift, check_mtp_owner, wrap_mtp_owner
         from hp_cp_mindformers.rope import wrap_parent_rotary
 
         config = cp_forward.config
         local = group.size == 1 and config.single_rank_bypass
-        first, owners = self._mtp
-        owners = owners if id(layer) == first and group.size > 1 and not local else []
+        first, owners, routers = self._model
+        if id(layer) != first or group.size == 1:  # the model-wide parts: once, cp > 1
+            owners, routers = [], []
         for owner in owners:  # before the first install: a refusal leaves nothing behind
             check_mtp_owner(owner)
         undos = [super().install(layer, cp_forward, group)]
@@ -596,6 +601,8 @@ class MindSporeBackend(InstallingBackend):
         if parent is not None and not local:
             undos.append(wrap_parent_rotary(parent, config.layout, group.rank, group.size))
         undos += [wrap_mtp_owner(o, CPRowShift(group, config.layout)) for o in owners]
+        if routers:
+            undos.append(put_routers_under_cp(routers, group.name, group.size))
         if len(undos) == 1:
             return undos[0]
 
