@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_collection_modifyitems(items: list) -> None:
+def pytest_collection_finish(session: pytest.Session) -> None:
     import cases  # after TRITON_INTERPRET is set
 
-    cases.collected({item.path.name for item in items})
+    # the items left after -k / -m deselection
+    cases.collected({item.path.name for item in session.items})
