@@ -454,36 +454,96 @@ def check_comm_counts(case: Case, results: list[dict]) -> None:
 
 def job(rank: int, world: int, suite: str) -> dict[str, tuple[str, Any]]:
     """Run every case of ``SUITES[suite][world]`` on this rank; never raise."""
-    faulthandler.dump_traceback_later(JOB_TIMEOUT.get(world, 300) - 10, exit=True)
+    return joint_job(rank, world, (suite,), JOB_TIMEOUT.get(world, 300))[suite]
+
+
+def joint_job(
+    rank: int, world: int, suites: tuple[str, ...], timeout: float
+) -> dict[str, dict[str, tuple[str, Any]]]:
+    """Run every case of each suite in ``suites`` (in order) on this rank; never raise.
+    Returns ``{suite: {case: ("ok", value) | ("error", traceback)}}``; after the first
+    failing case the later ones (of every suite) are not run, since peers may be stuck in
+    its collectives."""
+    faulthandler.dump_traceback_later(timeout - 10, exit=True)
     torch.set_num_threads(1)
-    out: dict[str, tuple[str, Any]] = {}
+    out: dict[str, dict[str, tuple[str, Any]]] = {}
     failed = None
-    for name, (fn, args) in suite_cases(suite, world).items():
-        if failed is not None:  # peers may be stuck in that case's collectives: leave
-            out[name] = ("error", f"rank {rank}: not run, case {failed} failed before it")
-            continue
-        try:
-            out[name] = ("ok", fn(*args))
-        except Exception:  # noqa: BLE001 - reported by the test that reads this case
-            out[name] = ("error", f"rank {rank}:\n{traceback.format_exc()}")
-            failed = name
+    for suite in suites:
+        mine = out[suite] = {}
+        for name, (fn, args) in suite_cases(suite, world).items():
+            if failed is not None:
+                mine[name] = ("error", f"rank {rank}: not run, case {failed} failed before it")
+                continue
+            try:
+                mine[name] = ("ok", fn(*args))
+            except Exception:  # noqa: BLE001 - reported by the test that reads this case
+                mine[name] = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+                failed = f"{suite}/{name}"
     faulthandler.cancel_dump_traceback_later()
     return out
 
 
+JOINT_SUITES: dict[str, tuple[str, tuple[int, ...] | None]] = {
+    "parity": ("test_torch_parity.py", (1, 2, 3, 4, 8)),
+    "api": ("test_torch_api.py", (1, 2, 4)),
+    "adapter": ("test_torch_adapter.py", (2, 3)),
+    "indexer_loss": ("test_indexer_loss.py", (2, 3, 4)),
+    "triton_cases:triton_suite": ("test_triton.py", (2,)),
+    "foreign_cases:foreign_suite": ("test_foreign_modules.py", (2, 3, 4, 8)),
+    "fuzz_cases:fuzz_suite:0": ("test_fuzz.py", None),  # the world sizes that have cases
+}
+"""Suites that share one spawned job per world size (a job costs 7-14 s to start) when their
+test modules are collected together: the first test of any of them at a world size its
+module uses runs all of them. The reliability suites keep their own jobs (fresh processes
+are what they compare, and their fault cases break process groups), as do the
+module-scoped jobs of other files."""
+
 _RESULTS: dict[tuple[str, int], Any] = {}
+_COLLECTED: set[str] = set()
 
 
-def result(suite: str, world: int, name: str) -> list[Any]:
-    """Per rank, what case ``name`` returned (the suite's job runs once, on first use)."""
+def collected(modules: set[str]) -> None:
+    """Record the test modules (file names) this pytest session runs (``conftest.py``), so
+    :func:`result` starts one job for all the :data:`JOINT_SUITES` they use."""
+    _COLLECTED.clear()
+    _COLLECTED.update(modules)
+
+
+def _job_of(suite: str, world: int) -> tuple[tuple[str, ...], float]:
+    """The suites run in ``suite``'s job on ``world`` ranks and that job's timeout."""
+
+    def joins(s: str) -> bool:
+        module, worlds = JOINT_SUITES.get(s, ("", ()))
+        return (
+            module in _COLLECTED
+            and (worlds is None or world in worlds)
+            and (s, world) not in _RESULTS
+            and bool(suite_cases(s, world))
+        )
+
+    if not joins(suite):
+        return (suite,), JOB_TIMEOUT.get(world, 300)
+    joint = tuple(s for s in JOINT_SUITES if joins(s))
+    return joint, JOB_TIMEOUT.get(world, 300) * len(joint)
+
+
+def result(suite: str, world: int, name: str, pg_timeout: float | None = None) -> list[Any]:
+    """Per rank, what case ``name`` returned (the suite's job runs once, on first use, with
+    the other :data:`JOINT_SUITES` of this world size). ``pg_timeout`` (seconds) is the
+    collective timeout of a job that runs this suite alone."""
     from dist_utils import run_ranks
 
     key = (suite, world)
     if key not in _RESULTS:
+        suites, timeout = _job_of(suite, world)
         try:
-            _RESULTS[key] = run_ranks(world, job, suite, timeout=JOB_TIMEOUT.get(world, 300))
+            alone = pg_timeout if len(suites) == 1 else None
+            ranks = run_ranks(world, joint_job, suites, timeout, timeout=timeout, pg_timeout=alone)
+            for s in suites:
+                _RESULTS[(s, world)] = [r[s] for r in ranks]
         except BaseException as exc:  # noqa: BLE001 - every test of the job reports it
-            _RESULTS[key] = exc
+            for s in suites:
+                _RESULTS[(s, world)] = exc
     got = _RESULTS[key]
     if isinstance(got, BaseException):
         raise AssertionError(f"the {suite} job on {world} ranks failed: {got}") from got

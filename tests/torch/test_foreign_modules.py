@@ -14,48 +14,27 @@ documents spanning several ranks, a rank holding only the tail of one document. 
 indexers train through the attention logits (their picked score is a logit bonus); none has
 an indexer KL loss, so there is none to compare.
 
-One spawned job per cp size runs all of its cases on a default process group whose
-collectives time out after ``PG_TIMEOUT_S`` seconds, under a wall limit: a hang fails the
-test in seconds, it does not stall CI.
+One spawned job per cp size runs all of its cases under a wall limit, so a hang fails the
+test, it does not stall CI. Run alone, its collectives time out after ``PG_TIMEOUT_S``
+seconds; run with the other torch test modules it shares their job (``cases.JOINT_SUITES``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from cases import job
+from cases import result
 from foreign_cases import PG_TIMEOUT_S, ForeignCase, check, foreign_cases
 
 from hp_cp_core.layout import SequenceLayout
-from hp_cp_torch.cli.launch import run_ranks
 
 pytestmark = pytest.mark.slow
 
 SUITE = "foreign_cases:foreign_suite"
 WORLDS = (2, 3, 4, 8)
-WALL_S = {2: 90, 3: 120, 4: 150, 8: 240}
-"""Seconds a job may take before its ranks are killed as hung."""
-
-_JOBS: dict[int, Any] = {}
 
 
 def _result(world: int, name: str) -> list[dict]:
-    if world not in _JOBS:
-        try:
-            _JOBS[world] = run_ranks(
-                world, job, SUITE, timeout=WALL_S[world], pg_timeout=PG_TIMEOUT_S
-            )
-        except BaseException as exc:  # noqa: BLE001 - every test of the job reports it
-            _JOBS[world] = exc
-    got = _JOBS[world]
-    if isinstance(got, BaseException):
-        raise AssertionError(f"the foreign-module job on {world} ranks failed: {got}") from got
-    errors = [value for status, value in (r[name] for r in got) if status != "ok"]
-    if errors:
-        errors.sort(key=lambda e: "not run, case" in e)
-        raise AssertionError("\n".join(errors[:2]))
-    return [r[name][1] for r in got]
+    return result(SUITE, world, name, pg_timeout=PG_TIMEOUT_S)
 
 
 PARAMS = [pytest.param(w, c, id=c.name) for w in WORLDS for c in foreign_cases(w)]
