@@ -6,7 +6,7 @@ summed over the CP ranks (AllReduce) and every rank takes the same optimizer ste
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
         examples/train_mindformers_cp.py --steps 2 --save ckpt
     msrun --worker_num=4 --local_worker_num=4 --master_port=8118 --join=True \\
-        examples/train_mindformers_cp.py --steps 4 --resume ckpt
+        examples/train_mindformers_cp.py --steps 3 --resume ckpt
 
 Without ``msrun`` it trains on one process (no CP): the run to compare with. ``--save DIR``
 writes a MindSpore checkpoint (model parameters, the optimizer's momenta, the step) and
@@ -14,8 +14,8 @@ writes a MindSpore checkpoint (model parameters, the optimizer's momenta, the st
 ``--losses FILE`` appends ``{"step": loss}``; ``--expect FILE`` fails unless this run's losses
 equal that file's (relative 1e-4) on the steps both have.
 
-The model is tiny (3 layers: sliding window, CSA r = 4 with its indexer, HCA r = 128; MoE
-with an expert bias, hyper-connections; fp32; ``--config model.json`` overrides any
+The model is tiny (3 layers: sliding window, CSA r = 4 with its indexer, HCA r = 128; one
+MTP layer; MoE with an expert bias, hyper-connections; fp32; ``--config model.json`` overrides any
 ``DeepseekV4Config`` field) and the data are synthetic packed token streams of two documents.
 On Ascend it runs as is. On CPU MindSpore 2.10 lacks some kernels the model calls (the MoE's
 ``GroupedMatmul``, ``histc``, ...) and mindformers 2.1.0 imports ``hyper_parallel`` (not on
@@ -40,7 +40,7 @@ MODEL = {
     "hidden_size": 64,
     "moe_intermediate_size": 32,
     "num_hidden_layers": 3,
-    "num_nextn_predict_layers": 0,  # MTP shifts tokens across CP ranks: not under hp_cp yet
+    "num_nextn_predict_layers": 1,  # one MTP layer: its token shift runs across the CP ranks
     "num_attention_heads": 4,
     "n_shared_experts": 1,
     "n_routed_experts": 4,
@@ -55,7 +55,7 @@ MODEL = {
     "index_head_dim": 16,
     "index_topk": 4,
     "num_hash_layers": 0,
-    "compress_ratios": [0, 4, 128],
+    "compress_ratios": [0, 4, 128, 0],  # sliding window, CSA, HCA; the MTP layer's: window
     "sliding_window": 8,
     "max_position_embeddings": 4096,
     "compute_dtype": "fp32",
@@ -66,6 +66,7 @@ MODEL = {
     "moe_permute_fusion": True,
     "calculate_per_token_loss": True,  # the summed loss: each rank divides by the GLOBAL count
     "dsa_indexer_loss_coeff": 0.5,
+    "mtp_loss_scaling_factor": 0.3,
 }
 
 

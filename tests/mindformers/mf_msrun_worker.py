@@ -25,6 +25,10 @@ from mindspore import Tensor, ops  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mf_cpu_threads import limit_cpu_threads  # noqa: E402
+
+limit_cpu_threads()
 from mindspore.communication import (  # noqa: E402
     GlobalComm,
     create_group,

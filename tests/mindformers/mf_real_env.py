@@ -94,10 +94,10 @@ if SKIP_REASON is None:
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    # MindSpore's CPU kernels default to 25 threads per process: msrun ranks sharing a few
-    # cores then spend their time switching threads (cores / ranks each, at least one)
-    _ranks = int(os.environ.get("MS_WORKER_NUM", "1"))
-    ms.device_context.cpu.op_tuning.threads_num(max(1, (os.cpu_count() or 1) // _ranks))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from mf_cpu_threads import limit_cpu_threads
+
+    limit_cpu_threads()
     if "hyper_parallel" in STUBS:
         import hyper_parallel.platform as _hp_platform
 
