@@ -121,7 +121,7 @@ class DeepSeekV4CPForward:
         token = self.group.begin_order(x)  # Note [Backward order] in hp_cp_core.collectives
         ori_kv = self.hooks.extract_ori_kv(self.module, key)
         works = list(local_work)
-        compressed = self.spec.compress_ratio > 0
+        compressed = self.spec.compress_ratio > 0 and not self.spec.shares_slots
         first = works[:1] if compressed else works
         rest = works[1:] if compressed else []
         overlap = self.config.overlap_exchanges
@@ -140,8 +140,8 @@ class DeepSeekV4CPForward:
     ):
         """Main compressed KV and indexer keys of every rank, in global slot order, and the
         next order token (``work()`` while the slots travel)."""
-        if self.spec.compress_ratio == 0:
-            return None, None, token
+        if self.spec.compress_ratio == 0 or self.spec.shares_slots:
+            return None, None, token  # Note [Shared slots] in hp_cp_core.sharing
         owned = [self.hooks.compress_main(self.module, x, halo_x, call)]
         if self.spec.has_indexer:
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))

@@ -177,3 +177,18 @@ def build_select_pad_gather_index(owners: np.ndarray, cp_size: int) -> tuple[np.
     within = np.empty_like(owners)
     within[order] = np.arange(owners.size, dtype=np.int64) - first[owners[order]]
     return owners * cap + within, cap
+
+
+def lookback_index(window_start: np.ndarray, window_len: np.ndarray, n: int) -> np.ndarray:
+    """``[L, n]`` window ext-frame rows of ``t, t-1, .., t-n+1`` per query (a plan's
+    ``window_start`` / ``window_len`` with ``W >= n``), ``-1`` where the row lies before the
+    query's document (or the sequence) starts.
+
+    What a token-local lookup over the previous ``n - 1`` tokens (DeepSeek V4.1's Engram
+    n-gram hashes) reads: the window halo of a plan with ``window_size = n`` brings those
+    rows, this says where each query finds them.
+    """
+    last = np.asarray(window_start, dtype=np.int64) + np.asarray(window_len, dtype=np.int64) - 1
+    shift = np.arange(int(n), dtype=np.int64)
+    rows = last[:, None] - shift[None, :]
+    return np.where(shift[None, :] < np.asarray(window_len)[:, None], rows, -1)

@@ -118,16 +118,54 @@ class ShardedSequence:
 
     def __init__(self) -> None:
         self.padding: CPPadding | None = None
+        self.cu_seqlens: np.ndarray | None = None
 
     def record(self, rows: int, padded_rows: int) -> None:
-        """Note that the last sharded sequence has ``rows`` real rows of ``padded_rows``."""
-        self.padding = CPPadding(int(rows), int(padded_rows))
+        """Note that the last sharded sequence has ``rows`` real rows of ``padded_rows``
+        (another length also forgets the packed boundaries of :meth:`record_documents`)."""
+        padding = CPPadding(int(rows), int(padded_rows))
+        if padding != self.padding:
+            self.cu_seqlens = None
+        self.padding = padding
+
+    def record_documents(self, cu_seqlens: object) -> None:
+        """The packed boundaries of the last sharded sequence (global, padding included:
+        ``CPPadding.cu_seqlens``), for layers whose model hands them per-row document ids
+        only (NeMo DeepSeek V4.1's ``packed_seq_ids``). Ending at another length than the
+        recorded padded one is a :class:`PlanError`."""
+        cu = np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
+        pad = self.padding
+        if pad is None or cu.size < 2 or int(cu[-1]) != pad.padded_rows:
+            raise PlanError(
+                f"packed boundaries ending at {int(cu[-1]) if cu.size else 'nothing'} do not "
+                f"belong to the sequence sharded last ({'none' if pad is None else pad}); "
+                "shard the inputs with handle.shard(..., pad_value=...) first, then record "
+                "handle.padding(rows).cu_seqlens(cu)."
+            )
+        self.cu_seqlens = cu
+
+    def documents(self, total_rows: int) -> np.ndarray | None:
+        """The recorded packed boundaries when a forward over ``total_rows`` global rows is
+        the recorded sequence, else ``None``."""
+        pad = self.padding
+        if self.cu_seqlens is None or pad is None or pad.padded_rows != int(total_rows):
+            return None
+        return self.cu_seqlens
+
+    def real_length(self, total_rows: int) -> int:
+        """Real rows of a forward over ``total_rows`` global rows: the recorded real length
+        when it is the recorded padded sequence, else ``total_rows``."""
+        pad = self.padding
+        if pad is None or pad.padded_rows != int(total_rows):
+            return int(total_rows)
+        return pad.rows
 
     def forget_unless(self, padded_rows: int) -> None:
         """Forget the record unless ``padded_rows`` is its padded length (a tensor of the
         same sequence, sharded without ``pad_value``)."""
         if self.padding is not None and self.padding.padded_rows != int(padded_rows):
             self.padding = None
+            self.cu_seqlens = None
 
     def real_rows(self, kind: str, cp_size: int, rank: int, total_rows: int) -> np.ndarray | None:
         """``[rows of rank]`` bool, True for this rank's real rows, when a forward over

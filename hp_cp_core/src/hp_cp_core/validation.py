@@ -272,13 +272,18 @@ def check_layer_spec(spec: Any, layer: Any) -> LayerSpec:
                 f"{where} returned LayerSpec.{name}={value!r} ({type(value).__name__}); "
                 f"expected an int. Convert it with int(...) in the hook."
             )
-    for name in ("has_indexer", "force_unfused"):
+    for name in ("has_indexer", "force_unfused", "shares_slots"):
         value = getattr(spec, name)
         if not isinstance(value, (bool, np.bool_)):
             raise HpCpError(
                 f"{where} returned LayerSpec.{name}={value!r} ({type(value).__name__}); "
                 f"expected a bool. Convert it with bool(...) in the hook."
             )
+    if spec.overlapping is not None and not isinstance(spec.overlapping, (bool, np.bool_)):
+        raise HpCpError(
+            f"{where} returned LayerSpec.overlapping={spec.overlapping!r} "
+            f"({type(spec.overlapping).__name__}); expected None or a bool."
+        )
     return spec
 
 

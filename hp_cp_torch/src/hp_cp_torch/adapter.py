@@ -36,6 +36,7 @@ from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, row
 
 ADAPTER_ATTR = "_hp_cp_adapter"
 NEMO_LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
+NEMO_V41_ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
 
 
 def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -421,6 +422,12 @@ def adapter_for(module: Any) -> Any:
 
     if isinstance(module, DeepSeekV4Attention):
         return ReferenceLayerAdapter(module)
+    if NEMO_V41_ATTENTION in sys.modules:
+        from hp_cp_torch.integrations.nemo_automodel_v41 import nemo_v41_adapter_for
+
+        found = nemo_v41_adapter_for(module)
+        if found is not None:
+            return found
     if NEMO_LAYERS in sys.modules:
         from hp_cp_torch.integrations.nemo_automodel import nemo_adapter_for
 

@@ -43,6 +43,11 @@ from hp_cp_core import (
 )
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.integrations.nemo_automodel_v41 import (
+    enable_cp_v41,
+    is_v41_model,
+    nemo_v41_cp_batch,
+)
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
@@ -287,6 +292,8 @@ def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
         HpCpError: NeMo's CP is already set up on a layer (``setup_cp_attention``), or no
             NeMo attention layer is in ``model``.
     """
+    if is_v41_model(model):  # DeepSeek V4.1 (CSA2): its own adapter, same one call
+        return enable_cp_v41(model, mesh, config)
     layers = _attention_layers(model)
     if not layers:
         raise HpCpError(
@@ -401,12 +408,15 @@ def nemo_cp_batch(
             "one row, input_ids [1, S]."
         )
     shifted = cp_shift_labels(labels, ignore_index)
+    if cu is not None:
+        ends = cu[1:][np.diff(cu) > 0] - 1  # each document's last token predicts nothing
+        shifted[:, torch.as_tensor(ends)] = ignore_index
+    if is_v41_model(handle.module):
+        return nemo_v41_cp_batch(handle, input_ids, labels, cu, shifted, ignore_index)
     pad = handle.padding(total)
     if cu is None:
         positions = np.arange(pad.padded_rows)
     else:
-        ends = cu[1:][np.diff(cu) > 0] - 1  # each document's last token predicts nothing
-        shifted[:, torch.as_tensor(ends)] = ignore_index
         cu = pad.cu_seqlens(cu)
         rows = np.arange(pad.padded_rows)
         positions = rows - Documents.packed(cu, pad.padded_rows).start_of(rows)

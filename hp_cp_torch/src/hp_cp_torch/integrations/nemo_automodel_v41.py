@@ -1,0 +1,680 @@
+"""NeMo Automodel's DeepSeek V4.1 (``nemo_automodel.components.models.deepseek_v41``) under CP.
+
+``enable_cp(model, mesh)`` (:mod:`hp_cp_torch.integrations.nemo_automodel`, which hands a
+V4.1 model to :func:`enable_cp_v41`) on a NeMo ``DeepseekV41ForCausalLM`` replaces the forward
+of every ``DeepseekV41Attention`` (CSA2: sliding-window, Full, Reindex and Reuse layers at
+ratios 0, 1 and >= 2) and of the Engram n-gram hash with hp_cp's; hyper-connections, MoE,
+the Engram lookups, norms and the head are token-local and run unchanged on each rank's
+rows. ``nemo_cp_batch(handle, input_ids, seq_lens=...)`` lays a batch out.
+
+Note [NeMo DeepSeek V4.1 under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What each piece of NeMo's model reads across positions, and where hp_cp's plans bring it
+(NeMo's own CP, ``deepseek_v41/cp.py``, all-gathers every layer's whole KV, its compressed
+KV, index keys and the token ids instead, contiguous shards of whole compression groups)::
+
+    piece (NeMo)                       reads                         under hp_cp
+    ---------------------------------  ----------------------------  ---------------------------
+    q, kv: wq_a/q_norm/wq_b, wkv/      the row itself                local (fp8 cache quant too)
+      kv_norm, RoPE from position_ids
+    window attention                   kv rows t-W+1 .. t (doc)      window halo (every layer)
+    _Compressor (Full layer), ratio r  r rows of its group;          x halo for groups across a
+      (channelwise softmax pooling, no   r = 1: the row itself         rank edge; slot owned by
+      overlap), RoPE at the group's                                    the rank of its last row
+      first position, nvfp4
+    index keys (Full): wk, k_norm,     the slot's latent             computed by the slot owner,
+      RoPE, mxfp4 of the latent                                        sent with the slots
+    compressed KV + index keys         every earlier slot            one slot exchange per Full
+                                                                       layer: each rank gets
+                                                                       the slots its queries see
+    Reindex / Reuse layers             the Full layer's slots/keys   that buffer, no exchange
+                                                                       (Note [Shared slots])
+    indexer selection (frozen,         the row's queries x the       local: the score row of a
+      no_grad): scores = sum_h w_h *     visible keys, candidates      query has NeMo's width
+      relu(q_h . k), -inf if not         from the candidate layer      (the document's slots),
+      visible; topk(min(k, width),                                     -inf where invisible, and
+      sorted=False), sorted ids                                        NeMo's own topk on it
+    two-level candidates (candidate    block maxima of that row      local, NeMo's
+      source): _select_candidate_                                      _select_candidate_blocks
+      blocks (keep the last visible                                    on the same row
+      block, topk of block maxima)
+    sink attention, inverse RoPE,      the selected slots, window    hp_cp's attention kernels,
+      wo_a / wo_b                                                      NeMo's _project_output
+    Engram hash (DeepseekV41NgramHash) token ids t-n+1 .. t of the   a halo of n-1 token ids
+                                         document (n-gram, n = 4)      (a window-n plan); the
+                                                                       hash arithmetic is NeMo's
+    Engram lookup / gate, MoE, mHC     the row itself                local
+
+The selection is exact only on the same candidate row: ``torch.topk`` breaks ties by the
+whole row (its length, where the -inf entries sit), and the fp4 cache quantization makes
+ties common. So each query's row spans the slots NeMo's row spans (padded input: the real
+sequence's slots; packed: its document's), with -inf where it sees nothing, and goes through
+NeMo's own calls. The state NeMo passes between layers (``DeepseekV41AttentionState``)
+carries hp_cp's buffers in NeMo's fields: compressed KV and index keys ``[B, N, D]`` in global
+slot order (the slots this rank's queries can see), the selection ``[B, L, k]`` (global slot
+ids, -1 empty) and candidates ``[B, L, N]`` of the local queries.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import hp_cp_core
+from hp_cp_core import (
+    CPHandle,
+    DeepSeekV4CPContext,
+    DeepSeekV4CPForward,
+    HpCpError,
+    LayerSpec,
+    stage1_compress_with_halo,
+)
+from hp_cp_core.indices import lookback_index
+from hp_cp_core.layout import Documents
+from hp_cp_core.sharing import LayerShare, plan_sharing
+from hp_cp_torch.attention import run_sparse_attention
+from hp_cp_torch.validation import TensorChecks, rows_hint
+
+__all__ = [
+    "NemoDeepseekV41AttentionAdapter",
+    "enable_cp_v41",
+    "is_v41_model",
+    "nemo_v41_adapter_for",
+    "nemo_v41_cp_batch",
+]
+
+ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
+MODEL = "nemo_automodel.components.models.deepseek_v41.model"
+QUANT = "nemo_automodel.components.models.deepseek_v41.quantization"
+
+
+def _attn_mod() -> Any:
+    return sys.modules[ATTENTION]
+
+
+def _quantize(values: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    return sys.modules[QUANT].quantize_cache(values, format=fmt, block_size=block)
+
+
+def nemo_v41_adapter_for(module: Any) -> Any:
+    """The adapter for a NeMo ``DeepseekV41Attention``, else ``None`` (never imports NeMo)."""
+    mod = sys.modules.get(ATTENTION)
+    cls = getattr(mod, "DeepseekV41Attention", None) if mod is not None else None
+    if cls is None or not isinstance(module, cls):
+        return None
+    return NemoDeepseekV41AttentionAdapter(module)
+
+
+def is_v41_model(model: Any) -> bool:
+    """Whether ``model`` is or holds a NeMo DeepSeek V4.1 attention layer."""
+    if sys.modules.get(ATTENTION) is None or not isinstance(model, nn.Module):
+        return False
+    return any(nemo_v41_adapter_for(m) is not None for m in model.modules())
+
+
+def layer_role(m: nn.Module) -> str:
+    """``"window"``, ``"full"``, ``"reindex"`` or ``"reuse"`` (Note [Shared slots])."""
+    if not m.compress_ratio:
+        return "window"
+    if m.is_kv_source:
+        return "full"
+    return "reindex" if m.is_index_source else "reuse"
+
+
+_NEMO_CP_ON = (
+    "NeMo Automodel's own DeepSeek V4.1 CP is switched on as well (a cp_group in the call, "
+    "from its ContextParallelSharder / shard_cp_batch, or setup_cp_attention gave the layer a "
+    "cp_group, or model.cp_mesh is set); hp_cp owns the attention layers, so switch NeMo's CP "
+    "off (cp_size 1, no cp_sharder) and lay the batch out with nemo_cp_batch(handle, ...)."
+)
+
+
+class NemoDeepseekV41AttentionAdapter:
+    """Hooks for NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def role(self) -> str:
+        return layer_role(self.module)
+
+    def layer_spec(self) -> LayerSpec:
+        m = self.module
+        role, ratio = self.role, int(m.compress_ratio)
+        return LayerSpec(
+            compress_ratio=ratio,
+            window_size=int(m.window_size),
+            has_indexer=role == "full",
+            force_unfused=True,
+            overlapping=False if ratio else None,
+            shares_slots=role in ("reindex", "reuse"),
+        )
+
+    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
+        return key  # [L, B, D]: the roped, fp8-quantized window KV
+
+    def _latent(self, rows: torch.Tensor) -> torch.Tensor:
+        """NeMo's ``_Compressor`` on sequence-major rows ``[n, B, hidden]``: ``[B, n//r, D]``."""
+        return self.module.compressor(rows.transpose(0, 1))
+
+    def _slot_angles(self, latent: torch.Tensor, offset: int) -> torch.Tensor:
+        r = int(self.module.compress_ratio)
+        n = latent.shape[1]
+        positions = torch.arange(n, device=latent.device) * r + int(offset)
+        return self.module.rotary_emb(positions.unsqueeze(0).expand(latent.shape[0], -1))
+
+    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        """The owned slots: NeMo's latent, roped at each group's first position, nvfp4."""
+        rope = _attn_mod()._apply_rope
+        cache = call.extra["local"].setdefault("latents", {})
+
+        def compress(rows: torch.Tensor, offset: int) -> torch.Tensor:
+            latent = self._latent(rows)
+            cache[(int(offset), int(rows.shape[0]))] = latent.detach()
+            slots = _quantize(rope(latent, self._slot_angles(latent, offset)), "nvfp4", 16)
+            return slots.transpose(0, 1)  # [n_slots, B, D]
+
+        return stage1_compress_with_halo(compress, x, halo_x, call)
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        """The owned slots' index keys: ``mxfp4(rope(k_norm(wk(latent))))``, no gradient
+        (NeMo's indexer is frozen and runs under ``no_grad``)."""
+        ix, rope = self.module.indexer, _attn_mod()._apply_rope
+        cache = call.extra["local"].get("latents", {})
+
+        def keys(rows: torch.Tensor, offset: int) -> torch.Tensor:
+            latent = cache.get((int(offset), int(rows.shape[0])))
+            if latent is None:
+                latent = self._latent(rows)
+            angles = self._slot_angles(latent, offset)
+            return _quantize(rope(ix.k_norm(ix.wk(latent)), angles), "mxfp4", 32).transpose(0, 1)
+
+        with torch.no_grad():
+            return stage1_compress_with_halo(keys, x.detach(), halo_x, call)
+
+    # ------------------------------------------------------------------ selection
+
+    def _score_rows(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, width: int, vis: torch.Tensor
+    ) -> torch.Tensor:
+        """NeMo's indexer scores ``[B, l, width]`` of queries ``[B, l, H, Di]`` over a
+        document's slots: ``sum_h w * relu(q . k)`` for the ``keys`` it sees, -inf elsewhere."""
+        n = keys.shape[1]
+        scores = torch.einsum("bshd,btd->bsht", q, keys)
+        scores = (scores.relu() * w.unsqueeze(-1)).sum(dim=2)  # [B, l, n]
+        row = scores.new_full((*scores.shape[:2], width), float("-inf"))
+        row[..., :n] = scores
+        cols = torch.arange(width, device=row.device)
+        return row.masked_fill(cols[None, None, :] >= vis[None, :, None], float("-inf"))
+
+    def select(
+        self,
+        xb: torch.Tensor,
+        qrb: torch.Tensor,
+        angles: torch.Tensor,
+        keys: torch.Tensor,
+        candidates_in: torch.Tensor | None,
+        call: DeepSeekV4CPContext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's selection ``[B, L, k]`` (global slot ids, ascending, -1 empty) and, for
+        the candidate source, its candidates ``[B, L, N]``; NeMo's indexer arithmetic and
+        calls on NeMo's candidate rows (see Note [NeMo DeepSeek V4.1 under CP])."""
+        ix = self.module.indexer
+        nemo = _attn_mod()
+        plan = call.plan
+        with torch.no_grad():
+            batch, n_local = xb.shape[:2]
+            q = ix.wq_b(qrb).unflatten(-1, (ix.num_heads, ix.head_dim))
+            q = _quantize(nemo._apply_rope(q, angles), "mxfp4", 32)
+            w = ix.weights_proj(xb) * (ix.head_dim**-0.5 * ix.num_heads**-0.5)
+            n_buf = keys.shape[1]
+            k_max = int(ix.topk)
+            out = torch.full((batch, n_local, k_max), -1, dtype=torch.long, device=xb.device)
+            cands = None
+            if ix.is_candidate_source:
+                cands = torch.zeros((batch, n_local, n_buf), dtype=torch.bool, device=xb.device)
+            widths = call.extra["doc_widths"]
+            for run in plan.document_runs:
+                lo, hi = run.local_start, run.local_stop
+                d0, width = int(widths[run.doc, 0]), int(widths[run.doc, 1])
+                if width == 0 or hi <= lo:
+                    continue
+                count = np.minimum(plan.cmp_count[lo:hi], width)
+                vis = torch.as_tensor(count, device=xb.device)
+                seen = int(count.max()) if count.size else 0
+                row = self._score_rows(
+                    q[:, lo:hi], w[:, lo:hi], keys[:, d0 : d0 + seen], width, vis
+                )
+                if ix.is_candidate_source:
+                    keep = nemo._select_candidate_blocks(
+                        row,
+                        vis.view(1, -1, 1).expand(batch, -1, 1),
+                        topk_blocks=ix.candidate_topk_blocks,
+                        block_size=ix.candidate_block_size,
+                    ) & torch.isfinite(row)
+                    stop = min(d0 + width, n_buf)
+                    cands[:, lo:hi, d0:stop] = keep[..., : stop - d0]
+                elif ix.uses_candidates:
+                    allowed = candidates_in[:, lo:hi, d0 : d0 + width]
+                    if allowed.shape[-1] < width:
+                        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
+                    row = row.masked_fill(~allowed, float("-inf"))
+                picked = row.topk(min(k_max, width), dim=-1, sorted=False)
+                ordered = picked.indices.sort(dim=-1).values
+                valid = torch.isfinite(row.gather(-1, ordered))
+                out[:, lo:hi, : ordered.shape[-1]] = torch.where(valid, ordered + d0, -1)
+            return out, cands
+
+    # ------------------------------------------------------------------ attention
+
+    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
+        m = self.module
+        local = call.extra["local"]
+        state, angles, valid = local["state"], local["angles"], local["valid"]
+        role = self.role
+        selected = cmp = None
+        next_state = state
+        if role != "window":
+            if role == "full":
+                cmp = call.cmp_kv_global.transpose(0, 1)  # [B, N, D]
+                keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
+                candidates_in = None
+            else:
+                cmp, keys, candidates_in = state.compressed_kv, state.index_keys, state.candidates
+            if role in ("full", "reindex"):
+                selected, made = self.select(
+                    x.transpose(0, 1), qr.transpose(0, 1), angles, keys, candidates_in, call
+                )
+                candidates = made if made is not None else candidates_in
+            else:
+                selected, candidates = state.topk_indices, state.candidates
+            next_state = type(state)(
+                compressed_kv=cmp,
+                index_keys=keys,
+                topk_indices=selected,
+                candidates=candidates,
+                compression_ratio=int(m.compress_ratio),
+            )
+        o = run_sparse_attention(
+            query.transpose(0, 1),  # [B, L, H, D]
+            ori_ext.transpose(0, 1),  # [B, E, D]
+            cmp,
+            call.plan,
+            selected,
+            m.attn_sink,
+            m.head_dim**-0.5,
+            kernel=call.config.attention_kernel,
+            query_chunk=call.config.query_chunk,
+        )
+        local["next_state"] = next_state
+        return m._project_output(o.to(query.dtype), angles, valid)
+
+    # ------------------------------------------------------------------ checks
+
+    def problems(
+        self, cp_group: Any, state: Any, n_local: int, batch: int, plan_slots: int | None
+    ) -> list[str]:
+        """What hp_cp cannot take from NeMo's call (recorded, raised on every rank)."""
+        m, out = self.module, []
+        if cp_group is not None or getattr(m, "cp_group", None) is not None:
+            out.append(_NEMO_CP_ON)
+        if m.training and m.attention_dropout > 0:
+            out.append(
+                f"attention dropout ({m.attention_dropout}) in training is not supported under "
+                "CP; set attention_dropout=0.0 or call model.eval()."
+            )
+        if self.role in ("reindex", "reuse"):
+            ckv, sel = state.compressed_kv, state.topk_indices
+            want = (batch, plan_slots)
+            if (
+                ckv is None
+                or tuple(ckv.shape[:2]) != want
+                or (
+                    self.role == "reuse"
+                    and (sel is None or tuple(sel.shape[:2]) != (batch, n_local))
+                )
+            ):
+                got = None if ckv is None else list(ckv.shape)
+                out.append(
+                    f"{self.role} layer {m.layer_idx} got a state whose compressed KV is {got}, "
+                    f"expected [{batch}, {plan_slots}, ...] from an earlier Full layer under "
+                    "the same hp_cp handle; call the whole model (or the layers in order)."
+                )
+        return out
+
+    def make_forward(self, cp_forward: Any, group: Any) -> Any:
+        m = self.module
+        adapter = self
+
+        def forward(
+            hidden_states,
+            *,
+            position_ids,
+            state,
+            attention_mask=None,
+            cp_group=None,
+            packed_seq_ids=None,
+        ):
+            call = adapter.check_inputs(
+                cp_forward, group, hidden_states, position_ids, state,
+                attention_mask, cp_group, packed_seq_ids,
+            )  # fmt: skip
+            nemo = _attn_mod()
+            angles = m.rotary_emb(position_ids.expand(hidden_states.shape[0], -1))
+            qr = m.q_norm(m.wq_a(hidden_states))
+            query = nemo._apply_rope(m.wq_b(qr).unflatten(-1, (m.num_heads, m.head_dim)), angles)
+            kv = _quantize(nemo._apply_rope(m.kv_norm(m.wkv(hidden_states)), angles), "fp8", 32)
+            if attention_mask is None:
+                valid = torch.ones(
+                    hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device
+                )
+            else:
+                valid = attention_mask.bool()
+            local: dict[str, Any] = {"state": state, "angles": angles, "valid": valid}
+            out = cp_forward(
+                query.transpose(0, 1),  # [L, B, H, D]
+                kv.transpose(0, 1),  # [L, B, D]
+                hidden_states.transpose(0, 1),
+                qr.transpose(0, 1),
+                call=call,
+                local=local,
+                doc_widths=adapter.doc_widths(cp_forward, call),
+            )
+            return nemo.DeepseekV41AttentionOutput(out, local["next_state"])
+
+        return forward
+
+    def doc_widths(self, cp_forward: Any, call: DeepSeekV4CPContext) -> np.ndarray:
+        """Per document ``[first slot, slots]``: the width of NeMo's candidate row (padded
+        input: the real sequence's complete groups, not the padding's)."""
+        r = int(self.module.compress_ratio)
+        plan = call.plan
+        if r == 0:
+            return np.zeros((0, 2), dtype=np.int64)
+        if plan.cmp_cu_seqlens is not None:
+            cu = plan.cmp_cu_seqlens
+            return np.stack([cu[:-1], np.diff(cu)], axis=1)
+        total = plan.layout.total_rows
+        return np.array([[0, cp_forward.sequence.real_length(total) // r]], dtype=np.int64)
+
+    def check_inputs(
+        self,
+        cp_forward: Any,
+        group: Any,
+        hidden_states: Any,
+        position_ids: Any,
+        state: Any,
+        attention_mask: Any,
+        cp_group: Any,
+        packed_seq_ids: Any,
+    ) -> DeepSeekV4CPContext:
+        """Reject what CP cannot compute, on every rank, before any exchange (the flags that
+        read tensor values ride on the agreement's one gather)."""
+        m = self.module
+        where = f"DeepseekV41Attention layer {m.layer_idx} under CP"
+        checks = TensorChecks(getattr(group, "device", None), where)
+        ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
+        n_local = rows_hint(hidden_states, 1)
+        batch = rows_hint(hidden_states, 0)
+        cu = None
+        if packed_seq_ids is not None:
+            cu = cp_forward.sequence.documents(n_local * group.size)
+            if cu is None:
+                checks.fail(
+                    "got packed_seq_ids without the packed boundaries of the sequence: lay "
+                    "packed batches out with nemo_cp_batch(handle, input_ids, seq_lens=...) "
+                    "(it records them on the handle), not NeMo's own packer."
+                )
+            elif batch != 1:
+                checks.fail(f"packed input needs batch 1, got {batch}; pack into one row.")
+        if ok:
+            hidden = int(m.wq_a.in_features)
+            if hidden_states.shape[-1] != hidden:
+                checks.fail(
+                    f"hidden_states has hidden size {hidden_states.shape[-1]}; the model's is "
+                    f"{hidden}. Call the model, not the layer."
+                )
+            checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
+            checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
+        pre = cp_forward.inspect(n_local, cu) if ok else None
+        plan_slots = None
+        if pre is not None and pre.plan is not None:
+            plan_slots = pre.plan.n_needed_slots
+        for message in self.problems(cp_group, state, n_local, batch, plan_slots):
+            checks.fail(message)
+        check = cp_forward.inspect(
+            n_local, cu, problems=checks.problems, signature=checks.signature
+        )
+        bad: list[Any] = [False, False, False]
+        messages = (
+            f"{where}: got position_ids that are not the positions of the local rows: pass "
+            "the batch of nemo_cp_batch(handle, ...) (global rows; packed: restarting at 0 "
+            "in every document).",
+            f"{where}: got an attention_mask that hides real tokens; under CP only the "
+            "padding nemo_cp_batch appends may be masked (packed: its trailing document).",
+            f"{where}: got packed_seq_ids that do not match the recorded packed boundaries; "
+            "pass the batch of nemo_cp_batch(handle, ...) unchanged.",
+        )
+        if check.ok:
+            dev = hidden_states.device
+            plan = check.plan
+            want = torch.as_tensor(plan.positions, device=dev)
+            got = position_ids.reshape(-1, position_ids.shape[-1])
+            bad[0] = True if got.shape[-1] != n_local else (got != want).any()
+            doc_ids = None
+            if cu is not None:
+                docs = Documents.packed(cu, plan.layout.total_rows)
+                ids = docs.doc_of(plan.local_rows) + 1
+                real = cp_forward.sequence.padding
+                if real is not None and real.pad_rows:
+                    ids = np.where(plan.local_rows >= real.rows, 0, ids)
+                doc_ids = torch.as_tensor(ids, device=dev)
+                pid = packed_seq_ids.reshape(-1, packed_seq_ids.shape[-1])
+                bad[2] = True if pid.shape[-1] != n_local else (pid != doc_ids).any()
+            if attention_mask is not None:
+                am = attention_mask.reshape(-1, attention_mask.shape[-1])
+                if am.shape[-1] != n_local:
+                    bad[1] = True
+                elif doc_ids is not None:
+                    bad[1] = (am.bool() != (doc_ids > 0)).any()
+                else:
+                    bad[1] = (am == 0).any()
+        if group.size > 1 and cp_forward.config.check_inputs_across_ranks:
+            check.deferred = list(zip(bad, messages))
+        else:
+            flags = [bool(torch.as_tensor(b)) for b in bad]
+            for failed, message in zip(flags, messages):
+                if failed:
+                    check.fail(message)
+        return cp_forward.agree(check)
+
+
+# --------------------------------------------------------------------------- Engram hash
+
+
+class EngramHashCP:
+    """The forward of NeMo's ``DeepseekV41NgramHash`` on this rank's rows under CP.
+
+    NeMo's hash of row t reads the token ids ``t-n+1 .. t`` of its document (n =
+    ``max_ngram_size``): the rows before a rank's first row come as a halo of n - 1 ids
+    (a window-n plan of the core, :func:`hp_cp_core.indices.lookback_index`), instead of
+    NeMo's all-gather of every id. The arithmetic is NeMo's (token map, blocked lookback,
+    odd multipliers, xor, prime buckets, offsets); ``sequence_ids`` 0 (padding) blocks
+    every lookback, as NeMo's.
+    """
+
+    def __init__(self, module: nn.Module, handle: CPHandle) -> None:
+        self.module = module
+        self.handle = handle
+        n = int(module.max_ngram_size)
+        self.spec = LayerSpec(compress_ratio=0, window_size=n)
+        self.cp_forward = DeepSeekV4CPForward(
+            module, None, handle.backend, handle.group, self.spec, handle.config,
+            handle.cache, None, sequence=handle.sequence,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        token_mask: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h, group = self.module, self.handle.group
+        where = "DeepseekV41NgramHash under CP"
+        problems = []
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            problems.append(f"{where}: input_ids must be [B, L] token ids (this rank's rows).")
+        n_local = rows_hint(input_ids, 1)
+        cu = None
+        if sequence_ids is not None:
+            cu = self.handle.sequence.documents(n_local * group.size)
+            if cu is None:
+                problems.append(
+                    f"{where}: packed input needs the boundaries nemo_cp_batch records."
+                )
+        bad = False
+        if not problems:
+            bad = ((input_ids < 0) | (input_ids >= h.token_map.numel())).any()
+        check = self.cp_forward.inspect(n_local, cu, problems=problems)
+        message = f"{where}: input_ids holds a token id outside the tokenizer vocabulary."
+        if group.size > 1 and self.handle.config.check_inputs_across_ranks:
+            check.deferred = [(bad, message)]
+        elif bool(torch.as_tensor(bad)):
+            check.fail(message)
+        plan = self.cp_forward.agree(check).plan
+        compressed = h.token_map[input_ids.long()]  # [B, L]
+        if token_mask is not None:
+            compressed = torch.where(token_mask, compressed, -1)
+        ext, _ = group.exchange_rows([(compressed.transpose(0, 1).contiguous(), plan.window)], None)
+        ext = ext[0]
+        if plan.window.ext_from_recv is not None:
+            ext = ext[torch.as_tensor(plan.window.ext_from_recv, device=ext.device)]
+        ext = ext.transpose(0, 1)  # [B, E]
+        n = int(h.max_ngram_size)
+        look = torch.as_tensor(
+            lookback_index(plan.window_start, plan.window_len, n), device=ext.device
+        )  # [L, n]
+        blocked = torch.zeros(compressed.shape, dtype=torch.bool, device=ext.device)
+        if sequence_ids is not None:
+            blocked = blocked | (sequence_ids == 0)
+        tokens = []
+        for shift in range(n):
+            rows = look[:, shift]
+            source = ext[:, rows.clamp_min(0)]
+            blocked = blocked | (rows < 0)[None, :] | (source == -1)
+            tokens.append(torch.where(blocked, h.pad_id, source))
+        products = torch.stack(tokens, dim=-1).unsqueeze(2) * h.multipliers
+        rolling, hashes = products[..., 0], []
+        for shift in range(1, n):
+            rolling = torch.bitwise_xor(rolling, products[..., shift])
+            head = (shift - 1) * h.n_heads
+            hashes.append(rolling.unsqueeze(-1) % h.primes[:, head : head + h.n_heads])
+        return torch.cat(hashes, dim=-1) + h.offsets
+
+
+# --------------------------------------------------------------------------- enable / batch
+
+
+def _model_schedule(model: nn.Module) -> tuple[LayerShare, ...] | None:
+    config = getattr(getattr(model, "config", None), "text_config", None)
+    if config is None:
+        config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "kv_source_layer_ids"):
+        return None
+    n = int(config.num_hidden_layers)
+    return plan_sharing(
+        config.compress_ratios[:n],
+        [i for i in config.kv_source_layer_ids if i < n],
+        [i for i in config.index_source_layer_ids if i < n],
+        config.candidate_source_layer_id if config.candidate_source_layer_id < n else -1,
+    )
+
+
+def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
+    """Run NeMo's DeepSeek V4.1 ``model`` (``DeepseekV41ForCausalLM`` / ``DeepseekV41Model``,
+    or one ``DeepseekV41Attention``) under hp_cp CP over ``mesh``.
+
+    Every attention layer's forward and the Engram hash's forward are replaced (restored by
+    ``disable_cp``); NeMo's own CP must be off.
+
+    Raises:
+        HpCpError: NeMo's CP is set up (``setup_cp_attention`` / ``cp_mesh``), the layer
+            schedule shares slots hp_cp cannot plan, or no V4.1 attention layer is found.
+    """
+    layers = [mod for mod in model.modules() if nemo_v41_adapter_for(mod) is not None]
+    if not layers:
+        raise HpCpError(
+            f"found no NeMo Automodel DeepseekV41Attention in a `{type(model).__name__}`; pass "
+            "nemo_automodel's DeepseekV41ForCausalLM, DeepseekV41Model or a layer."
+        )
+    holders = [mod for mod in model.modules() if hasattr(mod, "cp_mesh")]
+    if any(layer.cp_group is not None for layer in layers) or any(
+        getattr(h, "cp_mesh", None) is not None for h in holders
+    ):
+        raise HpCpError(_NEMO_CP_ON)
+    _model_schedule(model)  # HpCpError for a schedule hp_cp cannot share (Note [Shared slots])
+    handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
+    for hasher in [mod for mod in model.modules() if type(mod).__name__ == "DeepseekV41NgramHash"]:
+        if handle.group.size == 1 and handle.config.single_rank_bypass:
+            continue
+        had = "forward" in hasher.__dict__
+        previous = hasher.__dict__.get("forward")
+        hasher.forward = EngramHashCP(hasher, handle)
+
+        def undo(mod: nn.Module = hasher, had: bool = had, previous: Any = previous) -> None:
+            if had:
+                mod.forward = previous
+            else:
+                del mod.forward
+
+        handle.on_disable(undo)
+
+    def guard(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("cp_group") is not None or any(
+            getattr(h, "cp_mesh", None) is not None for h in holders
+        ):
+            raise HpCpError(_NEMO_CP_ON)
+
+    hook = model.register_forward_pre_hook(guard, with_kwargs=True)
+    handle.on_disable(hook.remove)
+    return handle
+
+
+def nemo_v41_cp_batch(
+    handle: CPHandle,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    cu: np.ndarray | None,
+    shifted: torch.Tensor,
+    ignore_index: int,
+) -> dict[str, Any]:
+    """The V4.1 part of :func:`~hp_cp_torch.integrations.nemo_automodel.nemo_cp_batch`:
+    ``cu`` (the documents, or ``None``) and the shifted labels are already checked."""
+    total = int(input_ids.shape[1])
+    pad = handle.padding(total)
+    device = input_ids.device
+    out: dict[str, Any] = {"input_ids": handle.shard(input_ids, 1, pad_value=0)}
+    if cu is None:
+        positions = torch.arange(pad.padded_rows, device=device).unsqueeze(0)
+        out["position_ids"] = handle.shard(positions.expand(input_ids.shape[0], -1), 1)
+    else:
+        cu_pad = pad.cu_seqlens(cu)
+        rows = np.arange(pad.padded_rows)
+        docs = Documents.packed(cu_pad, pad.padded_rows)
+        positions = rows - docs.start_of(rows)
+        ids = np.where(rows < total, docs.doc_of(rows) + 1, 0)
+        pos_t = torch.as_tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
+        ids_t = torch.as_tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
+        out["position_ids"] = handle.shard(pos_t, 1)
+        out["packed_seq_ids"] = handle.shard(ids_t, 1)
+        out["attention_mask"] = out["packed_seq_ids"] > 0
+        handle.sequence.record_documents(cu_pad)
+    out["labels"] = handle.shard(shifted, 1, pad_value=ignore_index)
+    out["n_tokens"] = (shifted != ignore_index).sum()
+    return out

@@ -1,0 +1,244 @@
+"""Rank functions of NeMo Automodel's DeepSeek V4.1 tests (module-level for spawned ranks).
+
+The model is NeMo Automodel 0.7.0's own ``DeepseekV41ForCausalLM``, tiny and fp32 on CPU,
+with every CSA2 layer kind of its schedule: a sliding-window layer, ratio 2 Full / Reuse /
+Reindex, ratio 1 Full (the two-level indexer's candidate source) / Reindex (selecting among
+the candidates) / Reuse, an Engram layer (3-gram hashes), MoE and mHC. Top-k 4 of up to 150
+(ratio 2) or 301 (ratio 1) visible slots; 3 candidate blocks of 4 slots. Every CP result is
+compared, in the same job, with the same model and weights on one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_torch.integrations.nemo_automodel import (
+    cp_causal_lm_loss,
+    cp_sum_gradients,
+    disable_cp,
+    enable_cp,
+    nemo_cp_batch,
+)
+
+VOCAB = 64
+GRAD_FLOOR = 1e-2
+LAYOUTS = ("contiguous", "load_balanced")
+SEQ = 301  # a multiple of nothing (ratio 2: 150 slots, ratio 1: 301)
+DOCS = [0, 101, 230, 301]  # packed: odd document starts (NeMo aligns them; hp_cp need not)
+ROLES = {0: "window", 1: "full", 2: "reuse", 3: "reindex", 4: "full", 5: "reindex", 6: "reuse"}
+
+
+def tokenizer() -> Any:
+    """A 64-token word-level fast tokenizer (Engram hashes need NeMo's token map of one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def text_config(**overrides: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=7,
+        num_attention_heads=4, head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=8,
+        o_groups=2, n_routed_experts=4, num_experts_per_tok=2, sliding_window=16,
+        compress_ratios=[0, 2, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 4],
+        index_source_layer_ids=[1, 3, 4, 5], index_n_heads=4, index_head_dim=16, index_topk=4,
+        candidate_source_layer_id=4, candidate_topk_blocks=3, candidate_block_size=4,
+        hc_mult=2, hc_sinkhorn_iters=3, engram_layer_ids=[1], engram_num_embeddings=[500],
+        engram_max_ngram_size=3, engram_vocab_size=50, engram_n_heads=2, engram_head_dim=8,
+        engram_pad_token_id=2, engram_compressed_vocab_size=VOCAB, num_nextn_predict_layers=0,
+        dtype="float32", rms_norm_eps=1e-6,
+    )  # fmt: skip
+    kw.update(overrides)
+    return kw
+
+
+def build_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """NeMo's DeepseekV41ForCausalLM, tiny, fp32, its Engram table whole on every rank."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from nemo_automodel.components.models.qwen3_8_flash_next.engram import (
+        Qwen3_8_FlashNextEngramTableConfig,
+    )
+
+    config = DeepseekV41Config(
+        text_config=text_config(**overrides), vision_config={"num_hidden_layers": 0},
+        dtype="float32",
+    )  # fmt: skip
+    backend = BackendConfig(
+        attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch"
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV41ForCausalLM(config, backend=backend, tokenizer=tokenizer())
+    for layer in model.model.layers.values():
+        if layer.engram is not None:  # NeMo's single-rank reference table (no row owners)
+            layer.engram.embed = Qwen3_8_FlashNextEngramTableConfig(
+                num_embeddings=layer.engram.num_embeddings,
+                embedding_dim=layer.engram.embed.embedding_dim,
+                initializer_range=layer.engram.initializer_range,
+            ).build(process_group=None, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    with torch.no_grad():  # non-zero sinks, a non-trivial Engram gate
+        for name, p in model.named_parameters():
+            if name.endswith("sinks_param.weight"):
+                p.normal_(0.0, 0.5)
+            if ".engram.embed" in name:
+                p.normal_(0.0, 1.0)
+    return model.float().train()
+
+
+def make_ids(seq_len: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq_len), generator=g)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {
+        n: (None if p.grad is None else p.grad.detach().clone())
+        for n, p in model.named_parameters()
+    }
+
+
+def reference(model: torch.nn.Module, ids: torch.Tensor, cu: list[int] | None = None) -> dict:
+    """One process, NeMo's own forward: logits, mean CE over the shifted targets (within
+    documents when packed, with NeMo's own ``seq_lens`` packing), every gradient."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    targets = F.pad(ids[:, 1:], (0, 1), value=-100)
+    if cu is None:
+        logits = model(ids).logits.float()
+    else:
+        lens = torch.tensor([[b - a for a, b in zip(cu[:-1], cu[1:])]])
+        logits = model(ids, seq_lens=lens).logits.float()
+        targets[:, torch.tensor(cu[1:]) - 1] = -100
+    loss = (
+        F.cross_entropy(
+            logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        / (targets != -100).sum()
+    )
+    loss.backward()
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": _grads(model)}
+
+
+def cp_run(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    group: Any,
+    layout: str,
+    cu: list[int] | None = None,
+    packed_as: str = "seq_lens",
+) -> dict:
+    """The same step under hp_cp: logits (unsharded), loss (summed), gradients (summed)."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    handle = enable_cp(model, group, DeepSeekV4CPConfig(layout=layout))
+    packing: dict[str, Any] = {}
+    if cu is not None and packed_as == "seq_lens":
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        packing["seq_lens"] = torch.tensor([lens + [-1000]])
+    elif cu is not None:
+        packing["packed_seq_ids"] = torch.cat(
+            [torch.full((b - a,), k + 1) for k, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+        )[None]
+    batch = nemo_cp_batch(handle, ids, **packing)
+    labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
+    group.__class__  # noqa: B018 - keep the group alive in the closure
+    before = handle.stats()["bytes_recv"]
+    out = model(**batch).logits
+    loss = cp_causal_lm_loss(out, labels, n_tokens)
+    loss.backward()
+    cp_sum_gradients(model.parameters(), group)
+    logits = handle.unshard(out.detach().float(), 1, rows=ids.shape[1])
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    stats = handle.stats()
+    disable_cp(handle)
+    return {
+        "logits": logits,
+        "loss": total,
+        "grads": _grads(model),
+        "bytes_recv": stats["bytes_recv"] - before,
+        "calls": stats.get("calls", {}),
+    }
+
+
+def compare(ref: dict, got: dict) -> dict[str, Any]:
+    """Worst relative errors (fp32) of logits, loss and every gradient, by name."""
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+    grad_err, missing, per_param = 0.0, [], {}
+    scale = max(float(g.abs().max()) for g in ref["grads"].values() if g is not None)
+    for name, g in ref["grads"].items():
+        h = got["grads"][name]
+        if (g is None) != (h is None):
+            if g is not None and float(g.abs().max()) == 0.0:
+                continue
+            missing.append(name)
+            continue
+        if g is not None and float(g.abs().max()) > 0:
+            e = float((h - g).abs().max() / max(float(g.abs().max()), GRAD_FLOOR * scale))
+            per_param[name] = e
+            grad_err = max(grad_err, e)
+    worst = sorted(per_param.items(), key=lambda kv: -kv[1])[:3]
+    return {
+        "logits": rel(got["logits"], ref["logits"]),
+        "loss": rel(got["loss"], ref["loss"]),
+        "grads": grad_err,
+        "per_param": per_param,
+        "n_grads": sum(g is not None for g in ref["grads"].values()),
+        "missing": missing,
+        "worst": worst,
+    }
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except HpCpError as exc:
+        return str(exc)
+    return "no error"
+
+
+def run_cases(rank: int, groups: dict[int, Any], kinds: tuple[str, ...]) -> list[dict]:
+    model = build_model(0)
+    ids = make_ids(SEQ)
+    refs = {"padded": reference(model, ids)}
+    if "packed" in kinds:
+        refs["packed"] = reference(model, ids, DOCS)
+    results = []
+    for cp, group in groups.items():
+        for layout in LAYOUTS:
+            for kind in kinds:
+                if group is None:
+                    continue
+                got = cp_run(model, ids, group, layout, DOCS if kind == "packed" else None)
+                res = compare(refs[kind], got)
+                res.update(case=kind, cp=cp, layout=layout, bytes_recv=got["bytes_recv"])
+                results.append(res)
+    return results
+
+
+def model_suite(rank: int, world: int, kinds: tuple[str, ...] = ("padded", "packed")) -> dict:
+    """The whole model, a training step, cp 2 (a sub-group) and cp = world."""
+    sizes = sorted({2, world})
+    groups = {}
+    for cp in sizes:
+        g = dist.group.WORLD if cp == world else dist.new_group(list(range(cp)))
+        groups[cp] = g if rank < cp else None
+    return {"rank": rank, "results": run_cases(rank, groups, kinds)}
