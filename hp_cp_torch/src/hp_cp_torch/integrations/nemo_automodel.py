@@ -169,6 +169,8 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 int(ix.index_topk),
                 call.config.query_chunk,
                 batch=batch,
+                as_one_process=True,  # the model's torch.topk over its whole row, ties too
+                sequence_rows=call.sequence_rows,
             )
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

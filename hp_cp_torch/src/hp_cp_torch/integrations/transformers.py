@@ -251,6 +251,8 @@ class DeepseekV4AttentionAdapter:
                 int(ix.index_topk),
                 call.config.query_chunk,
                 batch=xb.shape[0],
+                as_one_process=True,  # the model's torch.topk over its whole row, ties too
+                sequence_rows=call.sequence_rows,
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
