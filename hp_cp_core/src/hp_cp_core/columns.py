@@ -327,7 +327,15 @@ class PlanColumns:
             out.append(ScoreChunk(lo, hi, s0, s1, self.visibility(lo, hi, s0, s1)))
         return out
 
-    def topk_rows(self, lo: int, hi: int, sequence_rows: int | None = None) -> list[TopkRow]:
+    def topk_rows(
+        self,
+        lo: int,
+        hi: int,
+        sequence_rows: int | None = None,
+        *,
+        packed_row: str = "document",
+        cu_seqlens: np.ndarray | None = None,
+    ) -> list[TopkRow]:
         """Note [The one-process top-k row]
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
         A model on one process scores each query against *every* compressed slot of its
@@ -345,28 +353,43 @@ class PlanColumns:
                                                 slots, -inf elsewhere, same length
 
         and calls the same top-k on it, with ``k = min(topk, length)``. Padded, the row is
-        the slots of the real rows (``sequence_rows // r``; the slots the layout's padding
-        made are not in it); packed, each document is run alone on one process, so its row
-        is the document's own slots.
+        the slots of the real rows (``sequence_rows // r``; slots the layout's padding made
+        are not in it). Packed, it depends on what the model does on one process:
+        ``packed_row="document"`` when each document runs alone (the row is the document's
+        own slots), ``"stream"`` when one row holds the slots of every real document of the
+        packed stream (the document's own range visible, the rest ``-inf``).
 
         Args:
             lo, hi: local queries inside one contiguous run.
             sequence_rows: global rows before the padding ``handle.shard(..., pad_value=)``
                 appended (``None``: every row is real).
+            packed_row: ``"document"`` or ``"stream"`` (packed only).
+            cu_seqlens: the global packed boundaries (``call.cu_seqlens``); with
+                ``"stream"``, the documents after ``sequence_rows`` (the padding) are left
+                out of the row.
 
         Returns:
             The queries ``lo:hi`` cut where the row changes (a document starts), in order.
         """
+        if packed_row not in ("document", "stream"):
+            raise ValueError(f"packed_row must be 'document' or 'stream', got {packed_row!r}")
         p = self.plan
         r = int(p.spec.compress_ratio)
+        cmp_cu = p.cmp_cu_seqlens
         out = []
         for run in p.document_runs:
             a, b = max(run.local_start, lo), min(run.local_stop, hi)
             if b <= a:
                 continue
-            if p.cmp_cu_seqlens is not None:
-                start = int(p.cmp_cu_seqlens[run.doc])
-                length = int(p.cmp_cu_seqlens[run.doc + 1]) - start
+            if cmp_cu is not None and packed_row == "document":
+                start = int(cmp_cu[run.doc])
+                length = int(cmp_cu[run.doc + 1]) - start
+            elif cmp_cu is not None:
+                real_docs = cmp_cu.size - 1
+                if sequence_rows is not None and cu_seqlens is not None:
+                    ends = np.asarray(cu_seqlens, dtype=np.int64)[1:]
+                    real_docs = int(np.searchsorted(ends, int(sequence_rows), side="right"))
+                start, length = 0, int(cmp_cu[real_docs])
             else:
                 rows = p.n_slots_total * r if sequence_rows is None else int(sequence_rows)
                 start, length = 0, min(rows // r, p.n_slots_total) if r else 0

@@ -84,8 +84,9 @@ def select_topk_chunked(
     query_chunk: int,
     batch: int | None = None,
     *,
-    as_one_process: bool = False,
+    one_process_row: str | None = None,
     sequence_rows: int | None = None,
+    cu_seqlens: Any = None,
 ) -> torch.Tensor:
     """Indexer top-k of every local query over its visible slots only, chunk by chunk.
 
@@ -101,12 +102,14 @@ def select_topk_chunked(
         query_chunk: queries per chunk.
         batch: the batch size ``B``, needed when no local query sees a slot (nothing is
             scored); default: taken from the scores (1 when there are none).
-        as_one_process: pick as a model on one process that calls ``torch.topk`` on each
+        one_process_row: pick as a model on one process that calls ``torch.topk`` on each
             query's row of every slot (``-inf`` where invisible) does, exactly equal ties
-            included (Note [The one-process top-k row] in :mod:`hp_cp_core.columns`); else
-            hp_cp's device-independent rule, :func:`deterministic_topk`.
-        sequence_rows: with ``as_one_process``, the global rows before the padding
-            ``handle.shard(..., pad_value=)`` appended (``call.sequence_rows``).
+            included (Note [The one-process top-k row] in :mod:`hp_cp_core.columns`): the
+            row of a packed document, ``"document"`` (each document alone) or ``"stream"``
+            (one row for the packed stream); ``None``: hp_cp's device-independent rule,
+            :func:`deterministic_topk`.
+        sequence_rows, cu_seqlens: with ``one_process_row``, ``call.sequence_rows`` (the
+            rows before ``handle.shard``'s padding) and ``call.cu_seqlens``.
 
     Returns:
         Global slot ids ``[B, L, topk]`` (``-1`` for empty picks): in descending-score order,
@@ -121,8 +124,11 @@ def select_topk_chunked(
             out = torch.full(shape, -1, dtype=torch.long, device=scores.device)
         visible = torch.as_tensor(chunk.visible, device=scores.device)
         scores = scores.masked_fill(~visible, float("-inf"))
-        if as_one_process:
-            for row in columns.topk_rows(chunk.lo, chunk.hi, sequence_rows):
+        if one_process_row is not None:
+            rows = columns.topk_rows(
+                chunk.lo, chunk.hi, sequence_rows, packed_row=one_process_row, cu_seqlens=cu_seqlens
+            )
+            for row in rows:
                 _topk_as_one_process(scores, chunk, row, topk, out)
             continue
         values, ids = deterministic_topk(scores, chunk.keep(topk))

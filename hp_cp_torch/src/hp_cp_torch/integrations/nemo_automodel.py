@@ -169,8 +169,9 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 int(ix.index_topk),
                 call.config.query_chunk,
                 batch=batch,
-                as_one_process=True,  # the model's torch.topk over its whole row, ties too
+                one_process_row="document",  # the model's torch.topk row, exact ties too
                 sequence_rows=call.sequence_rows,
+                cu_seqlens=call.cu_seqlens,
             )
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
