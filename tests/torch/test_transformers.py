@@ -91,6 +91,23 @@ def test_indexer_selects_across_ranks_without_ties(suite: dict) -> None:
 
 
 @pytest.mark.slow
+def test_selective_topk_with_exact_ties_matches_one_process(ranks: list[dict]) -> None:
+    """Top-k far below the visible slots with exact ties at the k-th pick (HF's torch.topk
+    row decides them; hp_cp rebuilds that row), CSA first, window 24, odd cp, any S:
+    logits, loss and every parameter gradient, reported by name."""
+    for report in ranks:
+        got = [(r["cp"], r["layout"], r["seq_len"]) for r in report["selective"]]
+        assert got == [c for c in hf_cases.SELECTIVE_CASES if report["rank"] < c[0]]
+        for res in report["selective"]:
+            case = (report["rank"], res["cp"], res["layout"], res["seq_len"])
+            assert res["topk_rows_selecting"] > 0 and res["topk_boundary_ties"] > 0, case
+            off = {n: e for n, e in res["grad_rel_err_by_param"].items() if e > GRAD_RTOL}
+            assert res["logits_rel_err"] <= LOGITS_RTOL, case
+            assert res["loss_rel_err"] <= LOSS_RTOL, case
+            assert not off, (case, "gradients off, by parameter:", off)
+
+
+@pytest.mark.slow
 def test_traffic_is_reported(suite: dict) -> None:
     for res in suite["results"]:
         assert res["bytes_sent"] > 0 and res["bytes_recv"] > 0, _case_id(res)

@@ -159,7 +159,9 @@ def _topk_as_one_process(
         b = min(a + step, row.hi)
         full = scores.new_full((scores.shape[0], b - a, row.length), float("-inf"))
         if hi > lo:
-            part = scores[:, a - chunk.lo : b - chunk.lo, lo - chunk.slot_start : hi - chunk.slot_start]
+            part = scores[
+                :, a - chunk.lo : b - chunk.lo, lo - chunk.slot_start : hi - chunk.slot_start
+            ]
             full[..., lo - row.start : hi - row.start] = part
         values, ids = torch.topk(full, keep, dim=-1)
         out[:, a:b, :keep] = torch.where(torch.isneginf(values), -1, ids + row.start)
