@@ -84,8 +84,8 @@ def test_parameter_gradients_match_single_device(suite: dict) -> None:
 @pytest.mark.slow
 def test_indexer_selects_across_ranks_without_ties(suite: dict) -> None:
     for res in suite["results"]:
-        # the long case really selects (top-k < visible slots); neither case has a tie at
-        # the k-th place, where torch.topk and the CP top-k could legitimately differ
+        # the long case really selects (top-k < visible slots) and has no tie at the k-th
+        # place; the selective cases have ties (test_selective_topk_with_exact_ties_...)
         assert res["topk_boundary_ties"] == 0, _case_id(res)
         assert (res["topk_rows_selecting"] > 0) == (res["case"] == "long"), _case_id(res)
 
