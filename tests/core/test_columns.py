@@ -163,3 +163,45 @@ def test_band_readers_refuse_bands_that_are_not_ranges() -> None:
     first, stop = band_readers(start, length, [(0, 2), (2, 3)], 4)  # two runs: ranges
     assert first.tolist() == [[0, 0, 1, 0], [0, 2, 0, 0]]
     assert stop.tolist() == [[1, 0, 2, 0], [0, 3, 0, 0]]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=plan_cases(), chunk=st.integers(1, 40), pad=st.integers(0, 7))
+def test_topk_rows_are_the_one_process_rows(case: dict, chunk: int, pad: int) -> None:
+    """Every local query once, in its document's one-process top-k row (Note [The one-process
+    top-k row]): padded, the real rows' slots; packed, the document's own slots or every real
+    document's; the query's visible slots always inside its row."""
+    if case["r"] != 4 or case["grid"] != "per_document":
+        return
+    world, plans = _plans(case)
+    total, r = case["total"], case["r"]
+    cu = np.array(case["cu"] if case["cu"] is not None else [0, total], dtype=np.int64)
+    real = max(total - pad, 0) if case["cu"] is None else total
+    if case["cu"] is not None and pad and cu.size > 2:  # the last document is the padding
+        real = int(cu[-2])
+    doc_slots = np.diff(cu) // r
+    slot_cu = np.concatenate([[0], np.cumsum(doc_slots)])
+    for rank, plan in enumerate(plans):
+        columns = PlanColumns(plan, plan.window.ext_rows.size)
+        for kind in ("document", "stream"):
+            seen = []
+            for lo, hi in columns.run_chunks(chunk):
+                rows = columns.topk_rows(lo, hi, real, packed_row=kind, cu_seqlens=cu)
+                assert [(t.lo, t.hi) for t in rows][0][0] == lo and rows[-1].hi == hi
+                for t in rows:
+                    seen.append((t.lo, t.hi))
+                    for q in range(t.lo, t.hi):
+                        g = int(world.rank_rows[rank][q])
+                        d = int(np.searchsorted(cu, g, side="right") - 1)
+                        if case["cu"] is None:
+                            want = (0, real // r)
+                        elif kind == "document":
+                            want = (int(slot_cu[d]), int(doc_slots[d]))
+                        else:
+                            n_real = int(np.searchsorted(cu[1:], real, side="right"))
+                            want = (0, int(slot_cu[n_real]))
+                        assert (t.start, t.length) == want, (rank, q, g, kind)
+                        a, n = int(plan.cmp_start[q]), int(plan.cmp_count[q])
+                        if g < real and n:
+                            assert t.start <= a and a + n <= t.start + t.length
+            assert _covered_once(seen, plan.n_local).tolist() == [1] * plan.n_local

@@ -10,8 +10,15 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+from hp_cp_torch.integrations.transformers import (
+    cp_causal_lm_batch,
+    cp_causal_lm_loss,
+    cp_sum_gradients,
+)
 from hp_cp_torch.integrations.transformers_demo import (
+    CSA,
     HCA,
+    SLIDING,
     build_tiny_model,
     cp_parity,
     make_inputs,
@@ -33,6 +40,75 @@ CASES: dict[str, tuple[dict[str, Any], int]] = {
     # 2 HCA slots of 128 rows straddling ranks, 8 trailing rows in no slot.
     "long": ({}, 264),
 }
+
+
+SELECTIVE: dict[str, Any] = dict(
+    num_hidden_layers=4,
+    layer_types=[CSA, SLIDING, HCA, CSA],  # CSA first
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    sliding_window=24,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=6,
+)
+"""An indexer that really selects, with exact ties: top-k 6 of up to 152 visible slots and 4
+indexer heads (a slot no head scores above 0 scores exactly 0), CSA first, a window of 24."""
+SELECTIVE_CASES = ((3, "contiguous", 611), (2, "load_balanced", 533), (4, "load_balanced", 611))
+"""(cp, layout, S): odd cp, S a multiple of nothing (``cp_causal_lm_batch`` pads)."""
+GRAD_FLOOR = 1e-3
+"""Gradients compare relative to max(their own largest entry, 1e-3 x the largest of any)."""
+
+
+def selective_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
+    """:data:`SELECTIVE_CASES`: a training step through ``cp_causal_lm_batch`` (padding to
+    fit) against HF's own loss on one process; every parameter's error by name."""
+    model = build_tiny_model(1, **SELECTIVE)
+    results = []
+    for cp, layout, seq in SELECTIVE_CASES:
+        ids = make_inputs(model.config.vocab_size, 1, seq, seq)
+        ref = reference_run(model, ids)
+        if rank >= cp:
+            dist.barrier()
+            continue
+        handle = enable_cp(model, groups[cp], DeepSeekV4CPConfig(layout=layout))
+        try:
+            batch = cp_causal_lm_batch(handle, ids)
+            out = model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+            )
+            loss = cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+            loss.backward()
+            cp_sum_gradients(model.parameters(), groups[cp])
+            logits = handle.unshard(out.logits.detach(), 1, rows=seq)
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=groups[cp])
+        finally:
+            disable_cp(handle)
+        largest = max(float(g.abs().max()) for g in ref.grads.values() if g is not None)
+        errors = {}
+        for name, p in model.named_parameters():
+            want = ref.grads[name]
+            if want is None:
+                errors[name] = 0.0 if p.grad is None else float(p.grad.abs().max())
+                continue
+            got = torch.zeros_like(want) if p.grad is None else p.grad
+            scale = max(float(want.abs().max()), GRAD_FLOOR * largest)
+            errors[name] = float((got - want).abs().max()) / scale
+        model.zero_grad(set_to_none=True)
+        results.append(
+            {
+                "cp": cp,
+                "layout": layout,
+                "seq_len": seq,
+                "logits_rel_err": float((logits - ref.logits).abs().max() / ref.logits.abs().max()),
+                "loss_rel_err": abs(float(total) - float(ref.loss)) / abs(float(ref.loss)),
+                "grad_rel_err_by_param": errors,
+                "topk_rows_selecting": ref.topk_rows_selecting,
+                "topk_boundary_ties": ref.topk_boundary_ties,
+            }
+        )
+        dist.barrier()
+    return results
 
 
 def _expect_error(fn: Any, match: str) -> str:
@@ -144,4 +220,11 @@ def parity_suite(rank: int, world: int) -> dict[str, Any]:
                     variants.append(res)
             errors = error_checks(model, ids, ref.logits)
         dist.barrier()
-    return {"rank": rank, "results": results, "variants": variants, "errors": errors}
+    selective = selective_cases(rank, groups)
+    return {
+        "rank": rank,
+        "results": results,
+        "variants": variants,
+        "errors": errors,
+        "selective": selective,
+    }

@@ -84,10 +84,27 @@ def test_parameter_gradients_match_single_device(suite: dict) -> None:
 @pytest.mark.slow
 def test_indexer_selects_across_ranks_without_ties(suite: dict) -> None:
     for res in suite["results"]:
-        # the long case really selects (top-k < visible slots); neither case has a tie at
-        # the k-th place, where torch.topk and the CP top-k could legitimately differ
+        # the long case really selects (top-k < visible slots) and has no tie at the k-th
+        # place; the selective cases have ties (test_selective_topk_with_exact_ties_...)
         assert res["topk_boundary_ties"] == 0, _case_id(res)
         assert (res["topk_rows_selecting"] > 0) == (res["case"] == "long"), _case_id(res)
+
+
+@pytest.mark.slow
+def test_selective_topk_with_exact_ties_matches_one_process(ranks: list[dict]) -> None:
+    """Top-k far below the visible slots with exact ties at the k-th pick (HF's torch.topk
+    row decides them; hp_cp rebuilds that row), CSA first, window 24, odd cp, any S:
+    logits, loss and every parameter gradient, reported by name."""
+    for report in ranks:
+        got = [(r["cp"], r["layout"], r["seq_len"]) for r in report["selective"]]
+        assert got == [c for c in hf_cases.SELECTIVE_CASES if report["rank"] < c[0]]
+        for res in report["selective"]:
+            case = (report["rank"], res["cp"], res["layout"], res["seq_len"])
+            assert res["topk_rows_selecting"] > 0 and res["topk_boundary_ties"] > 0, case
+            off = {n: e for n, e in res["grad_rel_err_by_param"].items() if e > GRAD_RTOL}
+            assert res["logits_rel_err"] <= LOGITS_RTOL, case
+            assert res["loss_rel_err"] <= LOSS_RTOL, case
+            assert not off, (case, "gradients off, by parameter:", off)
 
 
 @pytest.mark.slow

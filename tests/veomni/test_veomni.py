@@ -51,6 +51,23 @@ def test_logits_loss_gradients_match_one_process(ranks: list[dict]) -> None:
             assert res["grad_rel_err_max"] <= GRAD_RTOL, (case, res["grad_worst"])
 
 
+def test_selective_topk_matches_one_process(ranks: list[dict]) -> None:
+    """Top-k far below the visible slots, CSA first, window 24, odd cp, S a multiple of
+    nothing: every parameter's gradient within 1e-4, reported by name."""
+    topk = veomni_cases.SELECTIVE["index_topk"]
+    for report in ranks:
+        got = [(r["cp"], r["layout"], r["seq_len"], r["packed"]) for r in report["selective"]]
+        assert got == [c for c in veomni_cases.SELECTIVE_CASES if report["rank"] < c[0]]
+        for res in report["selective"]:
+            case = (report["rank"], res["cp"], res["layout"], res["seq_len"], res["packed"])
+            assert topk * 10 < res["seq_len"] // 4  # the selection really selects
+            off = {n: e for n, e in res["grad_rel_err_by_param"].items() if e > GRAD_RTOL}
+            assert res["logits_rel_err"] <= LOGITS_RTOL, case
+            assert res["loss_rel_err"] <= LOGITS_RTOL, case
+            assert res["grad_presence_mismatch"] == [], case
+            assert not off, (case, "gradients off, by parameter:", off)
+
+
 def test_every_attention_layer_at_cp8() -> None:
     reports = run_ranks(8, veomni_cases.parity_cp8)
     kinds = set(veomni_cases.build_model(0).config.layer_types)

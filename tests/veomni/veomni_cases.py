@@ -41,8 +41,31 @@ def init_veomni(world: int, cp_size: int = 1) -> None:
     )
 
 
-def build_model(seed: int = 0) -> Any:
-    """VeOmni's ``DeepseekV4ForCausalLM``, fp32 eager, attention weights O(1)."""
+SL, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+SELECTIVE = dict(
+    num_hidden_layers=4,
+    layer_types=[CSA, SL, HCA, CSA],  # CSA first
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    sliding_window=24,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=5,
+)
+"""A config whose indexer really selects: top-k 5 of up to 150 visible slots, 4 indexer
+heads (a slot no head scores above 0 scores exactly 0: exact ties at the k-th pick are
+common), CSA first, a window of 24. hp_cp's own lower-index tie rule in place of VeOmni's
+``torch.topk`` row differs from one process by up to 5 (relative) in gradients here."""
+SELECTIVE_CASES = (
+    # (cp, layout, S, packed)
+    (3, "contiguous", 600, False),
+    (2, "load_balanced", 533, False),
+    (4, "load_balanced", 533, True),
+)
+
+
+def build_model(seed: int = 0, **overrides: Any) -> Any:
+    """VeOmni's ``DeepseekV4ForCausalLM``, fp32 eager, attention weights O(1) (random sinks
+    and compressor position biases); ``overrides`` change the tiny config."""
     from veomni.models.transformers.deepseek_v4.configuration_deepseek_v4 import (
         DeepseekV4Config,
     )
@@ -51,7 +74,7 @@ def build_model(seed: int = 0) -> Any:
     )
 
     torch.manual_seed(seed)
-    cfg = DeepseekV4Config(**TINY_CONFIG)
+    cfg = DeepseekV4Config(**{**TINY_CONFIG, **overrides})
     cfg._attn_implementation = "eager"
     model = modeling.DeepseekV4ForCausalLM(cfg).float()
     return randomise_attention_weights(model, cfg.n_routed_experts, seed)
@@ -159,6 +182,7 @@ def cp_case(
         "logits_rel_err": _rel(logits, ref["logits"], ref["logits"]),
         "loss_rel_err": abs(float(total) - float(ref["loss"])) / abs(float(ref["loss"])),
         "grad_rel_err_max": errs[worst],
+        "grad_rel_err_by_param": errs,
         "grad_worst": worst,
         "grad_presence_mismatch": presence,
         "n_params": len(errs),
@@ -246,7 +270,23 @@ def parity_suite(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:
                     results.append(cp_case(model, ids, refs[packed], group, layout, packed))
         dist.barrier()
     errors = error_checks(model, padded_ids, refs[False]["logits"])
-    return {"rank": rank, "results": results, "errors": errors}
+    selective = selective_cases(rank, {**groups, 3: dist.new_group([0, 1, 2])})
+    return {"rank": rank, "results": results, "errors": errors, "selective": selective}
+
+
+def selective_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
+    """:data:`SELECTIVE_CASES` on the :data:`SELECTIVE` model (packed: VeOmni's per-document
+    ``position_ids``)."""
+    model = build_model(1, **SELECTIVE)
+    results = []
+    for cp, layout, seq, packed in SELECTIVE_CASES:
+        gen = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen)
+        ref = reference(model, ids, doc_bounds(seq) if packed else None)
+        if rank < cp:
+            results.append(cp_case(model, ids, ref, groups[cp], layout, packed))
+        dist.barrier()
+    return results
 
 
 def parity_cp8(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:

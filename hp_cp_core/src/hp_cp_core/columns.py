@@ -74,6 +74,7 @@ __all__ = [
     "DenseBlock",
     "PlanColumns",
     "ScoreChunk",
+    "TopkRow",
     "band_readers",
     "select_topk_numpy",
 ]
@@ -98,6 +99,27 @@ class ScoreChunk:
     def keep(self, topk: int) -> int:
         """Picks a top-k over this chunk returns: ``min(topk, slots scored)``."""
         return min(int(topk), self.slot_stop - self.slot_start)
+
+
+@dataclass(frozen=True)
+class TopkRow:
+    """Local queries ``[lo, hi)`` whose top-k row on one process is the global slots
+    ``[start, start + length)`` (Note [The one-process top-k row]).
+
+    Attributes:
+        lo, hi: the local queries (inside one chunk and one document).
+        start: global slot id of the row's first entry.
+        length: entries of the row: the document's slots on one process.
+    """
+
+    lo: int
+    hi: int
+    start: int
+    length: int
+
+    def keep(self, topk: int) -> int:
+        """Picks a top-k over the row returns: ``min(topk, length)``."""
+        return max(min(int(topk), self.length), 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,6 +325,75 @@ class PlanColumns:
                 continue
             s0, s1 = int(start[lo:hi][seen].min()), int(stop[lo:hi][seen].max())
             out.append(ScoreChunk(lo, hi, s0, s1, self.visibility(lo, hi, s0, s1)))
+        return out
+
+    def topk_rows(
+        self,
+        lo: int,
+        hi: int,
+        sequence_rows: int | None = None,
+        *,
+        packed_row: str = "document",
+        cu_seqlens: np.ndarray | None = None,
+    ) -> list[TopkRow]:
+        """Note [The one-process top-k row]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A model on one process scores each query against *every* compressed slot of its
+        sequence, sets the invisible ones to ``-inf`` and calls its framework's top-k on
+        that row. Where scores tie exactly (the ReLU scores of an indexer are 0 for every
+        slot no head likes, so ties at 0 are common once top-k is well below the visible
+        slots), which tied slots that top-k keeps depends on the whole row: its length and
+        where the ``-inf`` entries sit. Scoring only the visible range under CP is then a
+        different row, and can keep other tied slots. So an integration whose model selects
+        that way rebuilds the row one process scores, per query::
+
+            one process (S real rows, r = 4)    slots 0 .............. S // r - 1
+            query t sees                        0 .. (t + 1) // r - 1 | -inf ...... -inf
+            under CP: the chunk's scores        [slot_start, slot_stop) placed at their
+                                                slots, -inf elsewhere, same length
+
+        and calls the same top-k on it, with ``k = min(topk, length)``. Padded, the row is
+        the slots of the real rows (``sequence_rows // r``; slots the layout's padding made
+        are not in it). Packed, it depends on what the model does on one process:
+        ``packed_row="document"`` when each document runs alone (the row is the document's
+        own slots), ``"stream"`` when one row holds the slots of every real document of the
+        packed stream (the document's own range visible, the rest ``-inf``).
+
+        Args:
+            lo, hi: local queries inside one contiguous run.
+            sequence_rows: global rows before the padding ``handle.shard(..., pad_value=)``
+                appended (``None``: every row is real).
+            packed_row: ``"document"`` or ``"stream"`` (packed only).
+            cu_seqlens: the global packed boundaries (``call.cu_seqlens``); with
+                ``"stream"``, the documents after ``sequence_rows`` (the padding) are left
+                out of the row.
+
+        Returns:
+            The queries ``lo:hi`` cut where the row changes (a document starts), in order.
+        """
+        if packed_row not in ("document", "stream"):
+            raise ValueError(f"packed_row must be 'document' or 'stream', got {packed_row!r}")
+        p = self.plan
+        r = int(p.spec.compress_ratio)
+        cmp_cu = p.cmp_cu_seqlens
+        out = []
+        for run in p.document_runs:
+            a, b = max(run.local_start, lo), min(run.local_stop, hi)
+            if b <= a:
+                continue
+            if cmp_cu is not None and packed_row == "document":
+                start = int(cmp_cu[run.doc])
+                length = int(cmp_cu[run.doc + 1]) - start
+            elif cmp_cu is not None:
+                real_docs = cmp_cu.size - 1
+                if sequence_rows is not None and cu_seqlens is not None:
+                    ends = np.asarray(cu_seqlens, dtype=np.int64)[1:]
+                    real_docs = int(np.searchsorted(ends, int(sequence_rows), side="right"))
+                start, length = 0, int(cmp_cu[real_docs])
+            else:
+                rows = p.n_slots_total * r if sequence_rows is None else int(sequence_rows)
+                start, length = 0, min(rows // r, p.n_slots_total) if r else 0
+            out.append(TopkRow(a, b, start, length))
         return out
 
     def dense_blocks(

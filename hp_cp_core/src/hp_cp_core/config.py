@@ -171,6 +171,10 @@ class DeepSeekV4CPContext:
             :func:`hp_cp_core.indexer_loss.global_indexer_loss`).
         loss_rows: rows (batch x tokens) of *all* ranks that count in the indexer loss's
             mean; see Note [Indexer loss under CP] in :mod:`hp_cp_core.indexer_loss`.
+        sequence_rows: global rows of the sequence before the padding
+            ``handle.shard(..., pad_value=...)`` appended to it, when this forward runs on
+            that padded sequence; ``None`` when every row is real. See
+            :meth:`hp_cp_core.columns.PlanColumns.topk_rows`.
     """
 
     cp_rank: int
@@ -185,6 +189,7 @@ class DeepSeekV4CPContext:
     extra: dict[str, Any] = field(default_factory=dict)
     group: Any = None
     loss_rows: int = 0
+    sequence_rows: int | None = None
 
     @property
     def pos_offset(self) -> int:

@@ -160,6 +160,14 @@ class DeepSeekV4CPForward:
         size = self.group.size
         return self.sequence.real_rows(self.config.layout, size, self.group.rank, n_local * size)
 
+    def sequence_rows(self, n_local: int) -> int | None:
+        """Global rows before the padding ``handle.shard(..., pad_value=...)`` appended, when
+        this forward (``n_local`` rows per rank) runs on that padded sequence; else ``None``."""
+        pad = None if self.sequence is None else self.sequence.padding
+        if pad is None or pad.pad_rows == 0 or pad.padded_rows != int(n_local) * self.group.size:
+            return None
+        return int(pad.rows)
+
     def local_positions(self, n_local: int, cu_seqlens: Any = None) -> np.ndarray:
         """Default RoPE positions of this rank's rows (used when the caller passes none)."""
         cu = None if cu_seqlens is None else np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
@@ -246,6 +254,7 @@ class DeepSeekV4CPForward:
             extra=extra,
             group=self.group,
             loss_rows=0 if total is None else total,
+            sequence_rows=self.sequence_rows(check.n_local),
         )
 
     def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:

@@ -83,6 +83,10 @@ def select_topk_chunked(
     topk: int,
     query_chunk: int,
     batch: int | None = None,
+    *,
+    one_process_row: str | None = None,
+    sequence_rows: int | None = None,
+    cu_seqlens: Any = None,
 ) -> torch.Tensor:
     """Indexer top-k of every local query over its visible slots only, chunk by chunk.
 
@@ -98,26 +102,69 @@ def select_topk_chunked(
         query_chunk: queries per chunk.
         batch: the batch size ``B``, needed when no local query sees a slot (nothing is
             scored); default: taken from the scores (1 when there are none).
+        one_process_row: pick as a model on one process that calls ``torch.topk`` on each
+            query's row of every slot (``-inf`` where invisible) does, exactly equal ties
+            included (Note [The one-process top-k row] in :mod:`hp_cp_core.columns`): the
+            row of a packed document, ``"document"`` (each document alone) or ``"stream"``
+            (one row for the packed stream); ``None``: hp_cp's device-independent rule,
+            :func:`deterministic_topk`.
+        sequence_rows, cu_seqlens: with ``one_process_row``, ``call.sequence_rows`` (the
+            rows before ``handle.shard``'s padding) and ``call.cu_seqlens``.
 
     Returns:
-        Global slot ids ``[B, L, topk]`` in descending-score order (lower id first on ties),
-        ``-1`` for empty picks.
+        Global slot ids ``[B, L, topk]`` (``-1`` for empty picks): in descending-score order,
+        lower id first on ties; with ``as_one_process``, the slots ``torch.topk`` keeps.
     """
+    columns = PlanColumns(plan, 0)
     out = None
-    for chunk in PlanColumns(plan, 0).score_chunks(query_chunk):
+    for chunk in columns.score_chunks(query_chunk):
         scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
         if out is None:
             shape = (scores.shape[0], plan.n_local, topk)
             out = torch.full(shape, -1, dtype=torch.long, device=scores.device)
         visible = torch.as_tensor(chunk.visible, device=scores.device)
-        values, ids = deterministic_topk(
-            scores.masked_fill(~visible, float("-inf")), chunk.keep(topk)
-        )
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if one_process_row is not None:
+            rows = columns.topk_rows(
+                chunk.lo, chunk.hi, sequence_rows, packed_row=one_process_row, cu_seqlens=cu_seqlens
+            )
+            for row in rows:
+                _topk_as_one_process(scores, chunk, row, topk, out)
+            continue
+        values, ids = deterministic_topk(scores, chunk.keep(topk))
         picks = torch.where(torch.isneginf(values), -1, ids + chunk.slot_start)
         out[:, chunk.lo : chunk.hi, : picks.shape[-1]] = picks
     if out is None:
         out = torch.full((1 if batch is None else batch, plan.n_local, topk), -1, dtype=torch.long)
     return out
+
+
+ONE_PROCESS_ROW_ELEMENTS = 1 << 24
+"""Most scores one rebuilt one-process top-k row block holds (queries x row length)."""
+
+
+def _topk_as_one_process(
+    scores: torch.Tensor, chunk: Any, row: Any, topk: int, out: torch.Tensor
+) -> None:
+    """``torch.topk`` over the one-process row of the queries ``row.lo:row.hi`` (their
+    scores ``scores[:, i]`` over the chunk's slots placed at their slot ids, ``-inf`` around
+    them), written into ``out`` as global slot ids (``-1``: an invisible pick)."""
+    keep = row.keep(topk)
+    if keep == 0:
+        return
+    lo = max(chunk.slot_start, row.start)
+    hi = min(chunk.slot_stop, row.start + row.length)
+    step = max(ONE_PROCESS_ROW_ELEMENTS // max(row.length, 1), 1)
+    for a in range(row.lo, row.hi, step):
+        b = min(a + step, row.hi)
+        full = scores.new_full((scores.shape[0], b - a, row.length), float("-inf"))
+        if hi > lo:
+            part = scores[
+                :, a - chunk.lo : b - chunk.lo, lo - chunk.slot_start : hi - chunk.slot_start
+            ]
+            full[..., lo - row.start : hi - row.start] = part
+        values, ids = torch.topk(full, keep, dim=-1)
+        out[:, a:b, :keep] = torch.where(torch.isneginf(values), -1, ids + row.start)
 
 
 def chunk_columns(

@@ -174,6 +174,9 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 int(ix.index_topk),
                 call.config.query_chunk,
                 batch=batch,
+                one_process_row="document",  # the model's torch.topk row, exact ties too
+                sequence_rows=call.sequence_rows,
+                cu_seqlens=call.cu_seqlens,
             )
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,10 @@ def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
 class DeepseekV4AttentionAdapter:
     """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``)."""
 
+    packed_topk_row = "document"
+    """The indexer's top-k row of a packed document on one process (Note [The one-process
+    top-k row] in :mod:`hp_cp_core.columns`): each document alone."""
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
@@ -251,6 +255,9 @@ class DeepseekV4AttentionAdapter:
                 int(ix.index_topk),
                 call.config.query_chunk,
                 batch=xb.shape[0],
+                one_process_row=self.packed_topk_row,  # the model's torch.topk row, exact ties too
+                sequence_rows=call.sequence_rows,
+                cu_seqlens=call.cu_seqlens,
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:

@@ -90,6 +90,10 @@ def veomni_adapter_for(module: Any) -> Any:
 class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
     """The HF adapter on VeOmni's generated copy of ``DeepseekV4Attention``."""
 
+    packed_topk_row = "stream"
+    """VeOmni's packed indexer scores one row of every slot of the packed stream, the
+    query's own document visible (``packed_compressed_causal_ranges``)."""
+
     def apply_rope(self, *args: Any) -> Any:
         return sys.modules[type(self.module).__module__].apply_rotary_pos_emb(*args)
 

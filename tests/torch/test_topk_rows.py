@@ -1,0 +1,105 @@
+"""The indexer top-k as a model on one process picks it (Note [The one-process top-k row]):
+``select_topk_chunked(..., one_process_row=...)`` on every rank's plan keeps exactly the slots
+``torch.topk`` keeps on the row of every slot of the sequence (or document), where many scores
+tie exactly at 0 (ReLU scores), for both layouts, padded (with ``handle.shard``'s padding
+left out of the row) and packed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hp_cp_core import LayerSpec
+from hp_cp_core.plan import build_rank_plan
+from hp_cp_torch.attention import select_topk_chunked
+
+R, TOPK = 4, 6
+
+
+def _scores(rows: int, slots: int, seed: int) -> torch.Tensor:
+    """Indexer-like scores: most exactly 0 (no head above 0), a few positive, some negative."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(1, rows, slots, generator=g)
+    s = torch.where(torch.rand(1, rows, slots, generator=g) < 0.6, torch.zeros(()), s)
+    return s.clamp(max=0.0).where(torch.rand(1, rows, slots, generator=g) < 0.7, s)
+
+
+def _one_process(
+    scores: torch.Tensor,
+    rows: np.ndarray,
+    starts: list[int],
+    ends: list[int],
+    row_start: int,
+    row_len: int,
+) -> list[set[int]]:
+    out = []
+    for g, a, b in zip(rows, starts, ends):
+        row = torch.full((row_len,), float("-inf"))
+        vis = scores[0, g, a:b]
+        row[a - row_start : b - row_start] = vis
+        values, ids = torch.topk(row, min(TOPK, row_len))
+        out.append({int(i) + row_start for v, i in zip(values, ids) if not torch.isneginf(v)})
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
+@pytest.mark.parametrize(
+    "cp, total, real, cu",
+    [
+        (3, 612, 611, None),
+        (2, 304, 304, None),
+        (4, 536, 533, [0, 100, 237, 533, 536]),
+    ],
+)
+@pytest.mark.parametrize("packed_row", ["document", "stream"])
+def test_picks_equal_torch_topk_on_the_one_process_row(
+    layout: str, cp: int, total: int, real: int, cu: list[int] | None, packed_row: str
+) -> None:
+    spec = LayerSpec(compress_ratio=R, window_size=24, has_indexer=True)
+    cu_np = None if cu is None else np.array(cu, dtype=np.int64)
+    docs = np.array(cu if cu is not None else [0, total], dtype=np.int64)
+    doc_slots = np.diff(docs) // R
+    slot_cu = np.concatenate([[0], np.cumsum(doc_slots)])
+    n_slots = int(slot_cu[-1])
+    scores = _scores(total, n_slots, seed=cp + total)
+    differs_from_lower_index = 0
+    for rank in range(cp):
+        plan = build_rank_plan(
+            rank=rank,
+            cp_size=cp,
+            spec=spec,
+            layout_kind=layout,
+            total_rows=total,
+            cu_seqlens=cu_np,
+        )
+        rows = plan.local_rows
+        got = select_topk_chunked(
+            lambda lo, hi, s0, s1: scores[:, rows[lo:hi], s0:s1],
+            plan,
+            TOPK,
+            37,
+            batch=1,
+            one_process_row=packed_row,
+            sequence_rows=None if real == total else real,
+            cu_seqlens=cu_np,
+        )
+        plain = select_topk_chunked(
+            lambda lo, hi, s0, s1: scores[:, rows[lo:hi], s0:s1], plan, TOPK, 37, batch=1
+        )
+        for q, g in enumerate(rows):
+            if g >= real:
+                continue  # the layout's padding: no one-process row
+            d = int(np.searchsorted(docs, g, side="right") - 1)
+            a = int(plan.cmp_start[q])
+            b = a + int(plan.cmp_count[q])
+            if cu is None:
+                start, length = 0, real // R
+            elif packed_row == "document":
+                start, length = int(slot_cu[d]), int(doc_slots[d])
+            else:
+                start, length = 0, int(slot_cu[3])  # the three real documents
+            (want,) = _one_process(scores, np.array([g]), [a], [b], start, length)
+            assert {int(i) for i in got[0, q] if i >= 0} == want, (rank, q, int(g))
+            differs_from_lower_index += {int(i) for i in plain[0, q] if i >= 0} != want
+    assert differs_from_lower_index > 0  # the ties really decide picks here
