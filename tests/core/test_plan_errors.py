@@ -184,13 +184,19 @@ def test_bad_config_values(kwargs: dict, message: str) -> None:
     [
         (
             {"compress_ratio": -4},
-            "LayerSpec.compress_ratio=-4: expected 0 (sliding window) or a ratio >= 2 such as "
-            "4 (CSA) or 128 (HCA).",
+            "LayerSpec.compress_ratio=-4: expected 0 (sliding window), 1 (a slot per row) or a "
+            "ratio >= 2 such as 4 (CSA) or 128 (HCA).",
         ),
         (
-            {"compress_ratio": 1},
-            "LayerSpec.compress_ratio=1: expected 0 (sliding window) or a ratio >= 2 such as "
-            "4 (CSA) or 128 (HCA).",
+            {"compress_ratio": 1, "overlapping": True},
+            "LayerSpec.overlapping=True needs a pooling ratio >= 2, got 1: a slot of ratio 1 is "
+            "one row, with no block before it to overlap.",
+        ),
+        (
+            {"compress_ratio": 2, "has_indexer": True, "shares_slots": True},
+            "LayerSpec.shares_slots=True needs compress_ratio > 0 and has_indexer=False: a "
+            "layer reading another layer's slots compresses nothing itself (got "
+            "compress_ratio=2, has_indexer=True).",
         ),
         ({"compress_ratio": 4, "window_size": 0}, "LayerSpec.window_size must be >= 1, got 0."),
         (

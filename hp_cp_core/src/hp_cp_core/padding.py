@@ -152,14 +152,6 @@ class ShardedSequence:
             return None
         return self.cu_seqlens
 
-    def real_length(self, total_rows: int) -> int:
-        """Real rows of a forward over ``total_rows`` global rows: the recorded real length
-        when it is the recorded padded sequence, else ``total_rows``."""
-        pad = self.padding
-        if pad is None or pad.padded_rows != int(total_rows):
-            return int(total_rows)
-        return pad.rows
-
     def forget_unless(self, padded_rows: int) -> None:
         """Forget the record unless ``padded_rows`` is its padded length (a tensor of the
         same sequence, sharded without ``pad_value``)."""

@@ -73,6 +73,7 @@ from hp_cp_core import (
     LayerSpec,
     stage1_compress_with_halo,
 )
+from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
 from hp_cp_core.sharing import LayerShare, plan_sharing
@@ -238,11 +239,11 @@ class NemoDeepseekV41AttentionAdapter:
             cands = None
             if ix.is_candidate_source:
                 cands = torch.zeros((batch, n_local, n_buf), dtype=torch.bool, device=xb.device)
-            widths = call.extra["doc_widths"]
-            for run in plan.document_runs:
-                lo, hi = run.local_start, run.local_stop
-                d0, width = int(widths[run.doc, 0]), int(widths[run.doc, 1])
-                if width == 0 or hi <= lo:
+            # Note [The one-process top-k row] in hp_cp_core.columns
+            for row_plan in PlanColumns(plan, 0).topk_rows(0, n_local, call.sequence_rows):
+                lo, hi = row_plan.lo, row_plan.hi
+                d0, width = row_plan.start, row_plan.length
+                if width <= 0 or hi <= lo:
                     continue
                 count = np.minimum(plan.cmp_count[lo:hi], width)
                 vis = torch.as_tensor(count, device=xb.device)
@@ -264,7 +265,7 @@ class NemoDeepseekV41AttentionAdapter:
                     if allowed.shape[-1] < width:
                         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
                     row = row.masked_fill(~allowed, float("-inf"))
-                picked = row.topk(min(k_max, width), dim=-1, sorted=False)
+                picked = row.topk(row_plan.keep(k_max), dim=-1, sorted=False)
                 ordered = picked.indices.sort(dim=-1).values
                 valid = torch.isfinite(row.gather(-1, ordered))
                 out[:, lo:hi, : ordered.shape[-1]] = torch.where(valid, ordered + d0, -1)
@@ -383,24 +384,10 @@ class NemoDeepseekV41AttentionAdapter:
                 qr.transpose(0, 1),
                 call=call,
                 local=local,
-                doc_widths=adapter.doc_widths(cp_forward, call),
             )
             return nemo.DeepseekV41AttentionOutput(out, local["next_state"])
 
         return forward
-
-    def doc_widths(self, cp_forward: Any, call: DeepSeekV4CPContext) -> np.ndarray:
-        """Per document ``[first slot, slots]``: the width of NeMo's candidate row (padded
-        input: the real sequence's complete groups, not the padding's)."""
-        r = int(self.module.compress_ratio)
-        plan = call.plan
-        if r == 0:
-            return np.zeros((0, 2), dtype=np.int64)
-        if plan.cmp_cu_seqlens is not None:
-            cu = plan.cmp_cu_seqlens
-            return np.stack([cu[:-1], np.diff(cu)], axis=1)
-        total = plan.layout.total_rows
-        return np.array([[0, cp_forward.sequence.real_length(total) // r]], dtype=np.int64)
 
     def check_inputs(
         self,

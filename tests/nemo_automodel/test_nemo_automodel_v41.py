@@ -1,0 +1,97 @@
+"""NeMo Automodel 0.7.0's own DeepSeek V4.1 under hp_cp: the whole ``DeepseekV41ForCausalLM``
+(sliding-window, Full / Reuse / Reindex layers at ratios 2 and 1, the two-level indexer's
+candidate source and a Reindex layer selecting among its candidates, Engram, MoE, mHC), a
+training step at cp 2, 3, 4 (one 4-rank job) and 8 (one 8-rank job), contiguous and
+load-balanced, padded (S = 301) and packed (NeMo ``seq_lens`` / ``packed_seq_ids``), top-k 4
+of up to 301 visible slots, against NeMo's own forward of the same weights on one process:
+logits and loss within 1e-5, every parameter gradient within 1e-4, by name. Unsupported
+input raises HpCpError on every rank; disable_cp restores the model exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if "nemo_automodel" in os.environ.get("HP_CP_REQUIRE_BACKEND", ""):
+    import nemo_automodel.components.models.deepseek_v41.model  # noqa: F401 - fail, not skip
+else:
+    pytest.importorskip("nemo_automodel.components.models.deepseek_v41.model", exc_type=ImportError)
+
+import nemo_v41_cases  # noqa: E402 - after the skip
+from dist_utils import run_ranks  # noqa: E402
+
+LOGITS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_ranks() -> list[dict]:
+    """One 4-rank job: cp 2 and 3 on sub-groups, cp 4 on the world."""
+    return run_ranks(4, nemo_v41_cases.model_suite)
+
+
+@pytest.fixture(scope="module")
+def cp8_ranks() -> list[dict]:
+    """One 8-rank job: the whole model at cp 8."""
+    return run_ranks(8, nemo_v41_cases.cp8_suite)
+
+
+def _check(res: dict) -> None:
+    name = f"{res['case']} cp={res['cp']} {res['layout']}"
+    assert res["logits"] < LOGITS_RTOL, (name, res["logits"], res["worst"])
+    assert res["loss"] < LOGITS_RTOL, (name, res["loss"])
+    bad = {n: e for n, e in res["per_param"].items() if e >= GRAD_RTOL}
+    assert not bad, (name, bad)
+    assert not res["missing"], (name, res["missing"])
+
+
+def test_model_parity(model_ranks: list[dict]) -> None:
+    results = model_ranks[0]["results"]
+    got = {(r["case"], r["cp"], r["layout"]) for r in results}
+    want = {
+        (k, cp, lay)
+        for k in ("padded", "packed")
+        for cp in (2, 3, 4)
+        for lay in nemo_v41_cases.LAYOUTS
+    }
+    assert want | {("packed_seq_ids", 2, "load_balanced")} == got
+    for res in results:
+        assert res["n_grads"] > 100  # attention, compressors, Engram, MoE, mHC, head
+        _check(res)
+
+
+def test_model_parity_cp8(cp8_ranks: list[dict]) -> None:
+    results = cp8_ranks[0]["results"]
+    assert len(results) == 4
+    for res in results:
+        _check(res)
+
+
+def test_shared_layers_add_no_slot_exchange(model_ranks: list[dict]) -> None:
+    for res in model_ranks[0]["results"]:
+        if "slot_exchanges" in res:  # two Full layers: one slot exchange each, forward
+            assert res["slot_exchanges"] == 2, res
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        ("nemo_cp_kwarg", "NeMo Automodel's own DeepSeek V4.1 CP is switched on"),
+        ("nemo_cp_setup", "NeMo Automodel's own DeepSeek V4.1 CP is switched on"),
+        ("enable_on_nemo_cp", "NeMo Automodel's own DeepSeek V4.1 CP is switched on"),
+        ("padding_mask", "attention_mask that hides real tokens"),
+        ("seq_lens_sum", "summing to the sequence length 301"),
+        ("packed_batch", "pack the documents of a step into one row"),
+    ],
+)
+def test_errors_on_every_rank(model_ranks: list[dict], key: str, words: str) -> None:
+    for report in model_ranks:
+        assert words in report["errors"][key], (report["rank"], report["errors"][key])
+
+
+def test_usable_after_errors_and_restored_exactly(model_ranks: list[dict]) -> None:
+    for report in model_ranks:
+        assert report["errors"]["after_errors"] == "ok"
+        assert report["restore"] == {"same_output": True, "same_attrs": True, "same_hooks": True}
