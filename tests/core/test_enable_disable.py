@@ -140,3 +140,36 @@ def test_a_stage_hook_nobody_answers_names_hook_and_module() -> None:
         "no hp_cp plugin implements hp_cp_extract_ori_kv for a `ToyAttention`; expected the "
         "module's backend to answer. Is the backend that enabled it still registered?"
     )
+
+
+def test_a_group_of_one_keeps_the_forward_until_the_cp_path_is_asked_for(
+    host: PluginHost,
+) -> None:
+    """``single_rank_bypass``: a group of one keeps the layer's own forward (``bypassed``)
+    until ``use_cp_path()`` (what the batch helpers call for packed input); ``disable_cp``
+    then restores the original exactly."""
+    layer = fb.ToyAttention(compress_ratio=4, window_size=5)
+
+    def original(*args, **kwargs):
+        raise AssertionError("not called")
+
+    layer.cp_forward = original
+    handle = enable_cp(layer, fb.FakeMesh(fb.FakeWorld(1), 0), plugins=host)
+    assert handle.bypassed and layer.cp_forward is original
+    handle.use_cp_path()
+    assert not handle.bypassed and isinstance(layer.cp_forward, DeepSeekV4CPForward)
+    assert layer.cp_forward.config.single_rank_bypass is False
+    handle.use_cp_path()  # nothing left to switch
+    disable_cp(handle)
+    assert layer.cp_forward is original
+    off = enable_cp(
+        layer,
+        fb.FakeMesh(fb.FakeWorld(1), 0),
+        DeepSeekV4CPConfig(single_rank_bypass=False),
+        plugins=host,
+    )
+    assert not off.bypassed and isinstance(layer.cp_forward, DeepSeekV4CPForward)
+    disable_cp(off)
+    more = enable_cp(layer, fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
+    assert not more.bypassed
+    disable_cp(more)

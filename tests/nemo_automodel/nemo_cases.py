@@ -197,6 +197,8 @@ SELECTIVE_CASES = (
     (3, "contiguous", 611, None),
     (2, "load_balanced", 304, None),
     (4, "load_balanced", 533, [0, 100, 237, 533]),
+    # a group of one (single_rank_bypass): packed input runs the CP path, not NeMo's forward
+    (1, "contiguous", 304, [0, 100, 237, 304]),
 )
 SEQ = 301  # a multiple of nothing: 2 HCA slots (r = 128), 75 CSA slots (top-k 8)
 DOCS = [0, 100, 230, 301]  # packed: documents that start at no multiple of 4 or 128
@@ -312,7 +314,8 @@ def model_suite(rank: int, world: int) -> dict[str, Any]:
         res = compare(refs["packed"], got)
         res.update(case="packed_seq_ids", cp=2, layout="load_balanced")
         results.append(res)
-    results.extend(selective_cases(rank, {**groups, 3: dist.new_group([0, 1, 2])}))
+    more = {3: dist.new_group([0, 1, 2]), 1: dist.new_group([0])}
+    results.extend(selective_cases(rank, {**groups, **more}))
     errors = error_checks(model, ids, dist.group.WORLD)
     restore = restore_check(model, ids, dist.group.WORLD)
     return {"rank": rank, "results": results, "errors": errors, "restore": restore}

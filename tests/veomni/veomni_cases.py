@@ -60,6 +60,8 @@ SELECTIVE_CASES = (
     (3, "contiguous", 600, False),
     (2, "load_balanced", 533, False),
     (4, "load_balanced", 533, True),
+    # a group of one (single_rank_bypass): packed input runs the CP path, not VeOmni's forward
+    (1, "contiguous", 600, True),
 )
 
 
@@ -270,7 +272,8 @@ def parity_suite(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:
                     results.append(cp_case(model, ids, refs[packed], group, layout, packed))
         dist.barrier()
     errors = error_checks(model, padded_ids, refs[False]["logits"])
-    selective = selective_cases(rank, {**groups, 3: dist.new_group([0, 1, 2])})
+    more = {3: dist.new_group([0, 1, 2]), 1: dist.new_group([0])}
+    selective = selective_cases(rank, {**groups, **more})
     return {"rank": rank, "results": results, "errors": errors, "selective": selective}
 
 

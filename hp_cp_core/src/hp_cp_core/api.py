@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,28 @@ class CPHandle:
     padding rows out (Note [Padding to the layout])."""
     _tokens: list[tuple[Any, Any]] = field(default_factory=list)
     _cleanups: list[Callable[[], None]] = field(default_factory=list)
+    _kept_forwards: list[Any] = field(default_factory=list)
     active: bool = True
+
+    @property
+    def bypassed(self) -> bool:
+        """True while the layers keep their own forward: a CP group of one with
+        ``single_rank_bypass`` (the default), until :meth:`use_cp_path`."""
+        return bool(self._kept_forwards)
+
+    def use_cp_path(self) -> None:
+        """Route a group of one through the CP path from now on, as on more ranks.
+
+        With ``single_rank_bypass`` a group of one keeps each layer's own forward, which is
+        exact for what that forward takes. The batch helpers call this for inputs it cannot
+        take (packed documents: a model's own forward ignores hp_cp's ``cu_seqlens``, and
+        its tokens would attend across documents). Does nothing when nothing is bypassed.
+        """
+        kept, self._kept_forwards = self._kept_forwards, []
+        for cp_forward in kept:
+            cp_forward.config = replace(cp_forward.config, single_rank_bypass=False)
+            undo = self.backend.install(cp_forward.module, cp_forward, self.group)
+            self._tokens.append((cp_forward.module, undo))
 
     def on_disable(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` in ``disable_cp``, after the forwards are restored.
@@ -230,6 +251,8 @@ def enable_cp(
         )
         handle._tokens.append((layer, be.install(layer, cp_forward, group)))
         handle.layers.append((layer, spec))
+        if group.size == 1 and config.single_rank_bypass:
+            handle._kept_forwards.append(cp_forward)
     for obj in {id(o): o for o in [module, *layers]}.values():
         _set_mark(obj, handle)
     return handle
@@ -242,6 +265,7 @@ def disable_cp(handle: CPHandle) -> None:
     for layer, token in reversed(handle._tokens):
         handle.backend.uninstall(layer, token)
     handle._tokens.clear()
+    handle._kept_forwards.clear()
     while handle._cleanups:
         handle._cleanups.pop()()
     for obj in {id(o): o for o in [handle.module, *(lay for lay, _ in handle.layers)]}.values():

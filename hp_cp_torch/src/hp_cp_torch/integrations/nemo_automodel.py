@@ -377,8 +377,10 @@ def nemo_cp_batch(
     inputs). Packed input (``B == 1``) in NeMo's format, ``seq_lens`` (``[1, n_docs]``,
     unused entries -1000) or ``packed_seq_ids`` (one id per token), becomes ``cu_seqlens``:
     each document keeps its own rows (no re-padding), its positions restart at 0 and its
-    last token has no target. The sequence is padded at the end to what the layout needs
-    (token 0, label ``ignore_index``).
+    last token has no target. On a CP group of one packed input switches the layers from
+    NeMo's own forward (``single_rank_bypass``) to the CP path (``handle.use_cp_path()``):
+    NeMo's forward would let the documents attend to each other. The sequence is padded at
+    the end to what the layout needs (token 0, label ``ignore_index``).
 
     Returns:
         The model's keyword arguments, ``input_ids`` and ``position_ids`` (this rank's rows)
@@ -410,6 +412,8 @@ def nemo_cp_batch(
             f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "
             "one row, input_ids [1, S]."
         )
+    if cu is not None:  # NeMo's own forward reads no cu_seqlens: cp 1 runs the CP path too
+        handle.use_cp_path()
     shifted = cp_shift_labels(labels, ignore_index)
     if cu is not None:
         ends = cu[1:][np.diff(cu) > 0] - 1  # each document's last token predicts nothing

@@ -213,7 +213,10 @@ def cp_veomni_batch(
     ``input_ids`` / ``labels`` are FULL ``[B, S]``. Padded batches: omit ``position_ids``.
     Packed (VeOmni's format, ``B == 1``): per-document ``position_ids`` and / or
     ``cu_seq_lens`` (VeOmni's ``cu_seq_lens_q``); each document's last token gets no target,
-    the row end is padded as its own document, the documents are not re-padded.
+    the row end is padded as its own document, the documents are not re-padded. On a CP
+    group of one, packed input switches the layers from VeOmni's own forward
+    (``single_rank_bypass``) to the CP path (``handle.use_cp_path()``), which reads the
+    documents' boundaries.
     """
     if input_ids.dim() != 2:
         raise HpCpError(f"input_ids must be [B, S], got shape {list(input_ids.shape)}.")
@@ -226,6 +229,8 @@ def cp_veomni_batch(
     bounds = _packed_bounds(seq_len, position_ids, cu_seq_lens)
     if bounds is not None and batch != 1:
         raise HpCpError(f"packed input needs batch size 1, got {batch}; pack into one row.")
+    if bounds is not None:  # hp_cp's cu_seqlens reach only the CP path: cp 1 runs it too
+        handle.use_cp_path()
     shifted = cp_shift_labels(labels, ignore_index)
     pad = handle.padding(int(seq_len))
     cu = None
