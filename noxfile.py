@@ -371,11 +371,12 @@ def bench_peers(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS, default=False)
 def bench_peers_nemo(session: nox.Session) -> None:
-    """hp_cp vs NeMo Automodel's own DeepSeek V4 CP inside NeMo's model (gloo, cp 2 and 4):
-    updates the nemo_* keys of bench-peers.json."""
+    """hp_cp vs NeMo Automodel's own DeepSeek V4 and V4.1 CP inside NeMo's models (gloo, cp 2
+    and 4): updates the nemo_* and nemo_v41_* keys of bench-peers.json."""
     _install_nemo_automodel(session)
     env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     session.run("python", "bench/peers_nemo.py", *session.posargs, env=env)
+    session.run("python", "bench/peers_nemo_v41.py", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS)

@@ -134,6 +134,19 @@ _NEMO_CP_ON = (
 )
 
 
+SCORE_CHUNK_ELEMENTS = 1 << 22
+"""Most ``queries x heads x row width`` indexer scores held at once (fp32: 16 MiB)."""
+
+
+def _chunked(rows: Any, query_chunk: int, heads: int) -> Any:
+    """``(row, lo, hi)``: each one-process top-k row's queries in chunks whose scores
+    (``[l, heads, width]``) stay under :data:`SCORE_CHUNK_ELEMENTS`."""
+    for row in rows:
+        step = max(1, min(int(query_chunk), SCORE_CHUNK_ELEMENTS // max(row.length * heads, 1)))
+        for lo in range(row.lo, row.hi, step):
+            yield row, lo, min(lo + step, row.hi)
+
+
 class NemoDeepseekV41AttentionAdapter:
     """Hooks for NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
@@ -240,8 +253,8 @@ class NemoDeepseekV41AttentionAdapter:
             if ix.is_candidate_source:
                 cands = torch.zeros((batch, n_local, n_buf), dtype=torch.bool, device=xb.device)
             # Note [The one-process top-k row] in hp_cp_core.columns
-            for row_plan in PlanColumns(plan, 0).topk_rows(0, n_local, call.sequence_rows):
-                lo, hi = row_plan.lo, row_plan.hi
+            rows = PlanColumns(plan, 0).topk_rows(0, n_local, call.sequence_rows)
+            for row_plan, lo, hi in _chunked(rows, call.config.query_chunk, ix.num_heads):
                 d0, width = row_plan.start, row_plan.length
                 if width <= 0 or hi <= lo:
                     continue
