@@ -316,6 +316,13 @@ def model_suite(rank: int, world: int) -> dict:
     return {"rank": rank, "results": results, "errors": errors, "restore": restore}
 
 
+def cp1_suite(rank: int, world: int) -> dict:
+    """A CP group of one (NeMo's own forward unless the batch needs the CP path: padding,
+    packing), both layouts, padded and packed."""
+    assert world == 1
+    return {"rank": rank, "results": run_cases(rank, {1: dist.group.WORLD}, ("padded", "packed"))}
+
+
 def cp8_suite(rank: int, world: int) -> dict:
     """The whole model at cp 8 (the world of an 8-rank job), both layouts, padded and packed."""
     assert world == 8

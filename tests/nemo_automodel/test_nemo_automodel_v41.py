@@ -38,6 +38,12 @@ def cp8_ranks() -> list[dict]:
     return run_ranks(8, nemo_v41_cases.cp8_suite)
 
 
+@pytest.fixture(scope="module")
+def cp1_ranks() -> list[dict]:
+    """One 1-rank job: a CP group of one."""
+    return run_ranks(1, nemo_v41_cases.cp1_suite)
+
+
 def _check(res: dict) -> None:
     name = f"{res['case']} cp={res['cp']} {res['layout']}"
     assert res["logits"] < LOGITS_RTOL, (name, res["logits"], res["worst"])
@@ -64,6 +70,13 @@ def test_model_parity(model_ranks: list[dict]) -> None:
 
 def test_model_parity_cp8(cp8_ranks: list[dict]) -> None:
     results = cp8_ranks[0]["results"]
+    assert len(results) == 4
+    for res in results:
+        _check(res)
+
+
+def test_model_parity_cp1(cp1_ranks: list[dict]) -> None:
+    results = cp1_ranks[0]["results"]
     assert len(results) == 4
     for res in results:
         _check(res)

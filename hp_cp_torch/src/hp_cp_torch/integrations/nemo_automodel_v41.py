@@ -658,6 +658,8 @@ def nemo_v41_cp_batch(
     ``cu`` (the documents, or ``None``) and the shifted labels are already checked."""
     total = int(input_ids.shape[1])
     pad = handle.padding(total)
+    if pad.pad_rows:  # NeMo's own forward would put the padding's slots in its top-k rows
+        handle.use_cp_path()
     device = input_ids.device
     out: dict[str, Any] = {"input_ids": handle.shard(input_ids, 1, pad_value=0)}
     if cu is None:
