@@ -2,10 +2,11 @@
 hp_cp_mindformers), read from the source files with ``ast`` (nothing is imported).
 
 Every ``import`` / ``from ... import`` statement counts, those inside functions too (a lazy
-import still ties the two modules together); ``from package import name`` is an edge to the
-submodule ``package.name`` when there is one, else to ``package``. Imports under
-``if TYPE_CHECKING:`` (annotations only) and imports by string (``importlib.import_module``,
-the packages' lazy-name tables) are not edges.
+import still ties the two modules together) and those under ``if TYPE_CHECKING:`` (an
+annotation-only import is still a dependency: two modules that need each other's types belong
+in one module, or their shared types in a third that imports neither); ``from package import
+name`` is an edge to the submodule ``package.name`` when there is one, else to ``package``.
+Imports by string (``importlib.import_module``, the packages' lazy-name tables) are not edges.
 """
 
 from __future__ import annotations
@@ -29,31 +30,11 @@ def product_modules() -> dict[str, Path]:
     return modules
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
-    nodes, todo = [], [tree]
-    while todo:
-        node = todo.pop()
-        nodes.append(node)
-        if _type_checking_only(node):
-            todo.extend(node.orelse)
-        else:
-            todo.extend(ast.iter_child_nodes(node))
-    return nodes
-
-
 def imported_modules(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The product modules that module ``name`` (file ``path``) imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -114,3 +95,22 @@ def test_cycle_finder_sees_a_lazy_two_module_cycle() -> None:
     graph = {"a": {"b"}, "b": {"a", "c"}, "c": set()}
     assert import_cycles(graph) == [["a", "b"]]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_type_checking_imports_are_edges(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import B\n")
+    (tmp_path / "pkg" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import typing\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.a import A\n"
+        "if typing.TYPE_CHECKING:\n"
+        "    from . import c\n"
+    )
+    (tmp_path / "pkg" / "c.py").write_text("")
+    known = {n: tmp_path / "pkg" / f"{n.split('.')[-1]}.py" for n in ("pkg.a", "pkg.b", "pkg.c")}
+    graph = {name: imported_modules(name, path, known) for name, path in known.items()}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a", "pkg.c"}, "pkg.c": set()}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]

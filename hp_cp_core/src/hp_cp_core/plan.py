@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from hp_cp_core.config import LayerSpec
 from hp_cp_core.errors import PlanError
 from hp_cp_core.indices import (
     SlotTable,
@@ -39,6 +38,7 @@ from hp_cp_core.indices import (
 )
 from hp_cp_core.layout import Documents, SequenceLayout
 from hp_cp_core.slot_exchange import SlotExchangePlan, build_slot_exchange, visible_slot_ranges
+from hp_cp_core.spec import LayerSpec
 
 
 @dataclass(frozen=True, eq=False)
