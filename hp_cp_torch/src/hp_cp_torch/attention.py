@@ -27,6 +27,10 @@ __all__ = [
 ]
 
 
+SCORE_CHUNK_CELLS = 1 << 22
+"""Most (query, slot) scores of one indexer chunk: a chunk's fp32 scores, mask and top-k keys
+stay under ~100 MiB per head at any S (:meth:`~hp_cp_core.columns.PlanColumns.score_chunk_rows`)."""
+
 TOPK_SORT_FRACTION = 4
 """:func:`deterministic_topk` sorts whole rows when ``k`` is more than 1 / this of the row."""
 
@@ -95,7 +99,8 @@ def select_topk_chunked(
             ``lo:hi`` against global slots ``s0:s1``.
         plan: the rank's :class:`hp_cp_core.plan.RankPlan` (``cmp_start`` / ``cmp_count``).
         topk: the layer's ``index_topk``.
-        query_chunk: queries per chunk.
+        query_chunk: queries per chunk (fewer where a chunk would score more than
+            :data:`SCORE_CHUNK_CELLS` slots).
         batch: the batch size ``B``, needed when no local query sees a slot (nothing is
             scored); default: taken from the scores (1 when there are none).
 
@@ -104,7 +109,9 @@ def select_topk_chunked(
         ``-1`` for empty picks.
     """
     out = None
-    for chunk in PlanColumns(plan, 0).score_chunks(query_chunk):
+    columns = PlanColumns(plan, 0)
+    rows = columns.score_chunk_rows(query_chunk, SCORE_CHUNK_CELLS)
+    for chunk in columns.score_chunks(rows):
         scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
         if out is None:
             shape = (scores.shape[0], plan.n_local, topk)
