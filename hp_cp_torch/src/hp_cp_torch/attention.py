@@ -56,8 +56,60 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     if not small_k or scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
+    if scores.device.type == "cpu":
+        return _topk_cpu(scores, k)
+    return _topk_untied(scores, k)
+
+
+def _topk_untied(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.topk(_untied_keys(scores), k, dim=-1, sorted=True).indices
     return torch.gather(scores, -1, indices), indices
+
+
+def _topk_cpu(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Note [Top-k on the host]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    On a CPU a host read costs nothing, and the keys of Note [Top-k without ties] (five
+    int64 passes over the row) cost most of the indexer's time at long S. So: one
+    ``torch.topk`` of the scores themselves; its picked *set* is the stable sort's unless the
+    k-th value has an equal that was not picked (a tie at the cut; ``-0.0`` equals ``0.0``)
+    or a NaN is about; the picks are then put in the stable order (value descending, lower
+    index first) by sorting the k of them. In a row with a tie at the cut (every row that sees
+    fewer than k slots, whose cut is ``-inf``; a row whose indexer weights are all negative,
+    whose best scores are ReLU's zeros) the picks above the cut stay and the rest are the cut
+    value's lowest indices (one int32 top-k); a row with a NaN takes the keys' path. Same
+    answer as the stable sort, bit for bit."""
+    values, indices = torch.topk(scores, k, dim=-1, sorted=True)
+    kth = values[..., -1:]
+    cut_tie = (scores == kth).sum(-1) > (values == kth).sum(-1)
+    nan = torch.isnan(values).any(-1)
+    # stable order of the picked set: by index, then a stable sort by value
+    by_index = torch.argsort(indices, dim=-1)
+    indices, values = indices.gather(-1, by_index), values.gather(-1, by_index)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    indices = indices.gather(-1, order)
+    if not bool((cut_tie | nan).any()):
+        return values, indices
+    n = scores.shape[-1]
+    flat_s = scores.reshape(-1, n)
+    flat_v, flat_i = values.reshape(-1, k), indices.reshape(-1, k)
+    tie_rows = (cut_tie & ~nan).reshape(-1).nonzero().squeeze(-1)
+    if tie_rows.numel():
+        # the picks above the cut stay; the rest are the cut value's lowest indices
+        cut = flat_v[tie_rows, -1:]
+        above = (flat_v[tie_rows] > cut).sum(-1, keepdim=True)  # first `above` picks
+        rank = torch.arange(n, 0, -1, dtype=torch.int32)  # lower index, larger key
+        ties = torch.where(flat_s.index_select(0, tie_rows) == cut, rank, 0)
+        lowest = n - torch.topk(ties, k, dim=-1, sorted=True).values.long()
+        col = torch.arange(k)
+        fill = lowest.gather(-1, (col - above).clamp(min=0))
+        flat_i[tie_rows] = torch.where(col >= above, fill, flat_i[tie_rows])
+        flat_v[tie_rows] = torch.where(col >= above, cut, flat_v[tie_rows])
+    nan_rows = nan.reshape(-1).nonzero().squeeze(-1)
+    if nan_rows.numel():
+        slow_v, slow_i = _topk_untied(flat_s.index_select(0, nan_rows), k)
+        flat_v[nan_rows], flat_i[nan_rows] = slow_v, slow_i
+    return values, indices
 
 
 def _untied_keys(scores: torch.Tensor) -> torch.Tensor:
