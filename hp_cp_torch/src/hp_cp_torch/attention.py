@@ -31,6 +31,10 @@ SCORE_CHUNK_CELLS = 1 << 22
 """Most (query, slot) scores of one indexer chunk: a chunk's fp32 scores, mask and top-k keys
 stay under ~100 MiB per head at any S (:meth:`~hp_cp_core.columns.PlanColumns.score_chunk_rows`)."""
 
+HOST_TOPK_MIN_SLOTS = 4096
+"""Rows at least this long take :func:`_topk_cpu` on a CPU (Note [Top-k on the host]): it reads
+the host, which costs nothing there; shorter rows keep the path with no read at all."""
+
 TOPK_SORT_FRACTION = 4
 """:func:`deterministic_topk` sorts whole rows when ``k`` is more than 1 / this of the row."""
 
@@ -56,7 +60,7 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     if not small_k or scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
-    if scores.device.type == "cpu":
+    if scores.device.type == "cpu" and scores.shape[-1] >= HOST_TOPK_MIN_SLOTS:
         return _topk_cpu(scores, k)
     return _topk_untied(scores, k)
 
@@ -88,7 +92,7 @@ def _topk_cpu(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     indices, values = indices.gather(-1, by_index), values.gather(-1, by_index)
     values, order = torch.sort(values, dim=-1, descending=True, stable=True)
     indices = indices.gather(-1, order)
-    if not bool((cut_tie | nan).any()):
+    if not bool((cut_tie | nan).any()):  # a host read: CPU tensors only
         return values, indices
     n = scores.shape[-1]
     flat_s = scores.reshape(-1, n)

@@ -262,6 +262,17 @@ def long_measures(
     return res
 
 
+def _per_rank(res: dict[str, Any], key: str) -> list[float]:
+    """``res[key]``, or the ``key_<rank>`` entries a written JSON flattened it into."""
+    if key in res:
+        return list(res[key])
+    out, i = [], 0
+    while f"{key}_{i}" in res:
+        out.append(res[f"{key}_{i}"])
+        i += 1
+    return out
+
+
 def write_long_png(res: dict[str, Any], path: str) -> str:
     """Per-rank peak memory against S (every rank's point, the busiest rank's fitted line);
     returns the renderer (``"matplotlib"``, or ``"none"`` without it)."""
@@ -276,7 +287,7 @@ def write_long_png(res: dict[str, Any], path: str) -> str:
     seqs = sorted(int(s) for s in res.get("long_peak_mem_bytes_by_seq", {}))
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for s in seqs:
-        ranks = res[f"long_peak_mem_bytes_s{s}"]
+        ranks = _per_rank(res, f"long_peak_mem_bytes_s{s}")
         ax.scatter([s] * len(ranks), [p / 2**20 for p in ranks], s=12, color="tab:blue")
     if "long_mem_fit_slope_per_local_row" in res and seqs:
         xs = np.linspace(0, max(seqs), 50)
@@ -291,7 +302,7 @@ def write_long_png(res: dict[str, Any], path: str) -> str:
         )
     top = res.get("long_weak_scaling_seq")
     if top:
-        half = res[f"long_peak_mem_bytes_cp{cp // 2}_s{top // 2}"]
+        half = _per_rank(res, f"long_peak_mem_bytes_cp{cp // 2}_s{top // 2}")
         ax.scatter(
             [top // 2] * len(half),
             [p / 2**20 for p in half],
