@@ -9,7 +9,7 @@ import numpy as np
 
 from hp_cp_core.backend import Backend, Group
 from hp_cp_core.collectives import exchange_halos
-from hp_cp_core.compression import build_global_compressed_kv_for_cp
+from hp_cp_core.compression import build_global_compressed_kv_for_cp, regather_compressed_kv
 from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
@@ -128,27 +128,58 @@ class DeepSeekV4CPForward:
         ori_ext, halo_x, token = exchange_halos(
             self.group, self.backend, ori_kv, x, call.plan, token, _run_all(first), overlap
         )
-        cmp_kv_global, cmp_idx_global, token = self.global_compressed_kv(
-            x, halo_x, call, token, _run_all(rest)
-        )
+        owned, gathered, token = self._slots(x, halo_x, call, token, _run_all(rest))
+        cmp_kv_global = gathered[0] if gathered else None
+        cmp_idx_global = gathered[1] if len(gathered) > 1 else None
         call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
-        out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
-        return self.group.end_order(out, token)
+        scope = self.regather_scope(owned, gathered, call)
+        if scope is None:
+            out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+            return self.group.end_order(out, token)
+        with scope:  # Note [Re-gathered slots] in hp_cp_core.compression
+            out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        return scope.end_order(out, token)
 
     def global_compressed_kv(
         self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
     ):
         """Main compressed KV and indexer keys of every rank, in global slot order, and the
         next order token (``work()`` while the slots travel)."""
+        _, gathered, token = self._slots(x, halo_x, call, token, work)
+        if not gathered:
+            return None, None, token
+        return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
+
+    def _slots(
+        self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
+    ) -> tuple[list[Any], list[Any], Any]:
+        """``(owned, gathered, token)``: this rank's slots (main, then indexer), every rank's
+        in global slot order, and the next order token; empty lists when r = 0."""
         if self.spec.compress_ratio == 0 or self.spec.shares_slots:
-            return None, None, token  # Note [Shared slots] in hp_cp_core.sharing
+            if work is not None:  # Note [Shared slots] in hp_cp_core.sharing
+                work()
+            return [], [], token
         owned = [self.hooks.compress_main(self.module, x, halo_x, call)]
         if self.spec.has_indexer:
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
         gathered, token = build_global_compressed_kv_for_cp(
             self.group, self.backend, owned, call.plan, token, work, self.config.overlap_exchanges
         )
-        return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
+        return owned, gathered, token
+
+    def regather_scope(
+        self, owned: Sequence[Any], gathered: Sequence[Any], call: DeepSeekV4CPContext
+    ) -> Any:
+        """The group's scope that keeps ``gathered`` out of what autograd saves and receives
+        it again in backward (``DeepSeekV4CPConfig.regather_compressed_kv``), or ``None``
+        (option off, r = 0, or a group without ``regather_scope``)."""
+        make = getattr(self.group, "regather_scope", None)
+        if not (self.config.regather_compressed_kv and gathered and make is not None):
+            return None
+        group, ops, plan = self.group, self.backend, call.plan
+        return make(
+            list(gathered), list(owned), lambda own: regather_compressed_kv(group, ops, own, plan)
+        )
 
     def real_rows(self, n_local: int) -> np.ndarray | None:
         """``[n_local]`` bool: which of this rank's rows are real, when this forward's

@@ -718,7 +718,38 @@ def main(argv: list[str] | None = None) -> int:
         default=512,
         help="S of the exposed-communication measure at cp 4 (0: skip)",
     )
+    long = parser.add_argument_group(
+        "long", "--long: one training step at cp 8 for long S (hp_cp_torch.bench.long)"
+    )
+    long.add_argument("--long", action="store_true", help="run the long-S bench only")
+    long.add_argument(
+        "--long-seqs",
+        default="65536,131072,262144,524288,1048576",
+        help="S of the cp-8 steps ('': none, the paper measures only)",
+    )
+    long.add_argument("--long-cp", type=int, default=8)
+    long.add_argument("--long-parity-seq", type=int, default=131072)
+    long.add_argument("--long-compare-seq", type=int, default=262144)
+    long.add_argument(
+        "--long-max-total-bytes",
+        type=float,
+        default=12 * 2**30,
+        help="skip an S whose predicted memory, all ranks together, is above this",
+    )
+    long.add_argument("--long-out", default="bench-long.json")
+    long.add_argument(
+        "--no-long-paper", action="store_true", help="skip the scale-on-paper measures"
+    )
+    long.add_argument(
+        "--long-merge",
+        action="store_true",
+        help="add the keys to an existing --long-out file instead of replacing it",
+    )
     args = parser.parse_args(argv)
+    if args.long:
+        from hp_cp_torch.bench.long import main_long
+
+        return main_long(args)
     if args.hf_mem_seqs and importlib.util.find_spec("transformers") is None:
         # refuse now rather than after the other measures have run for minutes
         parser.error(

@@ -125,7 +125,7 @@ class _Block:
         self.shape = (b, n, h)
         self.q = q[:, blk.lo : blk.hi].float()  # [B, n, H, D]
         ranges = [(kv_ext, blk.key_start, blk.key_stop, masks[0])]
-        if blk.slot_mask is not None:
+        if len(masks) > 1:  # the block has a slot mask (HCA)
             ranges.append((cmp, blk.slot_start, blk.slot_stop, masks[1]))
         self.k = idx.shape[-1]
         if self.k:
@@ -176,15 +176,15 @@ class _Block:
         return out
 
 
-def _masks(blocks: Sequence[DenseBlock], device: Any) -> list[list[torch.Tensor]]:
-    """Each block's planned masks as ``[1, n, width]`` tensors (window, then HCA slots)."""
-    out = []
-    for blk in blocks:
-        masks = [torch.as_tensor(blk.mask, device=device)[None]]
-        if blk.slot_mask is not None:
-            masks.append(torch.as_tensor(blk.slot_mask, device=device)[None])
-        out.append(masks)
-    return out
+def _masks(blk: DenseBlock, device: Any) -> list[torch.Tensor]:
+    """One block's planned masks as ``[1, n, width]`` tensors (window, then HCA slots), built
+    when the block runs and dropped after it: all blocks' masks at once would be ``[L, S / r]``
+    for HCA (Note [Masks on demand] in :mod:`hp_cp_core.columns`)."""
+    masks = [torch.as_tensor(blk.mask, device=device)[None]]
+    slot_mask = blk.slot_mask
+    if slot_mask is not None:
+        masks.append(torch.as_tensor(slot_mask, device=device)[None])
+    return masks
 
 
 class _BandedSparseAttention(torch.autograd.Function):
@@ -202,13 +202,12 @@ class _BandedSparseAttention(torch.autograd.Function):
         batch, seq, heads, dim = q.shape
         idx = idx.expand(batch, -1, -1)
         cmp = cmp_kv if cmp_kv.shape[1] else cmp_kv.new_zeros(batch, 1, dim)
-        masks = _masks(blocks, q.device)
         sink_f = sink.detach().float().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         ws = _Workspace()
-        for blk, mask in zip(blocks, masks):
-            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale, ws)
+        for blk in blocks:
+            parts = _Block(q, kv_ext, cmp, idx, blk, _masks(blk, q.device), scale, ws)
             logits = parts.logits()
             m = sink_f
             for lg in logits:
@@ -221,7 +220,7 @@ class _BandedSparseAttention(torch.autograd.Function):
             lse[:, blk.lo : blk.hi] = (m + torch.log(denom)).squeeze(-1)
         small = cmp.shape[1] < 2**31 - 1
         ctx.save_for_backward(q, kv_ext, cmp_kv, idx.int() if small else idx.long(), sink, lse)
-        ctx.scale, ctx.blocks, ctx.masks = float(scale), blocks, masks
+        ctx.scale, ctx.blocks = float(scale), blocks
         return out
 
     @staticmethod
@@ -240,8 +239,8 @@ class _BandedSparseAttention(torch.autograd.Function):
         d_sink = torch.zeros(heads, dtype=torch.float32, device=q.device)
         sink_f = sink.detach().float().view(1, 1, -1)
         ws = _Workspace()
-        for blk, mask in zip(ctx.blocks, ctx.masks):
-            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale, ws)
+        for blk in ctx.blocks:
+            parts = _Block(q, kv_ext, cmp, idx, blk, _masks(blk, q.device), scale, ws)
             b, n, h = parts.shape
             lse_c = lse[:, blk.lo : blk.hi]
             go = grad_out[:, blk.lo : blk.hi].float()  # [B, n, H, D]
