@@ -324,7 +324,7 @@ def write_long_png(res: dict[str, Any], path: str) -> str:
 
 def main_long(args: Any) -> int:
     """``hp-cp bench --long``: write the JSON and the PNG, print the headline keys."""
-    from hp_cp_torch.bench.suite import _flatten_numbers
+    from hp_cp_torch.bench.numbers import flatten_numbers
 
     seqs = [int(v) for v in args.long_seqs.split(",") if v]
     res: dict[str, Any] = {}
@@ -351,7 +351,7 @@ def main_long(args: Any) -> int:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     if "long_peak_mem_bytes_by_seq" in res:
         res["long_png_renderer"] = write_long_png(res, png)
-    numbers, notes = _flatten_numbers(res)
+    numbers, notes = flatten_numbers(res)
     for key, value in res.items():  # keep the per-S dict readable
         if isinstance(value, dict):
             numbers[key] = value

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core import LayerSpec, build_rank_plan
+from hp_cp_torch.bench.numbers import flatten_numbers
 from hp_cp_torch.bench.scaling import STEP_VARIANTS
 from hp_cp_torch.bench.traffic import FLASH, Shapes, comm_per_rank, traffic_measures
 
@@ -361,25 +362,6 @@ def _bars_png_fallback(rows: list[tuple[str, float, float | None]], path: str) -
     text(label_w, 2, "LOG2 AXIS 1/64 .. 16   BLACK TICK: TARGET   GREY LINE: 1")
     with open(path, "wb") as f:
         f.write(_png_bytes(pix, width, height))
-
-
-def _flatten_numbers(res: dict) -> tuple[dict, dict]:
-    """``bench.json`` holds numbers only (per-rank lists become ``key_<i>``); the strings that
-    name a setup go to ``bench.notes.json``."""
-    numbers: dict = {}
-    notes: dict = {}
-    for key, value in res.items():
-        if isinstance(value, bool):
-            numbers[key] = int(value)
-        elif isinstance(value, (int, float)):
-            numbers[key] = value
-        elif isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-        ):
-            numbers.update({f"{key}_{i}": v for i, v in enumerate(value)})
-        else:
-            notes[key] = value
-    return numbers, notes
 
 
 def write_png(rows: list[tuple[str, float, float | None]], path: str) -> str:
@@ -762,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in (out, png):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     res["png_renderer"] = write_png(_lower_is_better_rows(res), png)
-    numbers, notes = _flatten_numbers(res)
+    numbers, notes = flatten_numbers(res)
     with open(out, "w") as f:
         json.dump(numbers, f, indent=1, sort_keys=True)
     with open(os.path.splitext(out)[0] + ".notes.json", "w") as f:
