@@ -262,6 +262,7 @@ def run_sparse_attention(
     *,
     kernel: str = "smallop",
     query_chunk: int = 1024,
+    banded_picks: str = "weights",
 ) -> torch.Tensor:
     """Attention of the local queries over the window and the compressed slots of the plan.
 
@@ -280,6 +281,9 @@ def run_sparse_attention(
             is gathered: :mod:`hp_cp_torch.kernels.banded`), ``"efficient"``, ``"triton"`` or
             ``"smallop"``.
         query_chunk: queries per chunk.
+        banded_picks: how the banded kernel reads picks that lie in a block's slot band
+            (:data:`hp_cp_torch.kernels.banded.PICK_READS`; the same result each way, the
+            benchmark measures each).
 
     Returns:
         ``[B, L, H, D]``.
@@ -300,7 +304,9 @@ def run_sparse_attention(
         blocks = columns.dense_blocks(
             rows, with_slots=hca, picks_band_max=PICKS_BAND_FACTOR * width
         )
-        return sparse_attention_banded(q, ori_ext, cmp_kv, selected, sink, scale, blocks)
+        return sparse_attention_banded(
+            q, ori_ext, cmp_kv, selected, sink, scale, blocks, picks=banded_picks
+        )
     attend = sparse_attention_smallop
     if kernel == "efficient":
         from hp_cp_torch.kernels.efficient import sparse_attention_efficient as attend

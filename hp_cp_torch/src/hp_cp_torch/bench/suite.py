@@ -596,6 +596,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _table(res: dict[str, Any]) -> str:
+    from hp_cp_torch.kernels.banded import PICK_READS
+
     lines = [f"{'measure':<48} {'value':>10} {'target':>8}"]
     for key, value, target in _lower_is_better_rows(res):
         mark = "" if target is None else ("ok" if value <= target else "MISS")
@@ -620,6 +622,11 @@ def _table(res: dict[str, Any]) -> str:
         "cp_enabled_cp1_overhead_cpu",
         "cp_enabled_cp1_overhead_swa",
         *[f"attn_flops_over_matmul_{c}" for c in ("r4", "r4_gathered", "r128")],
+        *[
+            f"attn_flops_over_matmul_{c}_{p}"
+            for c in ("r4", "r4_gathered", "r128")
+            for p in PICK_READS
+        ],
         *[
             f"attn_flops_over_matmul_{k}_{c}"
             for k in ("efficient", "smallop")
