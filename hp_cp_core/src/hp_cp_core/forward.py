@@ -15,6 +15,7 @@ from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
+from hp_cp_core.sharing import LayerRoles, SharedState, plan_sharing
 from hp_cp_core.validation import (
     AgreementMemo,
     LocalCheck,
@@ -47,6 +48,11 @@ class DeepSeekV4CPForward:
             layer's index among them; ``None``: every forward agrees.
         sequence: the handle's :class:`~hp_cp_core.padding.ShardedSequence` (what
             ``handle.shard`` padded); ``None``: every row is real.
+        roles: this layer's :class:`~hp_cp_core.sharing.LayerRoles` in the handle's
+            :class:`~hp_cp_core.sharing.SharingPlan`; ``None``: the layer alone (it must
+            reuse nothing).
+        shared: the handle's :class:`~hp_cp_core.sharing.SharedState` (where owners publish
+            and readers take; Note [Layers that share their indexer]).
     """
 
     def __init__(
@@ -62,6 +68,8 @@ class DeepSeekV4CPForward:
         index: int = 0,
         *,
         sequence: ShardedSequence | None = None,
+        roles: LayerRoles | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         self.module = module
         self.hooks = hooks
@@ -73,6 +81,8 @@ class DeepSeekV4CPForward:
         self.memo, self.index = memo, index
         self.sequence = sequence
         self._spec_text, self._config_text = repr(spec), agreed_config_text(self.config)
+        self.roles = roles if roles is not None else plan_sharing([spec]).roles(0)
+        self.shared = shared if shared is not None else SharedState()
 
     def __call__(
         self,
@@ -125,30 +135,89 @@ class DeepSeekV4CPForward:
         first = works[:1] if compressed else works
         rest = works[1:] if compressed else []
         overlap = self.config.overlap_exchanges
-        ori_ext, halo_x, token = exchange_halos(
-            self.group, self.backend, ori_kv, x, call.plan, token, _run_all(first), overlap
-        )
+        if self.spec.needs_halo:
+            ori_ext, halo_x, token = exchange_halos(
+                self.group, self.backend, ori_kv, x, call.plan, token, _run_all(first), overlap
+            )
+        else:  # no rank reads a row of another outside the slots: no halo exchange at all
+            for work in first:
+                work()
+            ori_ext, halo_x = ori_kv, None
         cmp_kv_global, cmp_idx_global, token = self.global_compressed_kv(
             x, halo_x, call, token, _run_all(rest)
         )
         call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
+        if self.roles.reuses("selection"):
+            call.reused["selection"] = self._take(call, "selection")
         out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        if self.roles.publishes("selection"):
+            if "selection" not in call.outputs:
+                raise HpCpError(
+                    f"layer {self.index} publishes its indexer selection to layers "
+                    f"{dict(self.roles.readers)['selection']} (LayerSpec.reuses), but the "
+                    "backend's hp_cp_run_attention did not put it in call.outputs['selection']."
+                )
+            self.shared.publish(
+                self.index, self._sequence_key(call), {"selection": call.outputs["selection"]}
+            )
         return self.group.end_order(out, token)
+
+    def _sequence_key(self, call: DeepSeekV4CPContext) -> tuple[Any, ...]:
+        """What identifies the sequence an artifact belongs to: its rows and documents."""
+        cu = None if call.cu_seqlens is None else np.asarray(call.cu_seqlens).tobytes()
+        return (call.plan.n_local * call.cp_size, cu)
+
+    def _take(self, call: DeepSeekV4CPContext, artifact: str) -> Any:
+        owner = self.roles.owner(artifact)
+        return self.shared.take(self.index, owner, self._sequence_key(call), artifact)
 
     def global_compressed_kv(
         self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
     ):
         """Main compressed KV and indexer keys of every rank, in global slot order, and the
-        next order token (``work()`` while the slots travel)."""
+        next order token (``work()`` while the slots travel).
+
+        What the layer makes travels in one exchange; what it reuses comes from the owner's
+        publication, with no collective (Note [Layers that share their indexer] in
+        :mod:`hp_cp_core.sharing`)."""
         if self.spec.compress_ratio == 0:
+            if work is not None:
+                work()
             return None, None, token
-        owned = [self.hooks.compress_main(self.module, x, halo_x, call)]
-        if self.spec.has_indexer:
+        kinds = []
+        owned = []
+        if self.spec.makes_compressed_kv:
+            kinds.append("compressed_kv")
+            owned.append(self.hooks.compress_main(self.module, x, halo_x, call))
+        if self.spec.makes_index_keys:
+            kinds.append("index_keys")
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
-        gathered, token = build_global_compressed_kv_for_cp(
-            self.group, self.backend, owned, call.plan, token, work, self.config.overlap_exchanges
-        )
-        return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
+        made: dict[str, Any] = {}
+        if owned:
+            gathered, token = build_global_compressed_kv_for_cp(
+                self.group,
+                self.backend,
+                owned,
+                call.plan,
+                token,
+                work,
+                self.config.overlap_exchanges,
+            )
+            made = dict(zip(kinds, gathered))
+            public = {k: v for k, v in made.items() if self.roles.publishes(k)}
+            if public:
+                self.shared.publish(self.index, self._sequence_key(call), public)
+        elif work is not None:
+            work()
+        out = []
+        for artifact in ("compressed_kv", "index_keys"):
+            if artifact in made:
+                out.append(made[artifact])
+            elif self.roles.reuses(artifact):
+                out.append(self._take(call, artifact))
+            else:
+                out.append(None)
+        return out[0], out[1], token
 
     def real_rows(self, n_local: int) -> np.ndarray | None:
         """``[n_local]`` bool: which of this rank's rows are real, when this forward's
@@ -246,6 +315,7 @@ class DeepSeekV4CPForward:
             extra=extra,
             group=self.group,
             loss_rows=0 if total is None else total,
+            roles=self.roles,
         )
 
     def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:
