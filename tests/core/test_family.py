@@ -331,3 +331,31 @@ def test_dsa_topk_rows_are_the_one_process_rows(cp: int, layout: str, case: str)
                     assert a == docs[d] and n == g - docs[d] + 1
                     assert row.start <= a and a + n <= row.start + row.length
             assert seen == plan.n_local
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_reader_before_its_owner_fails_on_every_rank_before_any_exchange(cp: int) -> None:
+    world = fb.FakeWorld(cp)
+    host = fake_host()
+    x = np.random.default_rng(1).normal(size=(2 * cp * 4, 6))
+
+    def rank_fn(rank: int):
+        stack = _Stack([_dsa_layer(seed=1, topk=2), _dsa_layer(seed=2, reuses=("selection",))])
+        handle = enable_cp(stack, fb.FakeMesh(world, rank), DeepSeekV4CPConfig(), plugins=host)
+        try:
+            local_x = handle.shard(x, 0)
+            with pytest.raises(HpCpError) as err:
+                stack.layers[1](local_x)  # the shared layer alone: its owner has not run
+            mine = [e["kind"] for e in world.log if e["rank"] == rank]
+            stack.layers[0](local_x)  # in order, it runs
+            stack.layers[1](local_x)
+        finally:
+            disable_cp(handle)
+        return str(err.value), mine
+
+    for message, kinds in world.run(rank_fn):
+        assert message.startswith(
+            "layer 1 reuses 'selection' of layer 0 (LayerSpec.reuses=('selection',)), but layer 0 "
+            "has not run on this sequence before it."
+        ), message
+        assert "exchange_rows" not in kinds
