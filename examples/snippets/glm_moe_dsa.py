@@ -17,7 +17,7 @@ config = GlmMoeDsaConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
     n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
     qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, index_topk=4, index_head_dim=16,
-    index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=256,
+    index_n_heads=4, first_k_dense_replace=1, max_position_embeddings=256,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     indexer_types=["full", "shared"],  # layer 1 reuses layer 0's top-k
 )  # fmt: skip

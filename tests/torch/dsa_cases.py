@@ -26,7 +26,8 @@ SEQ = 37
 CU = [0, 11, 12, 30, 37]
 """Packed documents (batch 1): one of a single token, none a multiple of anything."""
 TOPK = 4
-"""Far fewer than the up to 37 tokens a query sees: the indexer really selects."""
+"""Far fewer than the up to 37 tokens a query sees: the indexer really selects, and with 4
+indexer heads the k-th and (k+1)-th best scores often tie exactly (at 0)."""
 
 TINY = dict(
     vocab_size=64,
@@ -48,7 +49,7 @@ TINY = dict(
     qk_nope_head_dim=8,
     index_topk=TOPK,
     index_head_dim=16,
-    index_n_heads=16,
+    index_n_heads=4,
     first_k_dense_replace=1,
     max_position_embeddings=256,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

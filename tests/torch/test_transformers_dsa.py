@@ -1,9 +1,11 @@
 """transformers' DSA models under CP: the whole ``DeepseekV32ForCausalLM`` (DeepSeek V3.2) and
 ``GlmMoeDsaForCausalLM`` (GLM-5, a full indexer layer and two layers sharing its selection),
 tiny fp32 configs, on cp 2, 3, 4 and 8 (one 8-rank gloo job), contiguous and load-balanced,
-padded (batch 2) and packed (batch 1), S = 37 (a multiple of nothing), top-k 4 of up to 37
-visible tokens, against the same model and weights on one process: logits and loss 1e-5,
-every parameter gradient 1e-4 (by name), the loss after one SGD step at cp 4.
+padded (batch 2) and packed (batch 1), S = 37 (a multiple of nothing), 4 indexer heads and
+top-k 4 of up to 37 visible tokens (exact top-k ties at the boundary do occur: hp_cp picks as
+HF's ``torch.topk`` does on one process), against the same model and weights on one process:
+logits and loss 1e-5, every parameter gradient 1e-4 (by name), the loss after one SGD step at
+cp 4.
 
 Skipped when transformers 5.23's DSA models are absent, unless ``HP_CP_REQUIRE_BACKEND``
 contains ``transformers``.
@@ -51,8 +53,10 @@ def test_every_case_ran_and_the_indexer_selects(suite: dict) -> None:
     assert got == want
     for key, ref in suite["references"].items():
         assert ref["rows_selecting"] > 0, key  # top-k < visible tokens on many rows
-        # exactness needs no top-k tie at the boundary (HF's torch.topk defines no order)
-        assert ref["boundary_ties"] == 0, key
+    # the k-th and (k+1)-th best visible scores tie exactly on some rows: the picks then
+    # depend on torch.topk's row, which hp_cp rebuilds (Note [The one-process top-k row])
+    ties = {key: ref["boundary_ties"] for key, ref in suite["references"].items()}
+    assert sum(ties.values()) > 0, ties
 
 
 @pytest.mark.slow

@@ -30,9 +30,14 @@ The stages are HF's ops on the module's own parameters:
   ``torch.no_grad`` as in HF (its top-k feeds only integer ids: no gradient, no indexer
   loss in transformers): RoPE half-split for V3.2, interleaved for GLM-5; scores
   ``relu(q . k) * softmax_scale`` weighted per head, exactly HF's op sequence;
-* top-k ties: transformers' ``torch.topk`` defines no order among equal scores, so hp_cp
-  keeps the lower token (its deterministic rule); the two agree whenever the k-th and
-  (k+1)-th best visible scores differ;
+* top-k as transformers picks it on one process, exact ties included (Note [The one-process
+  top-k row] in :mod:`hp_cp_core.columns`): HF calls ``torch.topk`` on each query's row of
+  every token of the sequence, the invisible ones masked; which of several equal scores it
+  keeps depends on that whole row (ReLU scores tie at 0 for every token no head likes). So
+  each query's scores are placed in the row one process scores and go through the same
+  ``torch.topk``: padded, the real tokens (not the padding ``cp_dsa_batch`` appends); packed,
+  one row for the whole packed stream (HF's one-process packed mask is block-diagonal over
+  one row: ``one_process_row="stream"``);
 * attention: each query's logits over the tokens it may read, the unselected ones at
   ``finfo.min`` (HF's additive mask), softmax in fp32, ``scaling``, then ``o_proj``.
 
@@ -154,7 +159,8 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
 
     def select(self, call: DeepSeekV4CPContext) -> torch.Tensor:
         """Indexer top-k ``[B, L, topk]`` (global token ids, ``-1`` = none) of the local
-        queries over the tokens each sees, HF's scores, ties to the lower token."""
+        queries over the tokens each sees, HF's scores, the tokens HF's ``torch.topk`` keeps
+        on one process (the row of the whole sequence or packed stream)."""
         ix = self.module.indexer
         local = call.extra["local"]
         q, hs = local["index_q"], local["hidden_states"]
@@ -170,7 +176,14 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
                 return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
 
             return select_topk_chunked(
-                score, call.plan, int(ix.index_topk), call.config.query_chunk, batch=q.shape[0]
+                score,
+                call.plan,
+                int(ix.index_topk),
+                call.config.query_chunk,
+                batch=q.shape[0],
+                one_process_row="stream",  # HF's packed mask: one row, block-diagonal
+                sequence_rows=call.sequence_rows,
+                cu_seqlens=call.cu_seqlens,
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
