@@ -1,11 +1,11 @@
 # /// script
 # dependencies = ["nox>=2024.3"]
 # ///
-"""Sessions: lint, docs, core (no framework), torch, mindformers, example_mindformers,
+"""Sessions: lint, docs, core (no framework), torch, dsa, mindformers, example_mindformers,
 example_jax, example_train, nemo_automodel, veomni, bench, bench_mindformers, bench_peers
 (bench_peers_nemo, bench_peers_veomni), dist, device, fuzz.
 
-`nox` runs lint, docs, core, torch, mindformers, example_mindformers, example_jax,
+`nox` runs lint, docs, core, torch, dsa, mindformers, example_mindformers, example_jax,
 example_train, nemo_automodel and veomni; each installs its own distributions (the wheels
 built once per run) into a fresh virtualenv, so the core is proven framework-free and every
 backend is tested with its framework for real. Every backend passes the same installed
@@ -31,6 +31,7 @@ nox.options.sessions = [
     "docs",
     "core",
     "torch",
+    "dsa",
     "mindformers",
     "example_mindformers",
     "example_jax",
@@ -207,10 +208,41 @@ def torch(session: nox.Session) -> None:
     session.run(
         "pytest",
         "tests/torch",
+        "--ignore=tests/torch/test_transformers_dsa.py",  # the dsa session runs it
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers,triton"},
     )
     session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
+
+
+@nox.session(python=PYTHONS)
+def dsa(session: nox.Session) -> None:
+    """transformers' DSA models under hp_cp: DeepSeek V3.2 and GLM-5 (cp 2, 3, 4, 8 in one
+    8-rank gloo job against one process), then the two docs snippets under torchrun."""
+    session.install(TORCH)
+    session.install(
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[transformers]"),
+        "./tests/fakes",
+        TRANSFORMERS,
+        *TEST_DEPS,
+    )
+    session.install("-e", "./tests/contract")
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run(
+        "pytest",
+        "tests/torch/test_transformers_dsa.py",
+        *session.posargs,
+        env={**env, "HP_CP_REQUIRE_BACKEND": "torch,transformers"},
+    )
+    for snippet in ("deepseek_v32", "glm_moe_dsa"):
+        session.run(
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            f"examples/snippets/{snippet}.py",
+            env=env,
+        )
 
 
 def _install_mindformers(session: nox.Session) -> None:

@@ -184,8 +184,8 @@ def test_bad_config_values(kwargs: dict, message: str) -> None:
     [
         (
             {"compress_ratio": -4},
-            "LayerSpec.compress_ratio=-4: expected 0 (sliding window), 1 (a slot per row) or a "
-            "ratio >= 2 such as 4 (CSA) or 128 (HCA).",
+            "LayerSpec.compress_ratio=-4: expected 0 (sliding window), 1 (a slot per row: DSA) "
+            "or a ratio >= 2 such as 4 (CSA) or 128 (HCA).",
         ),
         (
             {"compress_ratio": 1, "overlapping": True},
@@ -193,12 +193,36 @@ def test_bad_config_values(kwargs: dict, message: str) -> None:
             "one row, with no block before it to overlap.",
         ),
         (
-            {"compress_ratio": 2, "has_indexer": True, "shares_slots": True},
-            "LayerSpec.shares_slots=True needs compress_ratio > 0 and has_indexer=False: a "
-            "layer reading another layer's slots compresses nothing itself (got "
-            "compress_ratio=2, has_indexer=True).",
+            {"compress_ratio": 0, "window_size": 0},
+            "LayerSpec.window_size must be >= 1 (or 0, no window, for a layer with compressed "
+            "slots: compress_ratio >= 1), got 0 with compress_ratio=0.",
         ),
-        ({"compress_ratio": 4, "window_size": 0}, "LayerSpec.window_size must be >= 1, got 0."),
+        (
+            {"compress_ratio": 1, "window_size": 0},
+            "LayerSpec(compress_ratio=1, window_size=0) needs has_indexer=True: a layer without "
+            "a window and without pooling attends only to its indexer's picks (DSA). A dense "
+            "causal layer is not a sparse-attention layer hp_cp plans.",
+        ),
+        (
+            {"compress_ratio": 1, "window_size": 0, "has_indexer": True, "reuses": ("kv",)},
+            "LayerSpec.reuses=('kv',): expected distinct names out of ('compressed_kv', "
+            "'index_keys', 'selection', 'candidates').",
+        ),
+        (
+            {"compress_ratio": 128, "reuses": ("selection",)},
+            "LayerSpec.reuses=('selection',) names the indexer's artifacts, so the layer reads "
+            "an indexer selection: set has_indexer=True.",
+        ),
+        (
+            {"compress_ratio": 128, "index_block": 4},
+            "LayerSpec.index_block > 0 (a two-level indexer) needs has_indexer.",
+        ),
+        (
+            {"compress_ratio": 2, "has_indexer": True, "reuses": ("compressed_kv", "candidates")},
+            "LayerSpec.reuses=('compressed_kv', 'candidates') names 'candidates' (the candidate "
+            "blocks of a two-level indexer), so the layer selects among them: set index_block "
+            ">= 1 (the owner's block size) and do not reuse the selection as well.",
+        ),
         (
             {"compress_ratio": 4, "packed_grid": "thd"},
             "LayerSpec.packed_grid='thd': expected one of ('per_document', 'global').",

@@ -1,6 +1,8 @@
-"""DeepSeek V4.1's shared layers in the core: the schedule (hp_cp_core.sharing), ratio 1 and
-shared-slot plans (no x halo, no slot exchange, the Full layer's visibility), the n-gram
-lookback index and the recorded packed boundaries, against brute force."""
+"""DeepSeek V4.1's shared layers in the core: its released schedule as LayerSpecs (one
+plan_sharing for the family: Full / Reindex / Reuse layers, the two-level indexer's candidate
+blocks from one Full layer), ratio 1 and shared-slot plans (no x halo, no slot exchange, the
+Full layer's visibility), the n-gram lookback index and the recorded packed boundaries,
+against brute force."""
 
 from __future__ import annotations
 
@@ -15,49 +17,114 @@ from hp_cp_core.indices import lookback_index
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.sharing import plan_sharing
 
+KV = ("compressed_kv", "index_keys")
+
+
+def v41_specs(
+    ratios: list[int], kv: list[int], ix: list[int], cand: int = -1, block: int = 8
+) -> list[LayerSpec]:
+    """The LayerSpecs NeMo's V4.1 layers get (as hp_cp_torch's adapter builds them)."""
+    out = []
+    for i, r in enumerate(ratios):
+        if r == 0:
+            out.append(LayerSpec(0, 128))
+            continue
+        two_level = cand >= 0 and i >= cand and i in ix
+        after = 0 <= cand < i
+        if i in kv:
+            reuses: tuple[str, ...] = ("candidates",) if after else ()
+        elif i in ix:
+            reuses = KV + (("candidates",) if after else ())
+        else:
+            reuses = (*KV, "selection")
+        out.append(
+            LayerSpec(
+                r,
+                128,
+                has_indexer=True,
+                overlapping=False,
+                index_block=block if two_level else 0,
+                reuses=reuses,
+            )
+        )
+    return out
+
+
 V41 = dict(  # the released V4.1 Flash schedule (40 layers)
-    compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
-    kv_sources=[2, 8, 14, 20],
-    index_sources=[2, 8, 14, 20, 24, 28, 32, 36],
-    candidate_source=20,
+    ratios=[0, 0] + [2] * 18 + [1] * 20,
+    kv=[2, 8, 14, 20],
+    ix=[2, 8, 14, 20, 24, 28, 32, 36],
+    cand=20,
 )
 
 
-def test_released_schedule_roles() -> None:
-    plan = plan_sharing(**V41)
-    roles = [s.role for s in plan]
-    assert roles[:3] == ["window", "window", "full"]
-    assert [s.layer for s in plan if s.exchanges_slots] == [2, 8, 14, 20]
-    assert plan[3].role == "reuse" and plan[3].slots_from == 2 and plan[3].picks_from == 2
-    assert plan[24].role == "reindex" and plan[24].keys_from == 20
-    assert plan[24].candidates_from == 20 and plan[25].picks_from == 24
-    assert plan[20].makes_candidates and plan[19].candidates_from is None
-    assert plan[9].slots_from == 8 and plan[21].slots_from == 20
+def test_released_schedule_owners() -> None:
+    plan = plan_sharing(v41_specs(**V41))
+    table = plan.describe()
+    for window in (0, 1):  # sliding-window layers: nothing shared, their window halo
+        want = {"layer": window, "makes": [], "owners": {}, "readers": {}, "exchanges": ["halo"]}
+        assert table[window] == want
+    assert [r.layer for r in plan.layers if "slots" in r.exchanges] == [2, 8, 14, 20]
+    assert all(r.exchanges == ("halo",) for r in plan.layers if r.layer not in (2, 8, 14, 20))
+    # layer 3 is a Reuse layer: layer 2's slots and selection
+    assert table[3]["owners"] == {"compressed_kv": 2, "index_keys": 2, "selection": 2}
+    assert table[3]["makes"] == []
+    # layer 24 is a Reindex layer: layer 20's keys and candidate blocks, its own selection
+    assert table[24]["owners"] == {
+        "compressed_kv": 20,
+        "index_keys": 20,
+        "selection": 24,
+        "candidates": 20,
+    }
+    assert table[25]["owners"]["selection"] == 24
+    assert table[20]["makes"] == ["compressed_kv", "index_keys", "selection", "candidates"]
+    assert table[20]["readers"]["candidates"] == [24, 28, 32, 36]
+    assert "candidates" not in table[19]["owners"]
+    assert table[9]["owners"]["compressed_kv"] == 8 and table[21]["owners"]["compressed_kv"] == 20
+    assert table[2]["readers"]["compressed_kv"] == [3, 4, 5, 6, 7]
 
 
 @pytest.mark.parametrize(
-    "kwargs, words",
+    "specs, words",
     [
-        (dict(compress_ratios=[0, 2], kv_sources=[], index_sources=[]), "earlier Full layer"),
-        (dict(compress_ratios=[2, 1], kv_sources=[0], index_sources=[0]), "(ratio 2)"),
-        (dict(compress_ratios=[0, 2], kv_sources=[0], index_sources=[0]), "sliding-window"),
-        (dict(compress_ratios=[2], kv_sources=[0], index_sources=[]), "do not select"),
-        (
-            dict(
-                compress_ratios=[1, 1], kv_sources=[0, 1], index_sources=[0, 1], candidate_source=0
-            ),
-            "drops the candidate blocks",
-        ),  # fmt: skip
-        (
-            dict(compress_ratios=[1], kv_sources=[0], index_sources=[0], candidate_source=3),
-            "not a KV source",
+        (  # a shared layer with no Full layer before it
+            v41_specs([0, 2], kv=[], ix=[]),
+            "layer 1 reuses 'compressed_kv' (LayerSpec.reuses=('compressed_kv', 'index_keys', "
+            "'selection')) but no earlier layer makes it",
+        ),
+        (  # the last Full layer before it has another ratio
+            v41_specs([2, 1], kv=[0], ix=[0]),
+            "layer 1 (compress_ratio=1, packed_grid='per_document') reuses 'compressed_kv' from "
+            "layer 0 (compress_ratio=2",
+        ),
+        (  # candidate blocks of another size
+            [
+                LayerSpec(1, 4, has_indexer=True, index_block=8),
+                LayerSpec(1, 4, has_indexer=True, index_block=4, reuses=(*KV, "candidates")),
+            ],
+            "layer 1 (index_block=4) reuses the candidate blocks of layer 0 (index_block=8)",
+        ),
+        (  # candidate blocks no earlier layer keeps
+            [
+                LayerSpec(1, 4, has_indexer=True),
+                LayerSpec(1, 4, has_indexer=True, index_block=4, reuses=(*KV, "candidates")),
+            ],
+            "layer 1 reuses 'candidates'",
         ),
     ],
 )
-def test_schedule_errors(kwargs: dict, words: str) -> None:
-    with pytest.raises(HpCpError, match=None) as err:
-        plan_sharing(**kwargs)
+def test_schedule_errors(specs: list[LayerSpec], words: str) -> None:
+    with pytest.raises(HpCpError) as err:
+        plan_sharing(specs)
     assert words in str(err.value)
+
+
+def test_candidates_need_a_two_level_reader() -> None:
+    with pytest.raises(HpCpError, match="names 'candidates'"):
+        LayerSpec(2, 4, has_indexer=True, reuses=(*KV, "candidates"))
+    spec = LayerSpec(2, 4, has_indexer=True, index_block=4, reuses=(*KV, "candidates"))
+    assert not spec.makes_slots and not spec.makes_candidates and spec.makes_selection
+    assert LayerSpec(2, 4, has_indexer=True, index_block=4).makes_candidates
 
 
 @settings(max_examples=60, deadline=None)
@@ -78,7 +145,8 @@ def test_shared_plan_has_the_full_layers_visibility_and_no_exchange(
     for rank in range(cp):
         kw = dict(rank=rank, cp_size=cp, layout_kind=layout, total_rows=total, cu_seqlens=cu)
         full = build_rank_plan(spec=LayerSpec(r, 5, has_indexer=True, overlapping=False), **kw)
-        shared = build_rank_plan(spec=LayerSpec(r, 5, overlapping=False, shares_slots=True), **kw)
+        shared_spec = LayerSpec(r, 5, has_indexer=True, overlapping=False, reuses=KV)
+        shared = build_rank_plan(spec=shared_spec, **kw)
         assert shared.x is None and shared.slot_exchange is None and not shared.segments
         assert np.array_equal(shared.cmp_start, full.cmp_start)
         assert np.array_equal(shared.cmp_count, full.cmp_count)

@@ -356,12 +356,10 @@ CU_FIX = (
             "spec",
             "CP ranks were given inconsistent inputs: layer spec per rank [LayerSpec("
             "compress_ratio=4, window_size=6, has_indexer=True, force_unfused=True, "
-            "packed_grid='per_document', overlapping=None, shares_slots=False), LayerSpec("
-            "compress_ratio=4, window_size=6, has_indexer=True, force_unfused=True, "
-            "packed_grid='per_document', overlapping=None, shares_slots=False), LayerSpec("
+            "packed_grid='per_document'), LayerSpec(compress_ratio=4, window_size=6, "
+            "has_indexer=True, force_unfused=True, packed_grid='per_document'), LayerSpec("
             "compress_ratio=8, window_size=6, has_indexer=False, force_unfused=True, "
-            "packed_grid='per_document', overlapping=None, shares_slots=False)]. Expected every "
-            "rank to run the same layer "
+            "packed_grid='per_document')]. Expected every rank to run the same layer "
             "(compress_ratio, window_size, indexer): build the model identically on every rank "
             "before enable_cp.",
         ),

@@ -175,8 +175,10 @@ def cp_run(
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     stats = handle.stats()
+    sharing = handle.sharing.describe()
     disable_cp(handle)
     return {
+        "sharing": sharing,
         "logits": logits,
         "loss": total,
         "grads": _grads(model),
@@ -292,6 +294,7 @@ def run_cases(rank: int, groups: dict[int, Any], kinds: tuple[str, ...]) -> list
                 res = compare(refs[kind], got)
                 res.update(case=kind, cp=cp, layout=layout, bytes_recv=got["bytes_recv"])
                 res["slot_exchanges"] = got["slot_exchanges"]
+                res["sharing"] = got["sharing"]
                 results.append(res)
     return results
 

@@ -88,6 +88,35 @@ def test_shared_layers_add_no_slot_exchange(model_ranks: list[dict]) -> None:
             assert res["slot_exchanges"] == 2, res
 
 
+KV = ["compressed_kv", "index_keys"]
+
+
+def test_the_sharing_plan_says_who_owns_what(model_ranks: list[dict]) -> None:
+    """The schedule (SWA, Full, Reuse, Reindex at ratio 2; Full + candidate source, Reindex,
+    Reuse at ratio 1) as the core's one sharing plan."""
+    tables = [res["sharing"] for res in model_ranks[0]["results"] if "sharing" in res]
+    assert len(tables) == 12  # cp 2, 3, 4 x both layouts x padded, packed
+    for rows in tables:
+        table = {row["layer"]: row for row in rows}
+        assert table[0] == {
+            "layer": 0, "makes": [], "owners": {}, "readers": {}, "exchanges": ["halo"]
+        }  # fmt: skip
+        for full in (1, 4):
+            assert table[full]["exchanges"] == ["halo", "slots"]
+        assert table[1]["makes"] == [*KV, "selection"]
+        assert table[1]["readers"] == {"compressed_kv": [2, 3], "index_keys": [2, 3],
+                                       "selection": [2]}  # fmt: skip
+        assert table[2]["owners"] == {"compressed_kv": 1, "index_keys": 1, "selection": 1}
+        assert table[3]["owners"] == {"compressed_kv": 1, "index_keys": 1, "selection": 3}
+        assert table[4]["makes"] == [*KV, "selection", "candidates"]
+        assert table[5]["owners"] == {
+            "compressed_kv": 4, "index_keys": 4, "selection": 5, "candidates": 4
+        }  # fmt: skip
+        assert table[6]["owners"] == {"compressed_kv": 4, "index_keys": 4, "selection": 5}
+        for shared in (2, 3, 5, 6):  # no slot collective of their own
+            assert table[shared]["exchanges"] == ["halo"]
+
+
 @pytest.mark.parametrize(
     "key, words",
     [

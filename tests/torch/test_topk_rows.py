@@ -2,7 +2,8 @@
 ``select_topk_chunked(..., one_process_row=...)`` on every rank's plan keeps exactly the slots
 ``torch.topk`` keeps on the row of every slot of the sequence (or document), where many scores
 tie exactly at 0 (ReLU scores), for both layouts, padded (with ``handle.shard``'s padding
-left out of the row) and packed."""
+left out of the row) and packed, for CSA (r = 4) and DSA (r = 1, no window: a slot per
+token)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from hp_cp_core import LayerSpec
 from hp_cp_core.plan import build_rank_plan
 from hp_cp_torch.attention import select_topk_chunked
 
-R, TOPK = 4, 6
+TOPK = 6
+SPECS = {
+    4: LayerSpec(compress_ratio=4, window_size=24, has_indexer=True),
+    1: LayerSpec(compress_ratio=1, window_size=0, has_indexer=True),
+}
 
 
 def _scores(rows: int, slots: int, seed: int) -> torch.Tensor:
@@ -53,10 +58,11 @@ def _one_process(
     ],
 )
 @pytest.mark.parametrize("packed_row", ["document", "stream"])
+@pytest.mark.parametrize("R", [4, 1])
 def test_picks_equal_torch_topk_on_the_one_process_row(
-    layout: str, cp: int, total: int, real: int, cu: list[int] | None, packed_row: str
+    layout: str, cp: int, total: int, real: int, cu: list[int] | None, packed_row: str, R: int
 ) -> None:
-    spec = LayerSpec(compress_ratio=R, window_size=24, has_indexer=True)
+    spec = SPECS[R]
     cu_np = None if cu is None else np.array(cu, dtype=np.int64)
     docs = np.array(cu if cu is not None else [0, total], dtype=np.int64)
     doc_slots = np.diff(docs) // R

@@ -2,7 +2,8 @@
 
 Public entry points: :func:`enable_cp`, :func:`disable_cp`, :class:`DeepSeekV4CPConfig`,
 :data:`hookimpl` and :data:`BACKEND_API` (for backend plugins), :class:`LayerSpec`,
-:class:`DeepSeekV4CPContext`, :class:`DeepSeekV4CPForward`, and the errors under
+:class:`DeepSeekV4CPContext`, :class:`DeepSeekV4CPForward`, :func:`plan_sharing` (which
+layer owns each shared compressed KV, index-key set and selection), and the errors under
 :class:`HpCpError`.
 """
 
@@ -29,6 +30,7 @@ from hp_cp_core.forward import DeepSeekV4CPForward
 from hp_cp_core.indices import build_cmp_cu_seqlens, build_select_pad_gather_index
 from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import RankPlan, build_rank_plan
+from hp_cp_core.sharing import LayerRoles, SharedState, SharingPlan, plan_sharing
 from hp_cp_core.versions import BACKEND_API
 
 hookimpl = pluggy.HookimplMarker("hp_cp")
@@ -48,9 +50,12 @@ __all__ = [
     "DeepSeekV4CPForward",
     "Group",
     "HpCpError",
+    "LayerRoles",
     "LayerSpec",
     "PlanError",
     "RankPlan",
+    "SharedState",
+    "SharingPlan",
     "build_cmp_cu_seqlens",
     "build_global_compressed_kv_for_cp",
     "build_rank_plan",
@@ -59,6 +64,7 @@ __all__ = [
     "enable_cp",
     "hookimpl",
     "pad_for_cp",
+    "plan_sharing",
     "select_and_pad_smallop",
     "stage1_compress_with_halo",
 ]

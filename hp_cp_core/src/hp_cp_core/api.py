@@ -17,6 +17,7 @@ from hp_cp_core.layout import SequenceLayout
 from hp_cp_core.padding import CPPadding, ShardedSequence, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
+from hp_cp_core.sharing import SharedState, SharingPlan, plan_sharing
 from hp_cp_core.validation import AgreementMemo, check_group, check_layer_spec
 from hp_cp_core.versions import check_api_usable, check_group_api
 
@@ -54,6 +55,12 @@ class CPHandle:
     sequence: ShardedSequence = field(default_factory=ShardedSequence)
     """The padding of the sequence :meth:`shard` cut last: the indexer loss leaves those
     padding rows out (Note [Padding to the layout])."""
+    sharing: SharingPlan | None = None
+    """Which layer owns each compressed KV, index-key set and selection, and which layers
+    reuse it (Note [Layers that share their indexer] in :mod:`hp_cp_core.sharing`);
+    ``sharing.describe()`` is the table as data."""
+    shared: SharedState = field(default_factory=SharedState)
+    """What the owners published in the current forward, for the layers that reuse it."""
     _tokens: list[tuple[Any, Any]] = field(default_factory=list)
     _cleanups: list[Callable[[], None]] = field(default_factory=list)
     _kept_forwards: list[Any] = field(default_factory=list)
@@ -236,6 +243,7 @@ def enable_cp(
     handle = CPHandle(module, mesh, name, be, group, config, cache=cache)
     hooks = host.hooks
     specs = [(layer, check_layer_spec(hooks.layer_spec(layer), layer)) for layer in layers]
+    handle.sharing = plan_sharing([spec for _, spec in specs])  # HpCpError before installing
     for index, (layer, spec) in enumerate(specs):
         cp_forward = DeepSeekV4CPForward(
             layer,
@@ -248,6 +256,8 @@ def enable_cp(
             handle.agreements,
             index,
             sequence=handle.sequence,
+            roles=handle.sharing.roles(index),
+            shared=handle.shared,
         )
         handle._tokens.append((layer, be.install(layer, cp_forward, group)))
         handle.layers.append((layer, spec))
@@ -268,6 +278,7 @@ def disable_cp(handle: CPHandle) -> None:
     handle._kept_forwards.clear()
     while handle._cleanups:
         handle._cleanups.pop()()
+    handle.shared.clear()
     for obj in {id(o): o for o in [handle.module, *(lay for lay, _ in handle.layers)]}.values():
         _set_mark(obj, None)
     handle.active = False

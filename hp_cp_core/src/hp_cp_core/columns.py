@@ -89,6 +89,7 @@ __all__ = [
     "TopkRow",
     "band_readers",
     "select_topk_numpy",
+    "select_two_level_numpy",
 ]
 
 
@@ -305,6 +306,14 @@ class PlanColumns:
         width = int(count.max()) if count.size else 0
         return compressed_index_dense(self.plan.cmp_start[lo:hi], count, width)
 
+    def block_visibility(self, lo: int, hi: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """The two-level indexer's candidate blocks of queries ``lo:hi`` (Note [Two-level
+        selection]): ``(first_slot, n_blocks)``, each ``[hi - lo]``; block c of query i holds
+        the visible slots ``first_slot[i] + c*block .. min(+block, visible end) - 1``."""
+        b = max(int(block), 1)
+        count = self.plan.cmp_count[lo:hi]
+        return self.plan.cmp_start[lo:hi].copy(), -(-count // b)
+
     def pool_rows(self, slots: np.ndarray) -> np.ndarray:
         """Global slot ids (``-1`` = none) as pool rows ``n_ext + slot``."""
         return np.where(slots >= 0, slots + self.n_ext, -1)
@@ -504,3 +513,79 @@ def select_topk_numpy(scores: np.ndarray, chunk: ScoreChunk, topk: int) -> np.nd
     picks = np.where(np.isneginf(best), -1, order + chunk.slot_start)
     pad = [(0, 0)] * (picks.ndim - 1) + [(0, int(topk) - k)]
     return np.pad(picks, pad, constant_values=-1)
+
+
+# Note [Two-level selection]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A two-level indexer (``LayerSpec.index_block = b``) cuts a query's visible slots (one
+# contiguous range of the global slot buffer, Note [Compressed slots and visibility]) into
+# candidate blocks of b slots counted from the document's first slot; the last block may be
+# partial. It scores the blocks, keeps the ``keep_blocks`` best (ties to the lower block), and
+# takes the top-k over the visible slots of the kept blocks (ties to the lower slot)::
+#
+#     visible slots   s0 s1 s2 s3 | s4 s5 s6 s7 | s8 s9      b = 4, 3 blocks (the last partial)
+#     block scores       0.1           0.7         0.3       keep 2 -> blocks 1, 2
+#     top-k = 3 over     .  .  .  .  s4 s5 s6 s7   s8 s9
+#
+# Both levels read only the gathered index keys (block keys are the integration's token-
+# local function of them), so a two-level layer moves what a one-level layer moves.
+#
+# The two levels may sit in different layers. DeepSeek V4.1's candidate source (a Full
+# layer, ``index_block = b``) keeps, per query, the blocks of best slot-score maximum (and
+# always the latest visible one) while it selects over all its visible slots; each later
+# selecting layer (``reuses`` "candidates", the same b) takes its top-k among those blocks
+# only. The kept blocks are per local query, like a selection: the owner's
+# ``hp_cp_run_attention`` puts them in ``call.outputs["candidates"]`` and the reader gets them
+# in ``call.reused["candidates"]`` (Note [Layers that share their indexer] in
+# :mod:`hp_cp_core.sharing`); nothing more travels.
+
+
+def select_two_level_numpy(
+    block_scores: np.ndarray,
+    slot_scores: np.ndarray,
+    slot_start: np.ndarray,
+    slot_count: np.ndarray,
+    block: int,
+    keep_blocks: int,
+    topk: int,
+) -> np.ndarray:
+    """The two-level indexer's picks (Note [Two-level selection]), the reference of the rule.
+
+    Args:
+        block_scores: ``[..., n, NB]``: query i's score of its candidate block c.
+        slot_scores: ``[..., n, V]``: query i's score of slot ``slot_start[i] + c``.
+        slot_start, slot_count: ``[n]`` each query's visible slot range (the plan's
+            ``cmp_start`` / ``cmp_count``).
+        block: slots per candidate block (``LayerSpec.index_block``).
+        keep_blocks: candidate blocks kept per query.
+        topk: picks per query.
+
+    Returns:
+        ``[..., n, topk]`` global slot ids, descending score (ties to the lower slot),
+        ``-1`` where a query has fewer candidates than ``topk``.
+    """
+    b = max(int(block), 1)
+    start = np.asarray(slot_start, dtype=np.int64)
+    count = np.asarray(slot_count, dtype=np.int64)
+    n_blocks = -(-count // b)
+    nb, v = block_scores.shape[-1], slot_scores.shape[-1]
+    if nb == 0 or v == 0:
+        return np.full((*slot_scores.shape[:-1], int(topk)), -1, dtype=np.int64)
+    blk_ok = np.arange(nb)[None, :] < n_blocks[:, None]
+    bs = np.where(blk_ok, block_scores, -np.inf)
+    kb = min(int(keep_blocks), nb)
+    order = np.argsort(-bs, axis=-1, kind="stable")[..., :kb]
+    kept_ok = np.take_along_axis(np.broadcast_to(blk_ok, bs.shape), order, axis=-1)
+    kept = np.zeros(bs.shape, dtype=bool)
+    np.put_along_axis(kept, order, kept_ok, axis=-1)
+    cols = np.arange(v)
+    slot_ok = (cols[None, :] < count[:, None]) & np.take_along_axis(
+        kept, np.broadcast_to(np.minimum(cols // b, max(nb - 1, 0)), kept.shape[:-1] + (v,)), -1
+    )
+    ss = np.where(slot_ok, slot_scores, -np.inf)
+    k = min(int(topk), v)
+    pick = np.argsort(-ss, axis=-1, kind="stable")[..., :k]
+    ok = np.take_along_axis(slot_ok, pick, axis=-1)
+    out = np.where(ok, pick + start[:, None], -1)
+    pad = [(0, 0)] * (out.ndim - 1) + [(0, int(topk) - k)]
+    return np.pad(out, pad, constant_values=-1)

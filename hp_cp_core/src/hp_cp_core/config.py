@@ -12,12 +12,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hp_cp_core.errors import HpCpError
-from hp_cp_core.spec import GRIDS, LayerSpec
+from hp_cp_core.spec import ARTIFACTS, GRIDS, LayerSpec
 
 if TYPE_CHECKING:
     from hp_cp_core.plan import RankPlan
 
-__all__ = ["GRIDS", "KERNELS", "LAYOUTS", "DeepSeekV4CPConfig", "DeepSeekV4CPContext", "LayerSpec"]
+__all__ = [
+    "ARTIFACTS",
+    "GRIDS",
+    "KERNELS",
+    "LAYOUTS",
+    "DeepSeekV4CPConfig",
+    "DeepSeekV4CPContext",
+    "LayerSpec",
+]
 
 LAYOUTS = ("contiguous", "load_balanced")
 KERNELS = ("smallop", "efficient", "triton", "banded")
@@ -122,6 +130,15 @@ class DeepSeekV4CPContext:
             ``handle.shard(..., pad_value=...)`` appended to it, when this forward runs on
             that padded sequence; ``None`` when every row is real. See
             :meth:`hp_cp_core.columns.PlanColumns.topk_rows`.
+        roles: this layer's :class:`~hp_cp_core.sharing.LayerRoles` (what it makes, reuses
+            and publishes); ``None`` for a layer planned alone.
+        reused: the artifacts this layer received from the layers that made them (keys of
+            :data:`ARTIFACTS` in ``spec.reuses``): ``"selection"`` is the owner's per-query
+            top-k (whatever the owner's backend published: global slot ids, ``-1`` = none);
+            the gathered slots are already in ``cmp_kv_global`` / ``cmp_idx_global``.
+        outputs: where ``hp_cp_run_attention`` puts what this layer publishes for later
+            layers: ``outputs["selection"]`` when ``roles.publishes("selection")`` (the
+            core checks it is there and hands it on, with no collective).
     """
 
     cp_rank: int
@@ -137,6 +154,9 @@ class DeepSeekV4CPContext:
     group: Any = None
     loss_rows: int = 0
     sequence_rows: int | None = None
+    roles: Any = None
+    reused: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pos_offset(self) -> int:

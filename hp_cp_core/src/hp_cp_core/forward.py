@@ -15,6 +15,8 @@ from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
+from hp_cp_core.sharing import LayerRoles, SharedState, plan_sharing
+from hp_cp_core.spec import PER_QUERY
 from hp_cp_core.validation import (
     AgreementMemo,
     LocalCheck,
@@ -23,6 +25,12 @@ from hp_cp_core.validation import (
     check_rows,
     parse_cu_seqlens,
 )
+
+
+def _sequence_key(total_rows: int, cu_seqlens: Any) -> tuple[Any, ...]:
+    """What identifies the sequence a shared artifact belongs to: its rows and documents."""
+    cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64).tobytes()
+    return (int(total_rows), cu)
 
 
 def _run_all(works: Sequence[Any]) -> Any:
@@ -47,6 +55,11 @@ class DeepSeekV4CPForward:
             layer's index among them; ``None``: every forward agrees.
         sequence: the handle's :class:`~hp_cp_core.padding.ShardedSequence` (what
             ``handle.shard`` padded); ``None``: every row is real.
+        roles: this layer's :class:`~hp_cp_core.sharing.LayerRoles` in the handle's
+            :class:`~hp_cp_core.sharing.SharingPlan`; ``None``: the layer alone (it must
+            reuse nothing).
+        shared: the handle's :class:`~hp_cp_core.sharing.SharedState` (where owners publish
+            and readers take; Note [Layers that share their indexer]).
     """
 
     def __init__(
@@ -62,6 +75,8 @@ class DeepSeekV4CPForward:
         index: int = 0,
         *,
         sequence: ShardedSequence | None = None,
+        roles: LayerRoles | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         self.module = module
         self.hooks = hooks
@@ -73,6 +88,8 @@ class DeepSeekV4CPForward:
         self.memo, self.index = memo, index
         self.sequence = sequence
         self._spec_text, self._config_text = repr(spec), agreed_config_text(self.config)
+        self.roles = roles if roles is not None else plan_sharing([spec]).roles(0)
+        self.shared = shared if shared is not None else SharedState()
 
     def __call__(
         self,
@@ -121,51 +138,128 @@ class DeepSeekV4CPForward:
         token = self.group.begin_order(x)  # Note [Backward order] in hp_cp_core.collectives
         ori_kv = self.hooks.extract_ori_kv(self.module, key)
         works = list(local_work)
-        compressed = self.spec.compress_ratio > 0 and not self.spec.shares_slots
+        compressed = self.spec.makes_slots
         first = works[:1] if compressed else works
         rest = works[1:] if compressed else []
         overlap = self.config.overlap_exchanges
-        ori_ext, halo_x, token = exchange_halos(
-            self.group, self.backend, ori_kv, x, call.plan, token, _run_all(first), overlap
-        )
-        owned, gathered, token = self._slots(x, halo_x, call, token, _run_all(rest))
-        cmp_kv_global = gathered[0] if gathered else None
-        cmp_idx_global = gathered[1] if len(gathered) > 1 else None
+        if self.spec.needs_halo:
+            ori_ext, halo_x, token = exchange_halos(
+                self.group, self.backend, ori_kv, x, call.plan, token, _run_all(first), overlap
+            )
+        else:  # no rank reads a row of another outside the slots: no halo exchange at all
+            for work in first:
+                work()
+            ori_ext, halo_x = ori_kv, None
+        owned, gathered, made, token = self._slots(x, halo_x, call, token, _run_all(rest))
+        cmp_kv_global, cmp_idx_global = self._slot_buffers(call, made)
         call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
+        for artifact in PER_QUERY:
+            if self.roles.reuses(artifact):
+                call.reused[artifact] = self._take(call, artifact)
         scope = self.regather_scope(owned, gathered, call)
         if scope is None:
             out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        else:
+            with scope:  # Note [Re-gathered slots] in hp_cp_core.compression
+                out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        public = {}
+        for artifact in PER_QUERY:
+            if not self.roles.publishes(artifact):
+                continue
+            if artifact not in call.outputs:
+                raise HpCpError(
+                    f"layer {self.index} publishes its {artifact!r} to layers "
+                    f"{dict(self.roles.readers)[artifact]} (LayerSpec.reuses), but the "
+                    f"backend's hp_cp_run_attention did not put it in call.outputs[{artifact!r}]."
+                )
+            public[artifact] = call.outputs[artifact]
+        if public:
+            self.shared.publish(self.index, self._sequence_key(call), public)
+        if scope is None:
             return self.group.end_order(out, token)
-        with scope:  # Note [Re-gathered slots] in hp_cp_core.compression
-            out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
         return scope.end_order(out, token)
+
+    def _sequence_key(self, call: DeepSeekV4CPContext) -> tuple[Any, ...]:
+        """What identifies the sequence an artifact belongs to: its rows and documents."""
+        return _sequence_key(call.plan.n_local * call.cp_size, call.cu_seqlens)
+
+    def _take(self, call: DeepSeekV4CPContext, artifact: str) -> Any:
+        owner = self.roles.owner(artifact)
+        return self.shared.take(self.index, owner, self._sequence_key(call), artifact)
+
+    def unpublished(self, n_local: int, cu_seqlens: Any) -> list[str]:
+        """What this layer reuses that its owner has not published for the sequence of
+        ``n_local`` rows per rank and ``cu_seqlens`` (Note [Layers that share their indexer]
+        in :mod:`hp_cp_core.sharing`): one message per missing artifact."""
+        key = _sequence_key(int(n_local) * self.group.size, cu_seqlens)
+        out = []
+        for artifact, owner in self.roles.owners:
+            if owner != self.index and not self.shared.has(owner, key, artifact):
+                out.append(
+                    f"layer {self.index} reuses {artifact!r} of layer {owner} (LayerSpec.reuses="
+                    f"{self.spec.reuses!r}), but layer {owner} has not run on this sequence "
+                    "before it. Run the layers in the model's order in one forward (call the "
+                    "whole model); a layer that reuses another's state cannot run on its own "
+                    "under CP."
+                )
+        return out
 
     def global_compressed_kv(
         self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
     ):
         """Main compressed KV and indexer keys of every rank, in global slot order, and the
-        next order token (``work()`` while the slots travel)."""
-        _, gathered, token = self._slots(x, halo_x, call, token, work)
-        if not gathered:
-            return None, None, token
-        return gathered[0], (gathered[1] if len(gathered) > 1 else None), token
+        next order token (``work()`` while the slots travel).
+
+        What the layer makes travels in one exchange; what it reuses comes from the owner's
+        publication, with no collective (Note [Layers that share their indexer] in
+        :mod:`hp_cp_core.sharing`)."""
+        _, _, made, token = self._slots(x, halo_x, call, token, work)
+        cmp_kv, cmp_idx = self._slot_buffers(call, made)
+        return cmp_kv, cmp_idx, token
 
     def _slots(
         self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
-    ) -> tuple[list[Any], list[Any], Any]:
-        """``(owned, gathered, token)``: this rank's slots (main, then indexer), every rank's
-        in global slot order, and the next order token; empty lists when r = 0."""
-        if self.spec.compress_ratio == 0 or self.spec.shares_slots:
-            if work is not None:  # Note [Shared slots] in hp_cp_core.sharing
+    ) -> tuple[list[Any], list[Any], dict[str, Any], Any]:
+        """``(owned, gathered, made, token)``: this rank's slots of what the layer makes (main,
+        then indexer keys), every rank's in global slot order, the same by artifact name
+        (published for the layers that reuse them), and the next order token."""
+        if self.spec.compress_ratio == 0:
+            if work is not None:
                 work()
-            return [], [], token
-        owned = [self.hooks.compress_main(self.module, x, halo_x, call)]
-        if self.spec.has_indexer:
+            return [], [], {}, token
+        kinds = []
+        owned = []
+        if self.spec.makes_compressed_kv:
+            kinds.append("compressed_kv")
+            owned.append(self.hooks.compress_main(self.module, x, halo_x, call))
+        if self.spec.makes_index_keys:
+            kinds.append("index_keys")
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
+        if not owned:
+            if work is not None:
+                work()
+            return [], [], {}, token
         gathered, token = build_global_compressed_kv_for_cp(
             self.group, self.backend, owned, call.plan, token, work, self.config.overlap_exchanges
         )
-        return owned, gathered, token
+        made = dict(zip(kinds, gathered))
+        public = {k: v for k, v in made.items() if self.roles.publishes(k)}
+        if public:
+            self.shared.publish(self.index, self._sequence_key(call), public)
+        return owned, list(gathered), made, token
+
+    def _slot_buffers(self, call: DeepSeekV4CPContext, made: dict[str, Any]) -> tuple[Any, Any]:
+        """``(main compressed KV, indexer keys)``: what the layer gathered, else what it reuses
+        from the layer that made it, else ``None``."""
+        out = []
+        for artifact in ("compressed_kv", "index_keys"):
+            if artifact in made:
+                out.append(made[artifact])
+            elif self.spec.compress_ratio and self.roles.reuses(artifact):
+                out.append(self._take(call, artifact))
+            else:
+                out.append(None)
+        return out[0], out[1]
 
     def regather_scope(
         self, owned: Sequence[Any], gathered: Sequence[Any], call: DeepSeekV4CPContext
@@ -238,6 +332,9 @@ class DeepSeekV4CPForward:
         for message in problems:
             check.fail(message)
         parse_cu_seqlens(cu_seqlens, check)
+        if check.ok:
+            for message in self.unpublished(check.n_local, check.cu_seqlens):
+                check.fail(message)
         if check.ok and check_rows(check, self.group.size, self.config.layout):
             try:
                 check.plan = self._plan(check.n_local, check.cu_seqlens)
@@ -286,6 +383,7 @@ class DeepSeekV4CPForward:
             group=self.group,
             loss_rows=0 if total is None else total,
             sequence_rows=self.sequence_rows(check.n_local),
+            roles=self.roles,
         )
 
     def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:

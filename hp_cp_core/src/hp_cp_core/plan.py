@@ -384,7 +384,7 @@ def build_rank_plan(
     win_halos = _halo_starts(layout, docs, spec, slots, owners, "window")
     window = _halo_plan(layout, win_halos, rank)
     x_plan = None
-    if r > 0 and not spec.shares_slots:  # Note [Shared slots]: no compressor, no x halo
+    if spec.makes_slots:  # Note [Layers that share their indexer]: no compressor, no x halo
         x_plan = _halo_plan(layout, _halo_starts(layout, docs, spec, slots, owners, "x"), rank)
 
     w0 = window_start_rows(local_rows, docs, spec.window_size)
@@ -399,7 +399,7 @@ def build_rank_plan(
     seen = cmp_count > 0
     needed = int((cmp_start + cmp_count)[seen].max()) if seen.any() else 0
     slot_exchange = None
-    if r > 0 and not spec.shares_slots:
+    if spec.makes_slots:
         ranges = visible_slot_ranges(layout, docs, r, grid)
         slot_exchange = build_slot_exchange(owners, ranges, rank, cp_size, needed)
     if grid == "per_document" and packed:

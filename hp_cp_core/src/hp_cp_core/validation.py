@@ -265,14 +265,16 @@ def check_layer_spec(spec: Any, layer: Any) -> LayerSpec:
             f" expected a hp_cp_core.LayerSpec, got {spec!r}. Return LayerSpec(compress_ratio="
             "..., window_size=..., has_indexer=...) from the backend's hook."
         )
-    for name in ("compress_ratio", "window_size"):
+    for name in ("compress_ratio", "window_size", "index_block", "share_from"):
         value = getattr(spec, name)
+        if name == "share_from" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise HpCpError(
                 f"{where} returned LayerSpec.{name}={value!r} ({type(value).__name__}); "
                 f"expected an int. Convert it with int(...) in the hook."
             )
-    for name in ("has_indexer", "force_unfused", "shares_slots"):
+    for name in ("has_indexer", "force_unfused"):
         value = getattr(spec, name)
         if not isinstance(value, (bool, np.bool_)):
             raise HpCpError(

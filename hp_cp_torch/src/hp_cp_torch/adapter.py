@@ -442,6 +442,10 @@ def adapter_for(module: Any) -> Any:
             return found
     if "transformers" in sys.modules:
         from hp_cp_torch.integrations.transformers import hf_adapter_for
+        from hp_cp_torch.integrations.transformers_dsa import dsa_adapter_for
 
+        found = dsa_adapter_for(module)
+        if found is not None:
+            return found
         return hf_adapter_for(module)
     return None

@@ -185,9 +185,14 @@ class ToyAttention:
         index_topk: int = 3,
         packed_grid: str = "per_document",
         seed: int = 0,
+        has_indexer: bool | None = None,
+        reuses: tuple[str, ...] = (),
     ) -> None:
         rng = np.random.default_rng(seed)
         self.r, self.W, self.topk, self.grid = compress_ratio, window_size, index_topk, packed_grid
+        # r = 4 has an indexer by default; r = 1, W = 0 is DSA (an indexer over tokens)
+        self.has_indexer = compress_ratio == 4 if has_indexer is None else has_indexer
+        self.reuses = tuple(reuses)
         self.hidden, self.d = hidden, d
         self.wq, self.wk, self.wqi = (rng.normal(size=(hidden, d)) for _ in range(3))
         self.wc, self.wp, self.wci = (rng.normal(size=(hidden, d)) for _ in range(3))
@@ -231,8 +236,30 @@ def topk_lower_first(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, kind="stable")[:k]
 
 
-def single_device(layer: ToyAttention, x: np.ndarray, cu_seqlens: Any = None) -> np.ndarray:
-    """The toy layer on one device, from the per-token definitions (no core code)."""
+def single_device(
+    layer: ToyAttention, x: np.ndarray, cu_seqlens: Any = None, source: Any = None
+) -> np.ndarray:
+    """The toy layer on one device, from the per-token definitions (no core code).
+
+    ``source``: the layer whose artifacts ``layer.reuses`` names (its compressed KV, index
+    keys, selection stand in for ``layer``'s own)."""
+    if source is not None:
+        return _single_device_shared(layer, source, x, cu_seqlens)
+    return _single_device(layer, x, cu_seqlens)[0]
+
+
+def _single_device_shared(layer: Any, source: Any, x: np.ndarray, cu: Any) -> np.ndarray:
+    """A reader's single-device output: the owner's selection (and slots when reused)."""
+    _, picks = _single_device(source, x, cu)
+    kv = source if "compressed_kv" in layer.reuses else layer
+    out, _ = _single_device(layer, x, cu, picks_from=picks, kv_layer=kv)
+    return out
+
+
+def _single_device(
+    layer: Any, x: np.ndarray, cu_seqlens: Any = None, picks_from: Any = None, kv_layer: Any = None
+) -> tuple[np.ndarray, list[list[int]]]:
+    kv_layer = layer if kv_layer is None else kv_layer
     q, k, qi = layer.project(x)
     n, r, W = x.shape[0], layer.r, layer.W
     cu = [0, n] if cu_seqlens is None else [int(c) for c in cu_seqlens]
@@ -243,28 +270,38 @@ def single_device(layer: ToyAttention, x: np.ndarray, cu_seqlens: Any = None) ->
     slots = []  # (block_start, main, indexer key)
     if r > 0 and (layer.grid == "global" and cu_seqlens is not None):
         for j, (main, ik) in enumerate(
-            zip(layer.compress(x, 0, layer.wc), layer.compress(x, 0, layer.wci))
+            zip(kv_layer.compress(x, 0, kv_layer.wc), layer.compress(x, 0, layer.wci))
         ):
             a = j * r
             valid = doc_of[a] == doc_of[a + r - 1]
             slots.append((a, main, ik, doc_of[a] if valid else -1))
     elif r > 0:
         for i, (a, b) in enumerate(docs):
-            mains, iks = layer.compress(x[a:b], 0, layer.wc), layer.compress(x[a:b], 0, layer.wci)
+            mains = kv_layer.compress(x[a:b], 0, kv_layer.wc)
+            iks = layer.compress(x[a:b], 0, layer.wci)
             for j in range(mains.shape[0]):
                 slots.append((a + j * r, mains[j], iks[j], i))
     out = np.zeros((n, layer.d))
+    picked: list[list[int]] = []  # per query: the picks, as positions in its visible list
     for t in range(n):
         a = cu[doc_of[t]]
         keys = [k[s] for s in range(max(a, t - W + 1), t + 1)]
         vis = [(m, ik) for (s0, m, ik, d) in slots if d == doc_of[t] and s0 + r - 1 <= t]
-        if r == 128 or (r > 0 and r != 4):
+        if r > 0 and not layer.has_indexer:
             keys += [m for m, _ in vis]
-        elif r == 4 and vis:
-            scores = np.maximum(np.stack([ik for _, ik in vis]) @ qi[t], 0.0)
-            keys += [vis[j][0] for j in topk_lower_first(scores, layer.topk)]
+            picked.append([])
+        elif r > 0 and vis:
+            if picks_from is not None:
+                pick = picks_from[t]
+            else:
+                scores = np.maximum(np.stack([ik for _, ik in vis]) @ qi[t], 0.0)
+                pick = list(topk_lower_first(scores, layer.topk))
+            picked.append(pick)
+            keys += [vis[j][0] for j in pick]
+        else:
+            picked.append([])
         out[t] = attend(q[t], np.stack(keys))
-    return out
+    return out, picked
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,8 +396,9 @@ def hp_cp_layer_spec(module: Any) -> Any:
     return LayerSpec(
         compress_ratio=module.r,
         window_size=module.W,
-        has_indexer=module.r == 4,
+        has_indexer=module.has_indexer,
         packed_grid=module.grid,
+        reuses=module.reuses,
     )
 
 
@@ -396,12 +434,19 @@ def hp_cp_run_attention(module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, 
     width = int(plan.cmp_count.max()) if plan.cmp_count.size else 0
     cmp_idx = compressed_index_dense(plan.cmp_start, plan.cmp_count, width)
     out = np.zeros((query.shape[0], module.d))
+    reused = call.reused.get("selection")
+    picks = []  # per local query: global slot ids of its picks (what a reader reuses)
     for i in range(query.shape[0]):
         keys = [ori_ext[j] for j in win[i] if j >= 0]
         vis = [j for j in cmp_idx[i] if j >= 0]
-        if module.r == 4 and vis:
+        if module.has_indexer and reused is not None:
+            vis = list(reused[i])
+        elif module.has_indexer and vis:
             scores = np.maximum(call.cmp_idx_global[vis] @ qr[i], 0.0)
             vis = [vis[j] for j in topk_lower_first(scores, module.topk)]
+        picks.append(vis)
         keys += [call.cmp_kv_global[j] for j in vis]
         out[i] = attend(query[i], np.stack(keys))
+    if call.roles is not None and call.roles.publishes("selection"):
+        call.outputs["selection"] = picks
     return out

@@ -83,7 +83,10 @@ from hp_cp_core.indices import build_slot_table, compressed_visibility, window_s
 from hp_cp_core.layout import Documents, SequenceLayout
 
 __all__ = [
+    "DSA_V32",
     "FLASH",
+    "dsa_comm_per_rank",
+    "dsa_traffic_measures",
     "LAYOUT_KEYS",
     "Shapes",
     "comm_per_rank",
@@ -268,4 +271,68 @@ def traffic_measures(seq: int, cp: int, shapes: Shapes = FLASH) -> dict[str, Any
             res[f"ulysses_bytes_over_ours_r{r}"] = float(c["ulysses"].max() / busiest)
             res[f"mindformers_allgather_max_rank_bytes_r{r}"] = int(c["mindformers"].max())
             res[f"ulysses_max_rank_bytes_r{r}"] = int(c["ulysses"].max())
+    return res
+
+
+# Note [Traffic of the DSA family]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A DSA layer (ratio 1, no window; DeepSeek V3.2, GLM-5) reads no row of another rank except
+# through its slots: the lower bound of rank k is every remote token visible to one of its
+# queries (its causal prefix, per document), each once, as the finished slot: the MLA
+# latent (``kv_lora_rank + qk_rope_head_dim``) plus the index key (``index_head_dim``). A
+# GLM-5 "shared" layer reuses the selection, so its bound (and ours) is the latent only; a
+# V4.1 Reuse / Reindex layer receives its compressed KV and index keys from their owner
+# with no collective: 0 bytes. The all-gather the public CPs use delivers every remote
+# token of the sequence to every rank, latents and keys (``dsa_allgather_*``).
+
+DSA_V32 = {"latent": 512 + 64, "index_dim": 128, "elem_bytes": 2}
+"""DeepSeek V3.2 / GLM-5 attention widths: MLA latent 512 + 64 rope, index keys 128, bf16."""
+
+
+def dsa_comm_per_rank(
+    seq: int, cp: int, layout: str = "contiguous", kind: str = "dsa", widths: dict = DSA_V32
+) -> dict[str, np.ndarray]:
+    """Forward bytes each rank receives in one DSA layer (Note [Traffic of the DSA family]):
+    ours (the plan's point-to-point slot exchange), the rank's lower bound, and the
+    all-gather baseline. ``kind``: ``"dsa"`` (a full layer) or ``"dsa_shared"``."""
+    reuses = ("selection",) if kind == "dsa_shared" else ()
+    spec = LayerSpec(compress_ratio=1, window_size=0, has_indexer=True, reuses=reuses)
+    width = widths["latent"] + (widths["index_dim"] if kind == "dsa" else 0)
+    b = widths["elem_bytes"]
+    docs = Documents.padded(seq)
+    lay = SequenceLayout(layout, cp, seq)
+    ours, lower, gather = [], [], []
+    for k in range(cp):
+        plan = build_rank_plan(rank=k, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq)
+        assert plan.window.n_halo == 0 and plan.x.n_halo == 0  # no halo: only slots move
+        ours.append(plan.slot_exchange.n_halo * width * b)
+        _, remote = _lower_bound_rank(k, lay, docs, 1, Shapes(window=0))
+        lower.append(remote * width * b)
+        gather.append((seq - lay.rank_rows(k).size) * width * b)
+    return {
+        "ours": np.asarray(ours, dtype=np.int64),
+        "lower": np.asarray(lower, dtype=np.int64),
+        "allgather": np.asarray(gather, dtype=np.int64),
+    }
+
+
+def dsa_traffic_measures(seq: int, cp: int) -> dict[str, Any]:
+    """The DSA-family traffic keys of ``hp-cp bench`` (Note [Traffic of the DSA family])."""
+    res: dict[str, Any] = {}
+    for kind in ("dsa", "dsa_shared"):
+        for layout, name in LAYOUT_KEYS.items():
+            c = dsa_comm_per_rank(seq, cp, layout, kind)
+            ours, low, gather = c["ours"], c["lower"], c["allgather"]
+            res[f"comm_max_rank_over_own_lower_bound_{name}_{kind}"] = _max_own_ratio(ours, low)
+            res[f"comm_bytes_unneeded_{name}_{kind}"] = int(ours[low == 0].sum())
+            res[f"dsa_allgather_max_rank_bytes_over_ours_{name}_{kind}"] = float(
+                gather.max() / max(int(ours.max()), 1)
+            )
+            res[f"dsa_allgather_total_bytes_over_ours_{name}_{kind}"] = float(
+                gather.sum() / max(int(ours.sum()), 1)
+            )
+            res[f"comm_ours_bytes_per_rank_{name}_{kind}"] = ours.tolist()
+            res[f"dsa_allgather_bytes_per_rank_{name}_{kind}"] = gather.tolist()
+    for kind in ("csa2_reindex", "csa2_reuse"):  # compressed KV and keys from their owner
+        res[f"comm_slot_bytes_{kind}"] = 0
     return res

@@ -28,7 +28,8 @@ KV, index keys and the token ids instead, contiguous shards of whole compression
                                                                        layer: each rank gets
                                                                        the slots its queries see
     Reindex / Reuse layers             the Full layer's slots/keys   that buffer, no exchange
-                                                                       (Note [Shared slots])
+                                                                       (Note [Layers that share
+                                                                       their indexer])
     indexer selection (frozen,         the row's queries x the       local: the score row of a
       no_grad): scores = sum_h w_h *     visible keys, candidates      query has NeMo's width
       relu(q_h . k), -inf if not         from the candidate layer      (the document's slots),
@@ -49,10 +50,19 @@ The selection is exact only on the same candidate row: ``torch.topk`` breaks tie
 whole row (its length, where the -inf entries sit), and the fp4 cache quantization makes
 ties common. So each query's row spans the slots NeMo's row spans (padded input: the real
 sequence's slots; packed: its document's), with -inf where it sees nothing, and goes through
-NeMo's own calls. The state NeMo passes between layers (``DeepseekV41AttentionState``)
-carries hp_cp's buffers in NeMo's fields: compressed KV and index keys ``[B, N, D]`` in global
-slot order (the slots this rank's queries can see), the selection ``[B, L, k]`` (global slot
-ids, -1 empty) and candidates ``[B, L, N]`` of the local queries.
+NeMo's own calls.
+
+The schedule is the core's sharing plan (``handle.sharing.describe()``): a Full layer's
+``LayerSpec`` reuses nothing, a Reindex layer reuses ``("compressed_kv", "index_keys")`` (and
+``"candidates"`` after the two-level indexer's candidate source, whose ``index_block`` is
+``candidate_block_size``), a Reuse layer ``("compressed_kv", "index_keys", "selection")``; all
+pool without overlap (``overlapping=False``). What a layer reuses reaches it through the core
+(``call.cmp_kv_global`` / ``call.cmp_idx_global``, the owner's gathered buffers in global slot
+order, the slots this rank's queries can see; ``call.reused["selection"]`` ``[B, L, k]``, global
+slot ids, -1 empty; ``call.reused["candidates"]`` ``[B, L, N]``), published by the owner's
+``run_attention`` in ``call.outputs``. The state NeMo's model passes between layers
+(``DeepseekV41AttentionState``) still gets the same tensors in NeMo's fields, as NeMo's
+layer returns it, but hp_cp reads nothing from it.
 """
 
 from __future__ import annotations
@@ -76,7 +86,6 @@ from hp_cp_core import (
 from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
-from hp_cp_core.sharing import LayerShare, plan_sharing
 from hp_cp_torch.attention import run_sparse_attention
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
@@ -118,7 +127,7 @@ def is_v41_model(model: Any) -> bool:
 
 
 def layer_role(m: nn.Module) -> str:
-    """``"window"``, ``"full"``, ``"reindex"`` or ``"reuse"`` (Note [Shared slots])."""
+    """``"window"``, ``"full"``, ``"reindex"`` or ``"reuse"`` (see the module's Note)."""
     if not m.compress_ratio:
         return "window"
     if m.is_kv_source:
@@ -160,13 +169,29 @@ class NemoDeepseekV41AttentionAdapter:
     def layer_spec(self) -> LayerSpec:
         m = self.module
         role, ratio = self.role, int(m.compress_ratio)
+        if role == "window":
+            return LayerSpec(compress_ratio=0, window_size=int(m.window_size))
+        ix = m.indexer  # None on a Reuse layer
+        block = 0
+        reuses: tuple[str, ...] = ()
+        if ix is not None and (ix.is_candidate_source or ix.uses_candidates):
+            block = int(ix.candidate_block_size)
+        if role == "reindex":
+            reuses = ("compressed_kv", "index_keys")
+            if ix.uses_candidates:
+                reuses += ("candidates",)
+        elif role == "reuse":
+            reuses = ("compressed_kv", "index_keys", "selection")
+        elif ix.uses_candidates:  # a Full layer after the candidate source (rejected)
+            reuses = ("candidates",)
         return LayerSpec(
             compress_ratio=ratio,
             window_size=int(m.window_size),
-            has_indexer=role == "full",
+            has_indexer=True,
             force_unfused=True,
-            overlapping=False if ratio else None,
-            shares_slots=role in ("reindex", "reuse"),
+            overlapping=False,
+            index_block=block,
+            reuses=reuses,
         )
 
     def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
@@ -294,19 +319,21 @@ class NemoDeepseekV41AttentionAdapter:
         selected = cmp = None
         next_state = state
         if role != "window":
-            if role == "full":
-                cmp = call.cmp_kv_global.transpose(0, 1)  # [B, N, D]
-                keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
-                candidates_in = None
-            else:
-                cmp, keys, candidates_in = state.compressed_kv, state.index_keys, state.candidates
+            # own or the owner's gathered buffers (Note [Layers that share their indexer])
+            cmp = call.cmp_kv_global.transpose(0, 1)  # [B, N, D]
+            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
+            candidates = call.reused.get("candidates")
             if role in ("full", "reindex"):
                 selected, made = self.select(
-                    x.transpose(0, 1), qr.transpose(0, 1), angles, keys, candidates_in, call
+                    x.transpose(0, 1), qr.transpose(0, 1), angles, keys, candidates, call
                 )
-                candidates = made if made is not None else candidates_in
+                if made is not None:
+                    candidates = made
             else:
-                selected, candidates = state.topk_indices, state.candidates
+                selected = call.reused["selection"]
+            for name, value in (("selection", selected), ("candidates", candidates)):
+                if call.roles.publishes(name):
+                    call.outputs[name] = value
             next_state = type(state)(
                 compressed_kv=cmp,
                 index_keys=keys,
@@ -330,9 +357,7 @@ class NemoDeepseekV41AttentionAdapter:
 
     # ------------------------------------------------------------------ checks
 
-    def problems(
-        self, cp_group: Any, state: Any, n_local: int, batch: int, plan_slots: int | None
-    ) -> list[str]:
+    def problems(self, cp_group: Any) -> list[str]:
         """What hp_cp cannot take from NeMo's call (recorded, raised on every rank)."""
         m, out = self.module, []
         if cp_group is not None or getattr(m, "cp_group", None) is not None:
@@ -342,23 +367,6 @@ class NemoDeepseekV41AttentionAdapter:
                 f"attention dropout ({m.attention_dropout}) in training is not supported under "
                 "CP; set attention_dropout=0.0 or call model.eval()."
             )
-        if self.role in ("reindex", "reuse"):
-            ckv, sel = state.compressed_kv, state.topk_indices
-            want = (batch, plan_slots)
-            if (
-                ckv is None
-                or tuple(ckv.shape[:2]) != want
-                or (
-                    self.role == "reuse"
-                    and (sel is None or tuple(sel.shape[:2]) != (batch, n_local))
-                )
-            ):
-                got = None if ckv is None else list(ckv.shape)
-                out.append(
-                    f"{self.role} layer {m.layer_idx} got a state whose compressed KV is {got}, "
-                    f"expected [{batch}, {plan_slots}, ...] from an earlier Full layer under "
-                    "the same hp_cp handle; call the whole model (or the layers in order)."
-                )
         return out
 
     def make_forward(self, cp_forward: Any, group: Any) -> Any:
@@ -441,11 +449,7 @@ class NemoDeepseekV41AttentionAdapter:
                 )
             checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
             checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
-        pre = cp_forward.inspect(n_local, cu) if ok else None
-        plan_slots = None
-        if pre is not None and pre.plan is not None:
-            plan_slots = pre.plan.n_needed_slots
-        for message in self.problems(cp_group, state, n_local, batch, plan_slots):
+        for message in self.problems(cp_group):
             checks.fail(message)
         check = cp_forward.inspect(
             n_local, cu, problems=checks.problems, signature=checks.signature
@@ -581,19 +585,20 @@ class EngramHashCP:
 # --------------------------------------------------------------------------- enable / batch
 
 
-def _model_schedule(model: nn.Module) -> tuple[LayerShare, ...] | None:
-    config = getattr(getattr(model, "config", None), "text_config", None)
-    if config is None:
-        config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "kv_source_layer_ids"):
-        return None
-    n = int(config.num_hidden_layers)
-    return plan_sharing(
-        config.compress_ratios[:n],
-        [i for i in config.kv_source_layer_ids if i < n],
-        [i for i in config.index_source_layer_ids if i < n],
-        config.candidate_source_layer_id if config.candidate_source_layer_id < n else -1,
-    )
+def _check_candidates(layers: list[nn.Module]) -> None:
+    """A Full layer after the two-level indexer's candidate source starts a new NeMo state
+    without the candidate blocks the layers after it would select among (NeMo's own forward
+    then fails): refuse it before anything is installed."""
+    for m in layers:
+        ix = m.indexer
+        if layer_role(m) == "full" and ix is not None and ix.uses_candidates:
+            sources = [o.layer_idx for o in layers if o.indexer and o.indexer.is_candidate_source]
+            cand = sources[0] if sources else "?"
+            raise HpCpError(
+                f"Full layer {m.layer_idx} comes after candidate source {cand}: its new state "
+                "drops the candidate blocks the later layers select among. Make the candidate "
+                "source the last KV source, or set candidate_source_layer_id -1."
+            )
 
 
 def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
@@ -618,7 +623,9 @@ def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
         getattr(h, "cp_mesh", None) is not None for h in holders
     ):
         raise HpCpError(_NEMO_CP_ON)
-    _model_schedule(model)  # HpCpError for a schedule hp_cp cannot share (Note [Shared slots])
+    _check_candidates(layers)
+    # the core's plan_sharing checks the rest of the schedule (Note [Layers that share their
+    # indexer]): handle.sharing says which layer owns what
     handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
     for hasher in [mod for mod in model.modules() if type(mod).__name__ == "DeepseekV41NgramHash"]:
         if handle.group.size == 1 and handle.config.single_rank_bypass:

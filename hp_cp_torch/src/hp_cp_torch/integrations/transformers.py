@@ -367,7 +367,7 @@ class DeepseekV4AttentionAdapter:
             The agreed context (its plan's ``positions`` are the expected global rows).
         """
         m = self.module
-        where = f"DeepseekV4Attention layer {m.layer_idx} under CP"
+        where = f"{type(m).__name__} layer {m.layer_idx} under CP"
         checks = TensorChecks(getattr(group, "device", None), where)
         for message in problems:
             checks.fail(message)

@@ -1,0 +1,335 @@
+"""Hugging Face transformers' DSA models under CP: ``DeepseekV32ForCausalLM`` (DeepSeek V3.2)
+and ``GlmMoeDsaForCausalLM`` (GLM-5), transformers 5.23.
+
+``enable_cp(model, mesh)`` replaces the forward of every ``DeepseekV32Attention`` /
+``GlmMoeDsaAttention``; the rest of the model (MoE, norms, head) is token-local. Each rank::
+
+    handle = enable_cp(model, cp_group, DeepSeekV4CPConfig(layout="load_balanced"))
+    batch = cp_dsa_batch(handle, input_ids)  # shifted labels, padding, shards, positions
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                use_cache=False, **batch["model_kwargs"])
+    cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"]).backward()
+
+DSA is the core's ``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)`` (Note [The
+sparse-attention family] in :mod:`hp_cp_core.sharing`): every token is its own slot, the
+slot of token j is its MLA latent ``[kv_a_layernorm(kv) (kv_lora_rank) ; roped k_rot
+(qk_rope_head_dim)]`` and its indexer key ``[roped k_rot ; k_pass] (index_head_dim)``; query t
+picks its ``index_topk`` among tokens ``0 .. t`` of its document (itself included). So one
+point-to-point exchange per layer moves, to each rank, the latents and index keys of the
+earlier tokens its queries can see (the causal prefix), nothing else; no halo exchange.
+A GLM-5 ``"shared"`` layer (``config.indexer_types``) reuses the previous ``"full"`` layer's
+selection through the core's sharing plan (``LayerSpec.reuses=("selection",)``): it moves
+only its own latents, no index keys, and runs no indexer.
+
+The stages are HF's ops on the module's own parameters:
+
+* MLA, not absorbed (HF's ``expand_kv``): ``q_a_proj, q_a_layernorm, q_b_proj``,
+  ``kv_a_proj_with_mqa, kv_a_layernorm``, interleaved RoPE on ``q_rot`` / ``k_rot``; the
+  gathered latents go through ``kv_b_proj`` on the rank that reads them;
+* the indexer (``wq_b, wk, k_norm, weights_proj, softmax_scale, index_topk``) under
+  ``torch.no_grad`` as in HF (its top-k feeds only integer ids: no gradient, no indexer
+  loss in transformers): RoPE half-split for V3.2, interleaved for GLM-5; scores
+  ``relu(q . k) * softmax_scale`` weighted per head, exactly HF's op sequence;
+* top-k as transformers picks it on one process, exact ties included (Note [The one-process
+  top-k row] in :mod:`hp_cp_core.columns`): HF calls ``torch.topk`` on each query's row of
+  every token of the sequence, the invisible ones masked; which of several equal scores it
+  keeps depends on that whole row (ReLU scores tie at 0 for every token no head likes). So
+  each query's scores are placed in the row one process scores and go through the same
+  ``torch.topk``: padded, the real tokens (not the padding ``cp_dsa_batch`` appends); packed,
+  one row for the whole packed stream (HF's one-process packed mask is block-diagonal over
+  one row: ``one_process_row="stream"``);
+* attention: each query's logits over the tokens it may read, the unselected ones at
+  ``finfo.min`` (HF's additive mask), softmax in fp32, ``scaling``, then ``o_proj``.
+
+Packed documents (batch 1): pass ``hp_cp_cu_seqlens=`` (``cp_dsa_batch(...,
+cu_seqlens=...)`` does) with positions restarting per document, as HF's one-process
+packing detects them from ``position_ids``. Not supported under CP (an
+:class:`~hp_cp_core.HpCpError` on every rank, before any exchange): a KV cache, attention
+masks that hide tokens (padding; use ``cp_dsa_batch``'s trailing padding), attention
+dropout in training.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_cp_core import DeepSeekV4CPContext, LayerSpec
+from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.integrations.transformers import (
+    DeepseekV4AttentionAdapter,
+    cp_causal_lm_loss,
+    cp_shift_labels,
+    cp_sum_gradients,
+)
+
+__all__ = [
+    "DSAAttentionAdapter",
+    "cp_causal_lm_loss",
+    "cp_dsa_batch",
+    "cp_sum_gradients",
+    "dsa_adapter_for",
+]
+
+MODELINGS = {
+    "DeepseekV32Attention": "transformers.models.deepseek_v32.modeling_deepseek_v32",
+    "GlmMoeDsaAttention": "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
+}
+"""The attention class of each DSA model and its modeling file."""
+
+
+def dsa_adapter_for(module: Any) -> Any:
+    """The adapter for a transformers DSA attention layer (V3.2 or GLM-5), else ``None``.
+
+    Never imports a modeling file: a module can only be an instance of its class once
+    something else imported it.
+    """
+    for cls_name, path in MODELINGS.items():
+        modeling = sys.modules.get(path)
+        cls = getattr(modeling, cls_name, None) if modeling is not None else None
+        if cls is not None and isinstance(module, cls):
+            return DSAAttentionAdapter(module, path)
+    return None
+
+
+class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
+    """Hooks for ``DeepseekV32Attention`` / ``GlmMoeDsaAttention`` (batch-major)."""
+
+    def __init__(self, module: nn.Module, modeling: str) -> None:
+        super().__init__(module)
+        self.modeling = modeling
+        self.glm = modeling.endswith("glm_moe_dsa")
+
+    def _mod(self) -> Any:
+        return importlib.import_module(self.modeling)
+
+    @property
+    def shared(self) -> bool:
+        """A GLM-5 ``"shared"`` layer: no indexer of its own, the previous full layer's picks."""
+        return self.module.indexer is None
+
+    def layer_spec(self) -> LayerSpec:
+        return LayerSpec(
+            compress_ratio=1,
+            window_size=0,
+            has_indexer=True,
+            force_unfused=True,
+            reuses=("selection",) if self.shared else (),
+        )
+
+    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
+        return key  # [L, B, kv_lora_rank + rope]: no window reads it, it is the slot too
+
+    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        # ratio 1: the slots a rank owns are its rows, ascending (= local order, any layout)
+        return call.extra["local"]["latent"]
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+        return call.extra["local"]["index_k"]
+
+    # ------------------------------------------------------------------ local projections
+
+    def indexer_qk(
+        self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cos: Any, sin: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's roped queries ``[B, L, H_I, D_I]`` and keys ``[B, L, D_I]``, HF's
+        ops, without autograd (HF's ``@torch.no_grad`` indexer)."""
+        ix = self.module.indexer
+        mod = self._mod()
+        rope = mod.apply_rotary_pos_emb_interleave if self.glm else mod.apply_rotary_pos_emb
+        with torch.no_grad():
+            batch, length, _ = hidden_states.shape
+            q = ix.wq_b(q_resid).view(batch, length, ix.n_heads, ix.head_dim)
+            split = [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim]
+            q_rot, q_pass = torch.split(q, split, dim=-1)
+            k = ix.k_norm(ix.wk(hidden_states)).unsqueeze(2)
+            k_rot, k_pass = torch.split(k, split, dim=-1)
+            q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+            q = torch.cat([q_rot, q_pass], dim=-1)
+            k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        return q, k
+
+    def select(self, call: DeepSeekV4CPContext) -> torch.Tensor:
+        """Indexer top-k ``[B, L, topk]`` (global token ids, ``-1`` = none) of the local
+        queries over the tokens each sees, HF's scores, the tokens HF's ``torch.topk`` keeps
+        on one process (the row of the whole sequence or packed stream)."""
+        ix = self.module.indexer
+        local = call.extra["local"]
+        q, hs = local["index_q"], local["hidden_states"]
+        keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
+        with torch.no_grad():
+            weights = ix.weights_proj(hs.to(ix.weights_proj.weight.dtype)).float()
+            weights = weights * (ix.n_heads**-0.5)  # [B, L, H_I]
+
+            def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+                k = keys[:, s0:s1]
+                s = torch.matmul(q[:, lo:hi].float(), k.transpose(-1, -2).float().unsqueeze(1))
+                s = F.relu(s * ix.softmax_scale)  # [B, l, H_I, n]
+                return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
+
+            return select_topk_chunked(
+                score,
+                call.plan,
+                int(ix.index_topk),
+                call.config.query_chunk,
+                batch=q.shape[0],
+                one_process_row="stream",  # HF's packed mask: one row, block-diagonal
+                sequence_rows=call.sequence_rows,
+                cu_seqlens=call.cu_seqlens,
+            )
+
+    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
+        m = self.module
+        local = call.extra["local"]
+        if "selection" in call.reused:
+            selected = call.reused["selection"]
+        else:
+            selected = self.select(call)
+        if call.roles is not None and call.roles.publishes("selection"):
+            call.outputs["selection"] = selected
+        local["selection"] = selected
+        latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
+        batch, n_slots = latent.shape[:2]
+        kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        key_states, value_states = m.expand_kv(
+            kv_pass.view(batch, 1, n_slots, m.kv_lora_rank),
+            k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
+        )  # [B, H, N, qk_head_dim], [B, H, N, v_head_dim]
+        q = local["query"]  # [B, H, L, qk_head_dim]
+        plan = call.plan
+        stop = plan.cmp_start + plan.cmp_count
+        neg = torch.finfo(q.dtype).min
+        p_drop = m.attention_dropout if m.training else 0.0
+        outs = []
+        for lo, hi in PlanColumns(plan, 0).chunks(call.config.query_chunk):
+            s1 = int(stop[lo:hi].max()) if hi > lo else 0
+            s1 = max(s1, 1)
+            sel = selected[:, lo:hi].to(q.device)  # [B, l, k]
+            keep = torch.zeros((batch, hi - lo, s1 + 1), dtype=torch.bool, device=q.device)
+            keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
+            bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
+            k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
+            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * m.scaling + bias
+            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            w = F.dropout(w, p=p_drop, training=m.training)
+            outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
+        o = torch.cat(outs, dim=2).transpose(1, 2).reshape(batch, plan.n_local, -1)
+        return m.o_proj(o)
+
+    # ----------------------------------------------------------------------- the forward
+
+    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
+        m = self.module
+        adapter = self
+
+        def forward(
+            hidden_states,
+            position_embeddings=None,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=None,
+            prev_topk_indices=None,
+            **kwargs,
+        ):
+            call = adapter.check_inputs(
+                cp_forward,
+                group,
+                hidden_states,
+                position_embeddings,
+                position_ids,
+                attention_mask,
+                past_key_values,
+                cu_seqlens=kwargs.get("hp_cp_cu_seqlens"),
+            )
+            mod = adapter._mod()
+            batch, length = hidden_states.shape[:-1]
+            cos, sin = position_embeddings
+            q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
+            q_states = m.q_b_proj(q_resid).view(batch, length, -1, m.qk_head_dim).transpose(1, 2)
+            q_pass, q_rot = torch.split(q_states, [m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+            compressed_kv = m.kv_a_proj_with_mqa(hidden_states)
+            kv_pass, k_rot = torch.split(compressed_kv, [m.kv_lora_rank, m.qk_rope_head_dim], -1)
+            k_pass = m.kv_a_layernorm(kv_pass)  # [B, L, kv_lora_rank]
+            k_rot = k_rot.view(batch, 1, length, m.qk_rope_head_dim)
+            q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+            latent = torch.cat([k_pass, k_rot[:, 0]], dim=-1)  # [B, L, rank + rope]
+            local: dict[str, Any] = {
+                "query": torch.cat((q_pass, q_rot), dim=-1),  # [B, H, L, qk_head_dim]
+                "latent": latent.transpose(0, 1),  # [L, B, ...]: the owned slots
+                "hidden_states": hidden_states,
+            }
+            if not adapter.shared:
+                index_q, index_k = adapter.indexer_qk(hidden_states, q_resid, cos, sin)
+                local["index_q"], local["index_k"] = index_q, index_k.transpose(0, 1)
+            out = cp_forward(
+                None,
+                local["latent"],
+                hidden_states.transpose(0, 1),
+                None,
+                call=call,
+                local=local,
+            )
+            if adapter.glm:
+                return out, None, local["selection"]
+            return out, None
+
+        return forward
+
+
+def cp_dsa_batch(
+    handle: Any,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    cu_seqlens: Any = None,
+    ignore_index: int = -100,
+) -> dict[str, Any]:
+    """This rank's part of a DSA causal-LM batch of any length: padded, shifted, sharded.
+
+    Args:
+        handle: the ``enable_cp`` handle.
+        input_ids: the FULL sequences ``[B, S]`` (``[1, S]`` when packed).
+        labels: default ``input_ids``; shifted on the full sequence (each document's last
+            token gets ``ignore_index`` when packed).
+        cu_seqlens: packed document boundaries ``[0, ..., S]`` (batch 1), or ``None``.
+        ignore_index: the label that does not count.
+
+    Returns:
+        ``input_ids``, ``position_ids`` (global rows; per document when packed), ``labels``
+        (this rank's rows), ``n_tokens`` (the targets of the whole batch: the divisor of
+        :func:`cp_causal_lm_loss`) and ``model_kwargs`` (``{"hp_cp_cu_seqlens": ...}`` when
+        packed, else empty) to pass to the model. The padding (token 0, label
+        ``ignore_index``) is a trailing document of its own when packed.
+    """
+    labels = input_ids if labels is None else labels
+    shifted = cp_shift_labels(labels, ignore_index)
+    rows = int(input_ids.shape[1])
+    pad = handle.padding(rows)
+    kwargs: dict[str, Any] = {}
+    if cu_seqlens is None:
+        positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
+    else:
+        cu = np.asarray(torch.as_tensor(cu_seqlens).cpu(), dtype=np.int64).reshape(-1)
+        last = cu[1:] - 1
+        shifted = shifted.clone()
+        shifted[:, last[last >= 0]] = ignore_index
+        cu_pad = np.asarray(pad.cu_seqlens(cu), dtype=np.int64)
+        rows_all = np.arange(pad.padded_rows)
+        start = cu_pad[np.searchsorted(cu_pad, rows_all, side="right") - 1]
+        positions = torch.as_tensor(rows_all - start, device=input_ids.device).unsqueeze(0)
+        kwargs["hp_cp_cu_seqlens"] = torch.as_tensor(cu_pad)
+    return {
+        "input_ids": handle.shard(input_ids, 1, pad_value=0),
+        "position_ids": handle.shard(positions, 1),
+        "labels": handle.shard(shifted, 1, pad_value=ignore_index),
+        "n_tokens": (shifted != ignore_index).sum(),
+        "model_kwargs": kwargs,
+    }
