@@ -212,8 +212,8 @@ def test_kernel_case_counts_only_attended_columns():
 
 def test_kernel_measures_every_picks_read_in_one_run(tmp_path, capsys, monkeypatch):
     """The kernel measure runs the banded kernel once per way of reading picks in the same
-    run; the headline keys are the default's (``weights``), and ``--merge`` writes only the
-    numbers into an existing bench.json, keeping its other keys."""
+    run; the headline keys are the default's (``weights``), and ``--merge`` writes the numbers
+    into an existing bench.json, keeping its other keys, and the strings into its notes."""
     from hp_cp_torch.bench import kernel as bench_kernel
     from hp_cp_torch.kernels.banded import PICK_READS
 
@@ -238,6 +238,7 @@ def test_kernel_measures_every_picks_read_in_one_run(tmp_path, capsys, monkeypat
         "host_syncs_per_step": 1.0,
         "attn_flops_over_matmul_r4": 0.5,
     }
+    assert json.loads((tmp_path / "bench.notes.json").read_text()) == {"x": "s"}
     assert '"x": "s"' in capsys.readouterr().out
 
 

@@ -224,8 +224,8 @@ def kernel_measures(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hp_cp_torch.bench.kernel``: only the kernel measures of ``hp-cp bench``,
-    printed as JSON; ``--merge bench.json`` also writes their numbers into that file (the
-    other keys kept)."""
+    printed as JSON; ``--merge bench.json`` also writes their numbers into that file and their
+    strings into ``bench.notes.json`` (the other keys kept)."""
     import argparse
     import json
     import os
@@ -241,14 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     kernels = tuple(k for k in args.kernels.split(",") if k)
     res = kernel_measures(kernels, threads=args.threads, repeat=args.repeat, picks=picks)
     print(json.dumps(res, indent=1, sort_keys=True))
-    if args.merge:
-        numbers = {}
-        if os.path.exists(args.merge):
-            with open(args.merge) as f:
-                numbers = json.load(f)
-        numbers.update({k: v for k, v in res.items() if isinstance(v, (int, float))})
-        with open(args.merge, "w") as f:
-            json.dump(numbers, f, indent=1, sort_keys=True)
+    if args.merge:  # numbers into the JSON, the strings into its .notes.json (as hp-cp bench)
+        notes_path = os.path.splitext(args.merge)[0] + ".notes.json"
+        for path, keep in ((args.merge, True), (notes_path, False)):
+            old = {}
+            if os.path.exists(path):
+                with open(path) as f:
+                    old = json.load(f)
+            old.update({k: v for k, v in res.items() if isinstance(v, (int, float)) == keep})
+            with open(path, "w") as f:
+                json.dump(old, f, indent=1, sort_keys=True)
     return 0
 
 
