@@ -459,6 +459,15 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHONS, default=False)
+def bench_long(session: nox.Session) -> None:
+    """`hp-cp bench --long`: bench-long.json and docs/bench-long.png (one training step of the
+    reference layers at cp 8 per S, 64K ... 1M, one process per rank; the scale on paper)."""
+    session.install(TORCH)
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[bench]"))
+    session.run("hp-cp", "bench", "--long", *session.posargs)
+
+
+@nox.session(python=PYTHONS, default=False)
 def dist(session: nox.Session) -> None:
     """The three wheels the test sessions install (built once per nox run into ``dist/``),
     installed without their frameworks: the entry points and the core's CLI work from them."""

@@ -105,9 +105,14 @@ def test_columns_match_brute_force(case: dict, chunk: int, block: int) -> None:
 )
 def test_select_topk_numpy_is_the_stable_top_k_of_visible_slots(n, slots, topk, seed) -> None:
     rng = np.random.default_rng(seed)
-    visible = rng.random((n, slots)) < 0.6
     s0 = int(rng.integers(0, 50))
-    chunk = ScoreChunk(0, n, s0, s0 + slots, visible)
+    # each query sees one range of slots (a causal prefix of its document)
+    first = s0 + rng.integers(0, slots, size=n)
+    stop = np.minimum(first + rng.integers(0, slots + 1, size=n), s0 + slots)
+    chunk = ScoreChunk(0, n, s0, s0 + slots, first, stop)
+    visible = chunk.visible
+    assert visible.shape == (n, slots)
+    assert (visible.sum(axis=1) == stop - first).all()
     # few distinct values, so ties are common; -inf scores may be visible too
     scores = rng.integers(-2, 3, size=(2, n, slots)).astype(np.float64)
     scores[scores == -2] = -np.inf

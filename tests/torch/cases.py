@@ -15,6 +15,7 @@ Sizes are tiny (hidden 32, two heads of 16, window 16) so that cp = 8 fits on tw
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import functools
 import importlib
@@ -67,6 +68,7 @@ class Case:
         seed: weights and inputs.
         topk: the indexer's top-k (r = 4).
         rows: the global sequence length when not ``2 * cp * chunk`` (0: that default).
+        regather: ``DeepSeekV4CPConfig(regather_compressed_kv=True)``.
     """
 
     cp: int
@@ -84,6 +86,7 @@ class Case:
     seed: int = 0
     topk: int = 3
     rows: int = 0
+    regather: bool = False
 
     @property
     def total(self) -> int:
@@ -112,6 +115,8 @@ class Case:
             parts.append("loss.backward")
         if self.topk != 3:
             parts.append(f"k{self.topk}")
+        if self.regather:
+            parts.append("regather")
         return "-".join(parts)
 
 
@@ -254,6 +259,7 @@ def run_reference_layer_cp(
             attention_kernel=case.kernel,
             query_chunk=case.query_chunk,
             single_rank_bypass=False,  # cp = 1 runs the CP path, not the module's own forward
+            regather_compressed_kv=case.regather,
         )
     handle = enable_cp(layer, mesh, config, plugins=plugins)
     group = handle.group
@@ -445,6 +451,8 @@ def check_comm_counts(case: Case, results: list[dict]) -> None:
         want = {"halo_exchange": 1, "halo_exchange_bwd": 1}
         if case.r:
             want.update(slot_exchange=1, slot_exchange_bwd=1)
+        if case.r and case.regather:  # the slots received again at the start of backward
+            want.update(slot_exchange_regather=1)
         assert bwd == want, bwd
         assert res["stats_fwd"]["compressed_slot_exchange"] == "p2p"
 
@@ -586,6 +594,7 @@ def parity_cases(world: int) -> list[Case]:
             parity_case(8, 128, packed=True),
             parity_case(8, 128, "load_balanced"),
             parity_case(8, 0, "load_balanced", chunk=2),
+            *regather_cases(8),
         ]
     grid = [
         parity_case(cp, r, layout, packed)
@@ -602,7 +611,23 @@ def parity_cases(world: int) -> list[Case]:
         extra.append(parity_case(4, 128, "contiguous", True, window=128, chunk=40, seed=2))
     if cp == 2:  # a longer CSA sequence: more slots than top-k on every rank
         extra.append(parity_case(2, 4, "contiguous", False, chunk=20, seed=3))
-    return grid + extra
+    return grid + extra + regather_cases(cp)
+
+
+def regather_cases(cp: int) -> list[Case]:
+    """``regather_compressed_kv=True`` cases, each with its twin without the option (the same
+    seed): CP with the option equals one device, and equals CP without it bit for bit
+    (``test_regather.py``). The default (banded) kernel; cp 2 and 8 only."""
+    if cp == 2:
+        cases = [
+            parity_case(2, 4, "load_balanced", True, kernel="banded", seed=4),
+            parity_case(2, 128, kernel="banded", seed=4),
+        ]
+    elif cp == 8:
+        cases = [parity_case(8, 4, "load_balanced", True, chunk=4, kernel="banded", seed=4)]
+    else:
+        return []
+    return [c for case in cases for c in (case, dataclasses.replace(case, regather=True))]
 
 
 def _parity_suite(world: int) -> dict[str, tuple[Callable, tuple]]:

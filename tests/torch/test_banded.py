@@ -43,14 +43,23 @@ def plan_case(
     return plan, q, ori_ext, cmp_kv, selected, sink
 
 
-def outputs_and_grads(kernel, plan, q, ori_ext, cmp_kv, selected, sink):
+def outputs_and_grads(kernel, plan, q, ori_ext, cmp_kv, selected, sink, picks="weights"):
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, ori_ext, sink)]
     if cmp_kv is not None:
         leaves.append(cmp_kv.detach().clone().requires_grad_(True))
     q, ori_ext, sink = leaves[:3]
     cmp = leaves[3] if cmp_kv is not None else None
     out = run_sparse_attention(
-        q, ori_ext, cmp, plan, selected, sink, 0.25, kernel=kernel, query_chunk=64
+        q,
+        ori_ext,
+        cmp,
+        plan,
+        selected,
+        sink,
+        0.25,
+        kernel=kernel,
+        query_chunk=64,
+        banded_picks=picks,
     )
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     return (out, *torch.autograd.grad((out * grad).sum(), leaves))
@@ -74,49 +83,82 @@ def test_banded_matches_smallop(ratio, layout, packed, block, monkeypatch):
         assert_close(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("picks", banded.PICK_READS)
 @pytest.mark.parametrize("layout,packed", [("contiguous", False), ("load_balanced", True)])
 @pytest.mark.parametrize("factor", [2, 1000])
-def test_banded_picks_read_as_a_band(layout, packed, factor, monkeypatch):
-    """Distinct picks (the indexer's) in a narrow band are read as a slot band weighted by
-    pick count, not gathered; the result is the small-op kernel's. A pick list with a repeated
-    pick is still read as a band, and the repeat adds up as in the gather."""
+def test_banded_picks_read_as_a_band(picks, layout, packed, factor, monkeypatch):
+    """Distinct picks (the indexer's) in a narrow band are read as a slot band (weighted by
+    pick count, or masked), not gathered; the result is the small-op kernel's. A pick list with
+    a repeated pick: the weights read it as a band too, the repeat adding up as in the gather;
+    the mask (it cannot count a column twice) gathers that block."""
     monkeypatch.setattr(banded, "PICKS_BAND_FACTOR", factor)
-    read_as_band = []
-    original = banded._picks_bias
+    reads = []  # (band start, band stop, read as a band)
+    original = banded._read_picks
 
-    def spy(sel, start, stop):
-        read_as_band.append((start, stop))
-        return original(sel, start, stop)
+    def spy(how, sel, blk, ws):
+        weights = original(how, sel, blk, ws)
+        assert how == picks
+        reads.append((blk.slot_start, blk.slot_stop, weights is not None))
+        return weights
 
-    monkeypatch.setattr(banded, "_picks_bias", spy)
+    monkeypatch.setattr(banded, "_read_picks", spy)
     seq = 600
     cu = np.array([0, 37, 38, seq // 2, seq - 45, seq]) if packed else None
     case = plan_case(4, layout, seq=seq, cu=cu, distinct=True)
     ref = outputs_and_grads("smallop", *case)
-    got = outputs_and_grads("banded", *case)
+    got = outputs_and_grads("banded", *case, picks=picks)
     for a, b in zip(got, ref):
         assert_close(a, b, 1e-5)
     if factor > 2:  # every block's band is narrow enough
-        assert read_as_band
+        assert reads and all(band for _, _, band in reads)
 
-    # a foreign pick list with a repeated pick: still a band, repeats add up
+    # a foreign pick list with a repeated pick
     plan, q, ori, cmp, sel, sink = case
     sel = sel.clone()
     row = int(np.flatnonzero(plan.cmp_count >= 2)[-1])
     sel[0, row, 1] = sel[0, row, 0]
-    read_as_band.clear()
+    reads.clear()
     ref = outputs_and_grads("smallop", plan, q, ori, cmp, sel, sink)
-    got = outputs_and_grads("banded", plan, q, ori, cmp, sel, sink)
+    got = outputs_and_grads("banded", plan, q, ori, cmp, sel, sink, picks=picks)
     for a, b in zip(got, ref):
         assert_close(a, b, 1e-5)
     if factor > 2:
-        assert read_as_band
+        banded_reads = [band for _, _, band in reads]
+        if picks == "mask":  # the block with the repeat is gathered, forward and backward
+            assert banded_reads.count(False) == 2 and any(banded_reads)
+        else:
+            assert reads and all(banded_reads)
 
 
 def test_picks_bias_counts_each_pick():
     sel = torch.tensor([[[3, 5, -1], [4, 4, 6]]])
-    bias = banded._picks_bias(sel, 3, 7).exp()  # the pick counts
-    assert bias.tolist() == [[[1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 1.0]]]
+    bias = banded._picks_bias(sel, 3, 7)
+    assert bias.exp().tolist() == [[[1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 1.0]]]  # the counts
+    # the table lookup gives what a log of the counts gives, bit for bit
+    assert torch.equal(bias, banded._picks_log_bias(sel, 3, 7))
+    assert banded._picks_mask(sel, 3, 7) is None  # a mask cannot count the repeated 4
+    assert banded._picks_mask(sel[:, :1], 3, 7).tolist() == [[[True, False, True, False]]]
+
+
+def test_picks_bias_table_equals_log_on_a_real_block():
+    """The shipped lookup and the log of the counts agree bitwise on a bench-sized block, with
+    repeats up to the top-k (every pick the same slot)."""
+    g = torch.Generator().manual_seed(0)
+    sel = torch.rand(2, 32, 768, generator=g).topk(512, dim=-1).indices + 100
+    sel[0, 0] = 300  # one slot picked 512 times
+    sel[1, 3, :7] = -1
+    ws = banded._Workspace()
+    table = ws.log_counts(512, sel)
+    assert ws.log_counts(512, sel) is table  # built once per call
+    got = banded._picks_bias(sel, 100, 868, table)
+    assert torch.equal(got, banded._picks_log_bias(sel, 100, 868))
+    assert got[0, 0, 200].item() == pytest.approx(np.log(512))
+
+
+def test_banded_rejects_an_unknown_picks_read():
+    case = plan_case(4, "contiguous", seq=200)
+    with pytest.raises(ValueError, match="picks='gather' is not a way to read picks"):
+        outputs_and_grads("banded", *case, picks="gather")
 
 
 def test_banded_rank_without_slots_and_bf16():

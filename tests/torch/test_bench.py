@@ -210,6 +210,37 @@ def test_kernel_case_counts_only_attended_columns():
     assert hca["mean_columns"] == 8 + float(hca["plan"].cmp_count.mean())
 
 
+def test_kernel_measures_every_picks_read_in_one_run(tmp_path, capsys, monkeypatch):
+    """The kernel measure runs the banded kernel once per way of reading picks in the same
+    run; the headline keys are the default's (``weights``), and ``--merge`` writes only the
+    numbers into an existing bench.json, keeping its other keys."""
+    from hp_cp_torch.bench import kernel as bench_kernel
+    from hp_cp_torch.kernels.banded import PICK_READS
+
+    shapes = {"batch": 1, "seq": 64, "heads": 2, "dim": 8, "window": 8, "topk": 8}
+    cases = {"r4": (4, 3), "r128": (128, 3)}
+    res = bench_kernel.kernel_measures(("banded",), repeat=1, shapes=shapes, cases=cases)
+    assert PICK_READS[0] == "weights" and res["attn_banded_default_picks"] == "weights"
+    for case in cases:
+        for suffix in ("", "_cpu"):
+            for picks in PICK_READS:
+                value = res[f"attn_flops_over_matmul_{case}_{picks}{suffix}"]
+                assert np.isfinite(value) and value > 0
+            headline = res[f"attn_flops_over_matmul_{case}{suffix}"]
+            assert headline == res[f"attn_flops_over_matmul_banded_{case}{suffix}"]
+            assert headline == res[f"attn_flops_over_matmul_{case}_weights{suffix}"]
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps({"host_syncs_per_step": 1.0}))
+    fake = {"attn_flops_over_matmul_r4": 0.5, "x": "s"}
+    monkeypatch.setattr(bench_kernel, "kernel_measures", lambda *a, **k: fake)
+    assert bench_kernel.main(["--merge", str(out)]) == 0
+    assert json.loads(out.read_text()) == {
+        "host_syncs_per_step": 1.0,
+        "attn_flops_over_matmul_r4": 0.5,
+    }
+    assert '"x": "s"' in capsys.readouterr().out
+
+
 def test_bench_refuses_the_hf_measure_without_transformers_before_measuring(
     tmp_path, capsys, monkeypatch
 ):

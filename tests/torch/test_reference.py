@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from hp_cp_torch.attention import deterministic_topk
+from hp_cp_torch.attention import _topk_cpu, deterministic_topk
 from hp_cp_torch.kernels.smallop import sparse_attention_smallop
 from hp_cp_torch.reference import (
     DeepSeekV4Attention,
@@ -116,7 +116,9 @@ def test_deterministic_topk_breaks_ties_by_lower_index() -> None:
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 8, 13, 40])
-@pytest.mark.parametrize("kind", ["random", "ties", "neg_inf", "nan", "signed_zero", "bf16"])
+@pytest.mark.parametrize(
+    "kind", ["random", "ties", "neg_inf", "nan", "signed_zero", "bf16", "relu_zeros"]
+)
 def test_deterministic_topk_equals_a_stable_sort(k, kind) -> None:
     """Both of its paths (top-k threshold for small k, whole-row sort otherwise) give what a
     stable descending sort gives: values and indices, ties lowest index first."""
@@ -134,10 +136,17 @@ def test_deterministic_topk_equals_a_stable_sort(k, kind) -> None:
         scores = torch.where(scores > 0, 0.0, -0.0)
     if kind == "bf16":
         scores = torch.round(scores * 4).to(torch.bfloat16)
+    if kind == "relu_zeros":  # an indexer row with negative weights: its best scores are 0
+        sign = torch.where(torch.rand(3, 5, 1, generator=g) < 0.5, -1.0, 1.0)
+        scores = scores.relu() * sign
     want_v, want_i = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, ids = deterministic_topk(scores, k)
     assert torch.equal(ids, want_i[..., :k])
     assert torch.equal(values.nan_to_num(), want_v[..., :k].nan_to_num())
+    if 0 < k * 4 <= scores.shape[-1]:  # the host path of long rows, on these rows too
+        values, ids = _topk_cpu(scores, k)
+        assert torch.equal(ids, want_i[..., :k])
+        assert torch.equal(values.nan_to_num(), want_v[..., :k].nan_to_num())
 
 
 def test_select_slots_masks_invisible_and_breaks_ties_low() -> None:

@@ -31,6 +31,16 @@ class Group(Protocol):
     compressed slots through it too, each rank receiving only the slots its queries see.
     Without it (an ``exchange_rows`` built on an all-gather, say) the slots travel by
     ``all_gather_rows``. ``handle.stats()["compressed_slot_exchange"]`` says which ran.
+
+    Optional: ``regather_scope(buffers, owned, rebuild)`` (what
+    ``DeepSeekV4CPConfig(regather_compressed_kv=True)`` uses; Note [Re-gathered slots] in
+    :mod:`hp_cp_core.compression`) returns a context manager that the core runs the attention
+    hook in, and whose ``end_order(output, token)`` it calls in place of the group's: inside
+    it, what autograd saves from ``buffers`` (the global compressed KV and indexer keys) is
+    kept as a reference, not as the tensor; the backward of ``end_order`` calls
+    ``rebuild(owned)`` (the same exchange, no autograd; ``owned``: this rank's slots, main
+    then indexer) and hands its result to those references. A group without it keeps the
+    buffers.
     """
 
     rank: int

@@ -55,6 +55,18 @@ inverts those on the device)::
 
 A range may hold queries that read nothing (``length = 0``); a kernel keeps only the
 queries with ``start <= r < start + length``.
+
+Note [Masks on demand]
+~~~~~~~~~~~~~~~~~~~~~~
+A plan is cached and lives as long as its ``enable_cp`` handle, so what it keeps must grow
+with the rank's rows only. A mask per query chunk (which slots each query sees) is
+``[rows, S / r]`` booleans; over every chunk of a rank that is ``L * S / r`` bytes (32 GiB
+at S = 1M, cp = 8, for the indexer's chunks alone). So :class:`ScoreChunk` and
+:class:`DenseBlock` keep each query's range ``[first, stop)`` (views of the plan's arrays,
+O(L) in all) and build a mask when it is read; a kernel reads one block's mask, uses it and
+drops it. Likewise the indexer's scores of one chunk are ``[rows, S / r]`` per head:
+:meth:`PlanColumns.score_chunk_rows` bounds the chunk's rows so that a chunk scores at most
+``max_cells`` (query, slot) pairs, whatever S is.
 """
 
 from __future__ import annotations
@@ -81,21 +93,38 @@ __all__ = [
 ]
 
 
+def _range_mask(first: np.ndarray, stop: np.ndarray, start: int, end: int) -> np.ndarray:
+    """``[n, end - start]``: True where column ``start + j`` lies in ``[first[i], stop[i])``."""
+    cand = np.arange(start, end, dtype=np.int64)[None, :]
+    return (cand >= first[:, None]) & (cand < stop[:, None])
+
+
 @dataclass(frozen=True, eq=False)
 class ScoreChunk:
     """Local queries ``[lo, hi)`` scored against global slots ``[slot_start, slot_stop)``.
 
+    The chunk keeps its queries' visible ranges (views of the plan's arrays), not the mask:
+    a mask per chunk, kept for every chunk, would be ``[L, S / r]`` booleans per rank (Note
+    [Masks on demand]).
+
     Attributes:
         lo, hi: the local queries (inside one contiguous run).
         slot_start, slot_stop: the union of their visible slot ranges.
-        visible: ``[hi - lo, slot_stop - slot_start]``, True where the query sees the slot.
+        first, stop: ``[hi - lo]`` each query's visible slots ``[first, stop)``.
     """
 
     lo: int
     hi: int
     slot_start: int
     slot_stop: int
-    visible: np.ndarray
+    first: np.ndarray
+    stop: np.ndarray
+
+    @property
+    def visible(self) -> np.ndarray:
+        """``[hi - lo, slot_stop - slot_start]``, True where the query sees the slot (built
+        on every access: use it and drop it)."""
+        return _range_mask(self.first, self.stop, self.slot_start, self.slot_stop)
 
     def keep(self, topk: int) -> int:
         """Picks a top-k over this chunk returns: ``min(topk, slots scored)``."""
@@ -128,27 +157,46 @@ class DenseBlock:
     """Local queries ``[lo, hi)`` with their window as one dense band of ext rows and, for
     HCA, their visible slots as one dense band of global slots.
 
+    The masks are built on access from the queries' ranges (views of the plan's arrays), so
+    a plan holds no ``[L, band]`` array (Note [Masks on demand]).
+
     Attributes:
         lo, hi: the local queries (inside one contiguous run).
         key_start, key_stop: the band ``[key_start, key_stop)`` of window ext-frame rows.
-        mask: ``[hi - lo, key_stop - key_start]``, True where the key is in the query's window.
+        key_first, key_end: ``[hi - lo]`` each query's window ``[key_first, key_end)``.
         slot_start, slot_stop: the band of global slots (an empty range when not asked for).
-        slot_mask: ``[hi - lo, slot_stop - slot_start]``, True where the query sees the slot;
-            ``None`` when slots were not asked for or no query of the block sees one.
+        slot_first, slot_end: ``[hi - lo]`` each query's visible slots, when the block has a
+            slot mask (HCA, some query of the block sees a slot); else ``None``.
         picks_in_band: True when the block's indexer picks are to be read as the slot band
             ``[slot_start, slot_stop)`` (masked to the picks by the kernel) instead of being
-            gathered; ``slot_mask`` is then ``None``.
+            gathered; there is then no slot mask.
     """
 
     lo: int
     hi: int
     key_start: int
     key_stop: int
-    mask: np.ndarray
+    key_first: np.ndarray
+    key_end: np.ndarray
     slot_start: int = 0
     slot_stop: int = 0
-    slot_mask: np.ndarray | None = None
+    slot_first: np.ndarray | None = None
+    slot_end: np.ndarray | None = None
     picks_in_band: bool = False
+
+    @property
+    def mask(self) -> np.ndarray:
+        """``[hi - lo, key_stop - key_start]``, True where the key is in the query's window."""
+        return _range_mask(self.key_first, self.key_end, self.key_start, self.key_stop)
+
+    @property
+    def slot_mask(self) -> np.ndarray | None:
+        """``[hi - lo, slot_stop - slot_start]``, True where the query sees the slot; ``None``
+        when slots were not asked for, no query of the block sees one, or the picks are read
+        as the band."""
+        if self.slot_first is None or self.slot_end is None:
+            return None
+        return _range_mask(self.slot_first, self.slot_end, self.slot_start, self.slot_stop)
 
 
 @dataclass(frozen=True, eq=False)
@@ -315,6 +363,14 @@ class PlanColumns:
             n_columns=n_columns,
         )
 
+    def score_chunk_rows(self, query_chunk: int, max_cells: int) -> int:
+        """Rows per indexer scoring chunk: at most ``query_chunk``, and few enough that a
+        chunk's scores ``[rows, slots]`` hold at most ``max_cells`` entries (at least one
+        row; Note [Masks on demand]). Picks do not depend on it: each query's top-k is
+        taken over its own visible slots."""
+        slots = max(int(self.plan.n_needed_slots), 1)
+        return max(1, min(int(query_chunk), int(max_cells) // slots))
+
     def score_chunks(self, query_chunk: int) -> list[ScoreChunk]:
         """The indexer's scoring work: per chunk of at most ``query_chunk`` queries (inside one
         run), the slot range its queries see. Chunks whose queries see no slot are left out
@@ -333,7 +389,7 @@ class PlanColumns:
             if not seen.any():
                 continue
             s0, s1 = int(start[lo:hi][seen].min()), int(stop[lo:hi][seen].max())
-            out.append(ScoreChunk(lo, hi, s0, s1, self.visibility(lo, hi, s0, s1)))
+            out.append(ScoreChunk(lo, hi, s0, s1, start[lo:hi], stop[lo:hi]))
         return out
 
     def topk_rows(
@@ -430,20 +486,19 @@ class PlanColumns:
         out = []
         for lo, hi in self.run_chunks(block_rows):
             k0, k1 = int(first[lo:hi].min()), int(stop[lo:hi].max())
-            keys = np.arange(k0, k1, dtype=np.int64)[None, :]
-            mask = (keys >= first[lo:hi, None]) & (keys < stop[lo:hi, None])
+            window = (lo, hi, k0, k1, first[lo:hi], stop[lo:hi])
             seen = p.cmp_count[lo:hi] > 0  # a query that sees nothing may start anywhere
             if not (with_slots or picks_band_max) or not seen.any():
-                out.append(DenseBlock(lo, hi, k0, k1, mask))
+                out.append(DenseBlock(*window))
                 continue
             s0, s1 = int(p.cmp_start[lo:hi][seen].min()), int(slot_stop[lo:hi][seen].max())
             if with_slots:
-                visible = self.visibility(lo, hi, s0, s1)
-                out.append(DenseBlock(lo, hi, k0, k1, mask, s0, s1, visible))
+                ranges = (p.cmp_start[lo:hi], slot_stop[lo:hi])
+                out.append(DenseBlock(*window, s0, s1, *ranges))
             elif s1 - s0 <= picks_band_max:
-                out.append(DenseBlock(lo, hi, k0, k1, mask, s0, s1, picks_in_band=True))
+                out.append(DenseBlock(*window, s0, s1, picks_in_band=True))
             else:
-                out.append(DenseBlock(lo, hi, k0, k1, mask))
+                out.append(DenseBlock(*window))
         return out
 
 

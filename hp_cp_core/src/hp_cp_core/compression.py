@@ -1,9 +1,32 @@
 """Stage 1 (compress the owned slots, reading the x halo) and stage 2 (gather every rank's
 slots into global order). See Note [Compressed slots and visibility] in
-:mod:`hp_cp_core.indices`."""
+:mod:`hp_cp_core.indices`.
+
+Note [Re-gathered slots]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The global compressed KV (and, for r = 4, the indexer keys) of a layer holds every slot an
+earlier rank's rows made: ``S / r`` rows on the last rank, whatever cp is. The attention
+kernels keep it for backward, so over a model's layers it is the part of what a rank saves
+that cp does not divide (at V4-Flash's head_dim 512, 21 CSA layers, S = 1M: about 7 GB per
+rank). With ``DeepSeekV4CPConfig(regather_compressed_kv=True)`` a backend that offers
+``Group.regather_scope`` keeps only this rank's own slots, and the layer's backward receives
+the others again before any of its attention backward runs::
+
+    forward   exchange slots -> buffers -> attention (saves views of the buffers as handles)
+                 owned slots kept                       buffers freed after the layer
+    backward  end_order's backward: regather_compressed_kv (one slot exchange, no autograd)
+                 -> the same buffers, bit for bit -> attention backward -> slot exchange bwd
+
+The re-exchange runs inside the backward of the layer's last node (``end_order``), which every
+rank runs before any other backward of the layer and after the layers above finished theirs
+(Note [Backward order] in :mod:`hp_cp_core.collectives`), so it is in one place of every
+rank's order, also on a rank whose queries read no slot (its peers may need its slots). It
+moves the forward's slot bytes once more per layer and step.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,8 +117,43 @@ def build_global_compressed_kv_for_cp(
     return [select_and_pad_smallop(ops, g, plan) for g in gathered], token
 
 
+def regather_compressed_kv(group: Group, ops: Backend, owned: Sequence[Any], plan: RankPlan):
+    """What :func:`build_global_compressed_kv_for_cp` returned, again, from the same owned
+    slots: the blocking exchange, no order token, counted as ``slot_exchange_regather``
+    (point to point; an all-gather group gathers again). Run in backward, without autograd
+    (Note [Re-gathered slots])."""
+    if slot_exchange_kind(group) == "p2p":
+        slots = regather_plan(plan)
+        exchanged, _ = group.exchange_rows([(t, slots) for t in owned], None)
+        return [slot_buffer(ops, t, plan.slot_exchange) for t in exchanged]
+    gathered, _ = gather_compressed_slots(group, ops, owned, plan, None)
+    return [select_and_pad_smallop(ops, g, plan) for g in gathered]
+
+
+class RegatherSlotPlan(SlotExchangePlan):
+    """The slot exchange's plan under the name of its re-run in backward (counters, desync
+    report); the same arrays."""
+
+    exchange_name = "slot_exchange_regather"
+
+
+def regather_plan(plan: RankPlan) -> RegatherSlotPlan:
+    """``plan.slot_exchange`` as a :class:`RegatherSlotPlan` (made once per plan)."""
+    key = ("regather",)
+    found = plan.column_work.get(key)
+    if found is None:
+        slots = plan.slot_exchange
+        found = plan.column_work[key] = RegatherSlotPlan(
+            **{f.name: getattr(slots, f.name) for f in dataclasses.fields(slots)}
+        )
+    return found
+
+
 __all__ = [
+    "RegatherSlotPlan",
     "build_global_compressed_kv_for_cp",
+    "regather_compressed_kv",
+    "regather_plan",
     "build_x_ext",
     "select_and_pad_smallop",
     "slot_buffer",

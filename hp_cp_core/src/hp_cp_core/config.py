@@ -68,6 +68,13 @@ class DeepSeekV4CPConfig:
             [Overlapped exchanges] in :mod:`hp_cp_core.collectives`). ``False``: every
             exchange is issued and waited in place (the blocking path). Same results either
             way; backends without split exchanges always block.
+        regather_compressed_kv: do not keep the global compressed KV and indexer keys
+            (every earlier rank's slots, ``S / r`` rows) alive for backward: the layer's
+            backward receives them again, in one more slot exchange at its start, so what a
+            rank keeps for backward grows with its own rows only (Note [Re-gathered slots] in
+            :mod:`hp_cp_core.compression`). Same results, bit for bit. Backends whose group
+            has no ``regather_scope`` keep the slots (the option changes nothing there). Must
+            be the same on every rank.
     """
 
     layout: str = "contiguous"
@@ -78,6 +85,7 @@ class DeepSeekV4CPConfig:
     single_rank_bypass: bool = True
     desync_report: bool = True
     overlap_exchanges: bool = True
+    regather_compressed_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

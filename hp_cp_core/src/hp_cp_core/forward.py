@@ -9,7 +9,7 @@ import numpy as np
 
 from hp_cp_core.backend import Backend, Group
 from hp_cp_core.collectives import exchange_halos
-from hp_cp_core.compression import build_global_compressed_kv_for_cp
+from hp_cp_core.compression import build_global_compressed_kv_for_cp, regather_compressed_kv
 from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
@@ -150,14 +150,18 @@ class DeepSeekV4CPForward:
             for work in first:
                 work()
             ori_ext, halo_x = ori_kv, None
-        cmp_kv_global, cmp_idx_global, token = self.global_compressed_kv(
-            x, halo_x, call, token, _run_all(rest)
-        )
+        owned, gathered, made, token = self._slots(x, halo_x, call, token, _run_all(rest))
+        cmp_kv_global, cmp_idx_global = self._slot_buffers(call, made)
         call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
         for artifact in PER_QUERY:
             if self.roles.reuses(artifact):
                 call.reused[artifact] = self._take(call, artifact)
-        out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        scope = self.regather_scope(owned, gathered, call)
+        if scope is None:
+            out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+        else:
+            with scope:  # Note [Re-gathered slots] in hp_cp_core.compression
+                out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
         public = {}
         for artifact in PER_QUERY:
             if not self.roles.publishes(artifact):
@@ -171,7 +175,9 @@ class DeepSeekV4CPForward:
             public[artifact] = call.outputs[artifact]
         if public:
             self.shared.publish(self.index, self._sequence_key(call), public)
-        return self.group.end_order(out, token)
+        if scope is None:
+            return self.group.end_order(out, token)
+        return scope.end_order(out, token)
 
     def _sequence_key(self, call: DeepSeekV4CPContext) -> tuple[Any, ...]:
         """What identifies the sequence an artifact belongs to: its rows and documents."""
@@ -207,10 +213,20 @@ class DeepSeekV4CPForward:
         What the layer makes travels in one exchange; what it reuses comes from the owner's
         publication, with no collective (Note [Layers that share their indexer] in
         :mod:`hp_cp_core.sharing`)."""
+        _, _, made, token = self._slots(x, halo_x, call, token, work)
+        cmp_kv, cmp_idx = self._slot_buffers(call, made)
+        return cmp_kv, cmp_idx, token
+
+    def _slots(
+        self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
+    ) -> tuple[list[Any], list[Any], dict[str, Any], Any]:
+        """``(owned, gathered, made, token)``: this rank's slots of what the layer makes (main,
+        then indexer keys), every rank's in global slot order, the same by artifact name
+        (published for the layers that reuse them), and the next order token."""
         if self.spec.compress_ratio == 0:
             if work is not None:
                 work()
-            return None, None, token
+            return [], [], {}, token
         kinds = []
         owned = []
         if self.spec.makes_compressed_kv:
@@ -219,32 +235,45 @@ class DeepSeekV4CPForward:
         if self.spec.makes_index_keys:
             kinds.append("index_keys")
             owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
-        made: dict[str, Any] = {}
-        if owned:
-            gathered, token = build_global_compressed_kv_for_cp(
-                self.group,
-                self.backend,
-                owned,
-                call.plan,
-                token,
-                work,
-                self.config.overlap_exchanges,
-            )
-            made = dict(zip(kinds, gathered))
-            public = {k: v for k, v in made.items() if self.roles.publishes(k)}
-            if public:
-                self.shared.publish(self.index, self._sequence_key(call), public)
-        elif work is not None:
-            work()
+        if not owned:
+            if work is not None:
+                work()
+            return [], [], {}, token
+        gathered, token = build_global_compressed_kv_for_cp(
+            self.group, self.backend, owned, call.plan, token, work, self.config.overlap_exchanges
+        )
+        made = dict(zip(kinds, gathered))
+        public = {k: v for k, v in made.items() if self.roles.publishes(k)}
+        if public:
+            self.shared.publish(self.index, self._sequence_key(call), public)
+        return owned, list(gathered), made, token
+
+    def _slot_buffers(self, call: DeepSeekV4CPContext, made: dict[str, Any]) -> tuple[Any, Any]:
+        """``(main compressed KV, indexer keys)``: what the layer gathered, else what it reuses
+        from the layer that made it, else ``None``."""
         out = []
         for artifact in ("compressed_kv", "index_keys"):
             if artifact in made:
                 out.append(made[artifact])
-            elif self.roles.reuses(artifact):
+            elif self.spec.compress_ratio and self.roles.reuses(artifact):
                 out.append(self._take(call, artifact))
             else:
                 out.append(None)
-        return out[0], out[1], token
+        return out[0], out[1]
+
+    def regather_scope(
+        self, owned: Sequence[Any], gathered: Sequence[Any], call: DeepSeekV4CPContext
+    ) -> Any:
+        """The group's scope that keeps ``gathered`` out of what autograd saves and receives
+        it again in backward (``DeepSeekV4CPConfig.regather_compressed_kv``), or ``None``
+        (option off, r = 0, or a group without ``regather_scope``)."""
+        make = getattr(self.group, "regather_scope", None)
+        if not (self.config.regather_compressed_kv and gathered and make is not None):
+            return None
+        group, ops, plan = self.group, self.backend, call.plan
+        return make(
+            list(gathered), list(owned), lambda own: regather_compressed_kv(group, ops, own, plan)
+        )
 
     def real_rows(self, n_local: int) -> np.ndarray | None:
         """``[n_local]`` bool: which of this rank's rows are real, when this forward's

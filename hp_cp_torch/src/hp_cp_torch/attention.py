@@ -27,6 +27,14 @@ __all__ = [
 ]
 
 
+SCORE_CHUNK_CELLS = 1 << 22
+"""Most (query, slot) scores of one indexer chunk: a chunk's fp32 scores, mask and top-k keys
+stay under ~100 MiB per head at any S (:meth:`~hp_cp_core.columns.PlanColumns.score_chunk_rows`)."""
+
+HOST_TOPK_MIN_SLOTS = 4096
+"""Rows at least this long take :func:`_topk_cpu` on a CPU (Note [Top-k on the host]): it reads
+the host, which costs nothing there; shorter rows keep the path with no read at all."""
+
 TOPK_SORT_FRACTION = 4
 """:func:`deterministic_topk` sorts whole rows when ``k`` is more than 1 / this of the row."""
 
@@ -52,8 +60,60 @@ def deterministic_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     if not small_k or scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
+    if scores.device.type == "cpu" and scores.shape[-1] >= HOST_TOPK_MIN_SLOTS:
+        return _topk_cpu(scores, k)
+    return _topk_untied(scores, k)
+
+
+def _topk_untied(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = torch.topk(_untied_keys(scores), k, dim=-1, sorted=True).indices
     return torch.gather(scores, -1, indices), indices
+
+
+def _topk_cpu(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Note [Top-k on the host]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    On a CPU a host read costs nothing, and the keys of Note [Top-k without ties] (five
+    int64 passes over the row) cost most of the indexer's time at long S. So: one
+    ``torch.topk`` of the scores themselves; its picked *set* is the stable sort's unless the
+    k-th value has an equal that was not picked (a tie at the cut; ``-0.0`` equals ``0.0``)
+    or a NaN is about; the picks are then put in the stable order (value descending, lower
+    index first) by sorting the k of them. In a row with a tie at the cut (every row that sees
+    fewer than k slots, whose cut is ``-inf``; a row whose indexer weights are all negative,
+    whose best scores are ReLU's zeros) the picks above the cut stay and the rest are the cut
+    value's lowest indices (one int32 top-k); a row with a NaN takes the keys' path. Same
+    answer as the stable sort, bit for bit."""
+    values, indices = torch.topk(scores, k, dim=-1, sorted=True)
+    kth = values[..., -1:]
+    cut_tie = (scores == kth).sum(-1) > (values == kth).sum(-1)
+    nan = torch.isnan(values).any(-1)
+    # stable order of the picked set: by index, then a stable sort by value
+    by_index = torch.argsort(indices, dim=-1)
+    indices, values = indices.gather(-1, by_index), values.gather(-1, by_index)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    indices = indices.gather(-1, order)
+    if not bool((cut_tie | nan).any()):  # a host read: CPU tensors only
+        return values, indices
+    n = scores.shape[-1]
+    flat_s = scores.reshape(-1, n)
+    flat_v, flat_i = values.reshape(-1, k), indices.reshape(-1, k)
+    tie_rows = (cut_tie & ~nan).reshape(-1).nonzero().squeeze(-1)
+    if tie_rows.numel():
+        # the picks above the cut stay; the rest are the cut value's lowest indices
+        cut = flat_v[tie_rows, -1:]
+        above = (flat_v[tie_rows] > cut).sum(-1, keepdim=True)  # first `above` picks
+        rank = torch.arange(n, 0, -1, dtype=torch.int32)  # lower index, larger key
+        ties = torch.where(flat_s.index_select(0, tie_rows) == cut, rank, 0)
+        lowest = n - torch.topk(ties, k, dim=-1, sorted=True).values.long()
+        col = torch.arange(k)
+        fill = lowest.gather(-1, (col - above).clamp(min=0))
+        flat_i[tie_rows] = torch.where(col >= above, fill, flat_i[tie_rows])
+        flat_v[tie_rows] = torch.where(col >= above, cut, flat_v[tie_rows])
+    nan_rows = nan.reshape(-1).nonzero().squeeze(-1)
+    if nan_rows.numel():
+        slow_v, slow_i = _topk_untied(flat_s.index_select(0, nan_rows), k)
+        flat_v[nan_rows], flat_i[nan_rows] = slow_v, slow_i
+    return values, indices
 
 
 def _untied_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -99,7 +159,8 @@ def select_topk_chunked(
             ``lo:hi`` against global slots ``s0:s1``.
         plan: the rank's :class:`hp_cp_core.plan.RankPlan` (``cmp_start`` / ``cmp_count``).
         topk: the layer's ``index_topk``.
-        query_chunk: queries per chunk.
+        query_chunk: queries per chunk (fewer where a chunk would score more than
+            :data:`SCORE_CHUNK_CELLS` slots).
         batch: the batch size ``B``, needed when no local query sees a slot (nothing is
             scored); default: taken from the scores (1 when there are none).
         one_process_row: pick as a model on one process that calls ``torch.topk`` on each
@@ -113,11 +174,12 @@ def select_topk_chunked(
 
     Returns:
         Global slot ids ``[B, L, topk]`` (``-1`` for empty picks): in descending-score order,
-        lower id first on ties; with ``as_one_process``, the slots ``torch.topk`` keeps.
+        lower id first on ties; with ``one_process_row``, the slots ``torch.topk`` keeps.
     """
     columns = PlanColumns(plan, 0)
     out = None
-    for chunk in columns.score_chunks(query_chunk):
+    rows = columns.score_chunk_rows(query_chunk, SCORE_CHUNK_CELLS)
+    for chunk in columns.score_chunks(rows):
         scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
         if out is None:
             shape = (scores.shape[0], plan.n_local, topk)
@@ -125,10 +187,10 @@ def select_topk_chunked(
         visible = torch.as_tensor(chunk.visible, device=scores.device)
         scores = scores.masked_fill(~visible, float("-inf"))
         if one_process_row is not None:
-            rows = columns.topk_rows(
+            frames = columns.topk_rows(
                 chunk.lo, chunk.hi, sequence_rows, packed_row=one_process_row, cu_seqlens=cu_seqlens
             )
-            for row in rows:
+            for row in frames:
                 _topk_as_one_process(scores, chunk, row, topk, out)
             continue
         values, ids = deterministic_topk(scores, chunk.keep(topk))
@@ -200,6 +262,7 @@ def run_sparse_attention(
     *,
     kernel: str = "smallop",
     query_chunk: int = 1024,
+    banded_picks: str = "weights",
 ) -> torch.Tensor:
     """Attention of the local queries over the window and the compressed slots of the plan.
 
@@ -218,6 +281,9 @@ def run_sparse_attention(
             is gathered: :mod:`hp_cp_torch.kernels.banded`), ``"efficient"``, ``"triton"`` or
             ``"smallop"``.
         query_chunk: queries per chunk.
+        banded_picks: how the banded kernel reads picks that lie in a block's slot band
+            (:data:`hp_cp_torch.kernels.banded.PICK_READS`; the same result each way, the
+            benchmark measures each).
 
     Returns:
         ``[B, L, H, D]``.
@@ -238,7 +304,9 @@ def run_sparse_attention(
         blocks = columns.dense_blocks(
             rows, with_slots=hca, picks_band_max=PICKS_BAND_FACTOR * width
         )
-        return sparse_attention_banded(q, ori_ext, cmp_kv, selected, sink, scale, blocks)
+        return sparse_attention_banded(
+            q, ori_ext, cmp_kv, selected, sink, scale, blocks, picks=banded_picks
+        )
     attend = sparse_attention_smallop
     if kernel == "efficient":
         from hp_cp_torch.kernels.efficient import sparse_attention_efficient as attend

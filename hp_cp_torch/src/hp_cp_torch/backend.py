@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -153,6 +154,7 @@ class TorchGroup:
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.calls: dict[str, int] = {}
+        self.regather_views = 0  # saved tensors kept as views to re-gather (RegatherScope)
         self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))
         self.n_layers = 0  # installed so far; a layer's index in the desync report
         self.closed = False  # disable_cp ran (its record is published)
@@ -188,16 +190,16 @@ class TorchGroup:
         # nothing upstream to order against: a leaf still puts every exchange in the graph
         return torch.empty(0, device=self.device, requires_grad=True)
 
-    def end_order(self, output: Any, token: torch.Tensor | None) -> Any:
+    def end_order(self, output: Any, token: torch.Tensor | None, regather: Any = None) -> Any:
         if token is None or not token.requires_grad:
             return output
         if isinstance(output, torch.Tensor):
-            return _attach_token(output, token)
+            return _attach_token(output, token, regather)
         if isinstance(output, (tuple, list)):
             parts = list(output)
             for i, part in enumerate(parts):
                 if isinstance(part, torch.Tensor) and part.is_floating_point():
-                    parts[i] = _attach_token(part, token)
+                    parts[i] = _attach_token(part, token, regather)
                     return type(output)(parts) if isinstance(output, list) else tuple(parts)
         raise HpCpError(
             f"the CP attention hook returned a {type(output).__name__}; expected the layer "
@@ -217,6 +219,14 @@ class TorchGroup:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         token, out = _AllGatherRows.apply(self, token, tensor)
         return out, _token_or_none(token)
+
+    def regather_scope(
+        self, buffers: Sequence[torch.Tensor], owned: Sequence[torch.Tensor], rebuild: Any
+    ) -> RegatherScope:
+        """Keep ``buffers`` out of what autograd saves in the scope; its ``end_order``'s
+        backward receives them again (Note [Re-gathered slots] in
+        :mod:`hp_cp_core.compression`)."""
+        return RegatherScope(self, buffers, owned, rebuild)
 
     def all_gather_dim(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         rows = tensor.movedim(dim, 0)
@@ -250,6 +260,7 @@ class TorchGroup:
             "bytes_sent": self.bytes_sent,
             "bytes_recv": self.bytes_recv,
             "collectives": dict(self.calls),
+            "regather_saved_views": self.regather_views,
         }
 
     # -- point-to-point with byte payloads --------------------------------------------------
@@ -323,10 +334,159 @@ def _token_grad(ctx: Any, index: int, device: torch.device) -> torch.Tensor | No
     return torch.zeros(0, device=device) if ctx.needs_input_grad[index] else None
 
 
-def _attach_token(output: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+def _attach_token(output: torch.Tensor, token: torch.Tensor, regather: Any = None) -> torch.Tensor:
     if not (torch.is_grad_enabled() and output.is_floating_point()):
         return output
+    if regather is not None:
+        return _OrderEndRegather.apply(output, token, regather)
     return _OrderEnd.apply(output, token)
+
+
+class _SavedCell:
+    """The re-gathered buffers of one layer forward, shared by its :class:`_SavedView`
+    handles; it lives exactly as long as one of them does (autograd frees a node's saved
+    handles after the node ran), so the buffers go when the layer's last reader is done."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] | None = None
+
+
+class _SavedView:
+    """What autograd keeps in place of a saved view of a re-gathered buffer."""
+
+    __slots__ = ("cell", "index", "offset", "size", "stride")
+
+    def __init__(self, cell: _SavedCell, index: int, t: torch.Tensor) -> None:
+        self.cell, self.index = cell, index
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class _OuterSaved:
+    """A saved tensor packed by the hooks that were active outside the scope (a user's
+    offload or checkpoint hooks), to be unpacked by them."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Any) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no storage (a functional or sparse tensor)
+        return None
+    return (st.data_ptr(), st.nbytes()) if st.nbytes() else None
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    key = _storage_key(t)
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, key[1] if key else 0)
+
+
+class RegatherScope:
+    """One layer forward's ``regather_scope`` (Note [Re-gathered slots] in
+    :mod:`hp_cp_core.compression`): while it is entered, a saved tensor sharing storage with
+    a buffer (the global compressed KV, the indexer keys, or a view of them) is kept as a
+    :class:`_SavedView`; every other saved tensor as the hooks outside the scope keep it (as
+    itself when there are none). :meth:`end_order` attaches the node whose backward runs
+    ``rebuild(owned)`` and hands the result to the views."""
+
+    def __init__(
+        self,
+        group: TorchGroup,
+        buffers: Sequence[torch.Tensor],
+        owned: Sequence[torch.Tensor],
+        rebuild: Any,
+    ) -> None:
+        self.group, self.rebuild = group, rebuild
+        self.layer = group.log.layer
+        self.owned = [t.detach() for t in owned]  # this rank's slots: O(L / r) rows
+        self.layouts = [_layout(b) for b in buffers]
+        self._sources = {_storage_key(b): i for i, b in enumerate(buffers) if _storage_key(b)}
+        self._cell: _SavedCell | None = _SavedCell()
+        self._cell_ref = weakref.ref(self._cell)
+        self._hooks: Any = None
+        self._outer: Any = None
+
+    def __enter__(self) -> RegatherScope:
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self._outer = top(False) if top is not None else None
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks, self._cell, self._sources = None, None, {}  # the views keep the cell
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        index = self._sources.get(_storage_key(t)) if self._sources else None
+        if index is not None and self._cell is not None:
+            self.group.regather_views += 1
+            return _SavedView(self._cell, index, t)
+        if self._outer is not None:
+            pack, unpack = self._outer
+            return _OuterSaved(pack(t), unpack)
+        return t
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _SavedView):
+            buffers = saved.cell.buffers
+            if buffers is None:
+                raise HpCpError(
+                    "a CP layer's attention backward ran before the layer's output backward "
+                    "re-gathered its compressed slots (DeepSeekV4CPConfig("
+                    "regather_compressed_kv=True)): something reached the attention's graph "
+                    "without going through the layer's output. Back-propagate through the "
+                    "layer output only, or turn the option off."
+                )
+            return buffers[saved.index].as_strided(saved.size, saved.stride, saved.offset)
+        if isinstance(saved, _OuterSaved):
+            return saved.unpack(saved.packed)
+        return saved
+
+    def end_order(self, output: Any, token: torch.Tensor | None) -> Any:
+        """The group's ``end_order``, with the re-gather in its backward."""
+        return self.group.end_order(output, token, regather=self)
+
+    def regather(self) -> None:
+        """Receive the buffers again (every rank, whether or not it kept a view: its peers
+        may read its slots) and hand them to the views still alive."""
+        log = self.group.log
+        previous, log.layer = log.layer, self.layer
+        try:
+            with torch.no_grad():
+                buffers = list(self.rebuild(self.owned))
+        finally:
+            log.layer = previous
+        cell = self._cell_ref()
+        if cell is None:
+            return  # no view left (nothing saved a buffer, or their nodes already ran)
+        got = [_layout(b) for b in buffers]
+        if got != self.layouts:
+            raise HpCpError(
+                f"re-gathered compressed slots have layouts {got}, the forward's were "
+                f"{self.layouts}; the saved views cannot be restored. This is a bug in the "
+                "backend's regather; DeepSeekV4CPConfig(regather_compressed_kv=False) avoids it."
+            )
+        cell.buffers = buffers
+
+
+class _OrderEndRegather(torch.autograd.Function):
+    """:class:`_OrderEnd` whose backward first re-gathers the layer's compressed slots (the
+    first backward of the layer on every rank: Note [Re-gathered slots])."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor, scope: RegatherScope):
+        ctx.token_device, ctx.scope = token.device, scope
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        ctx.scope.regather()
+        return grad, torch.zeros(0, device=ctx.token_device), None
 
 
 class _OrderBegin(torch.autograd.Function):

@@ -4,9 +4,17 @@
 ``attn_flops_over_matmul_<kernel>_<case>``: the FLOP/s one CSA / HCA attention forward +
 backward achieves, counting only useful work, over the FLOP/s of a plain fp32
 ``torch.matmul`` measured in the same process with the same threads right before and right
-after that kernel's runs (the higher of the two), per wall second. The ``_cpu`` keys give the
+after each of that kernel's runs (the highest), per wall second. The ``_cpu`` keys give the
 same ratio per CPU second of the process (all threads; steadier when other jobs share the
 machine, but they charge a kernel for its threads' idle spinning).
+
+``attn_flops_over_matmul_<case>_<picks>`` (and ``_cpu``): the banded kernel with each way of
+reading picks that lie in a block's slot band
+(:data:`hp_cp_torch.kernels.banded.PICK_READS`: ``weights``, the default, ``log_weights``,
+``mask``); the unsuffixed keys are the default's. Only ``r4`` reads picks as a band, so at
+``r4_gathered`` and ``r128`` the variants run the same code: their spread is the machine's.
+Every variant (kernel, or banded kernel and picks) of a case runs once per round, round after
+round, and keeps its best round, so a machine that slows down mid-run slows every variant.
 
 Useful work is counted from the columns that are really attended (not from padding):
 ``4 * B * H * D * sum_t K_t`` forward (``q . k`` and ``p . v``, two flops per multiply-add)
@@ -33,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KERNEL_SHAPES", "attention_case", "kernel_measures", "matmul_flops"]
+__all__ = ["CASES", "KERNEL_SHAPES", "attention_case", "kernel_measures", "matmul_flops"]
 
 KERNEL_SHAPES = {"batch": 1, "seq": 1024, "heads": 16, "dim": 512, "window": 128, "topk": 512}
 """Shapes of the measure (the issue's: B = 1, S = 1024, H = 16, D = 512, W = 128, top-k 512)."""
@@ -110,9 +118,12 @@ def attention_case(
     }
 
 
-def attention_seconds(kernel: str, case: dict[str, Any], repeat: int, cpu: bool = False) -> float:
+def attention_seconds(
+    kernel: str, case: dict[str, Any], repeat: int, cpu: bool = False, picks: str = "weights"
+) -> float:
     """Best-of-``repeat`` seconds (``cpu``: CPU seconds of this process) of one forward +
-    backward through ``run_sparse_attention``."""
+    backward through ``run_sparse_attention`` (``picks``: the banded kernel's
+    ``banded_picks``)."""
     import torch
 
     from hp_cp_torch.attention import run_sparse_attention
@@ -134,6 +145,7 @@ def attention_seconds(kernel: str, case: dict[str, Any], repeat: int, cpu: bool 
             q.shape[-1] ** -0.5,
             kernel=kernel,
             query_chunk=chunk,
+            banded_picks=picks,
         )
         torch.autograd.backward(out, grad)
         best = min(best, _clock(cpu) - t0)
@@ -143,40 +155,104 @@ def attention_seconds(kernel: str, case: dict[str, Any], repeat: int, cpu: bool 
     return best
 
 
-def kernel_measures(kernels: tuple[str, ...], threads: int = 2, repeat: int = 2) -> dict[str, Any]:
+def kernel_measures(
+    kernels: tuple[str, ...],
+    threads: int = 2,
+    repeat: int = 2,
+    picks: tuple[str, ...] | None = None,
+    shapes: dict[str, int] = KERNEL_SHAPES,
+    cases: dict[str, tuple[int, int]] = CASES,
+) -> dict[str, Any]:
     """``attn_flops_over_matmul_*`` keys (and the FLOP/s behind them) for ``kernels``; the
-    unsuffixed ``attn_flops_over_matmul_<case>`` are the default kernel's (always run)."""
+    unsuffixed ``attn_flops_over_matmul_<case>`` are the default kernel's (always run), the
+    ``attn_flops_over_matmul_<case>_<picks>`` the banded kernel's with each of ``picks``
+    (default: every :data:`~hp_cp_torch.kernels.banded.PICK_READS` when ``banded`` runs)."""
     import torch
 
     from hp_cp_core import DeepSeekV4CPConfig
+    from hp_cp_torch.kernels.banded import PICK_READS
 
     default = DeepSeekV4CPConfig().attention_kernel
     kernels = (default, *[k for k in kernels if k != default])
+    if picks is None:
+        picks = PICK_READS if "banded" in kernels else ()
+    shipped = PICK_READS[0]
+    picks = (shipped, *[p for p in picks if p != shipped]) if picks else ()
+    # (kernel, picks): the banded kernel once per way of reading picks
+    variants = [(k, p) for k in kernels for p in (picks if k == "banded" and picks else (shipped,))]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         res: dict[str, Any] = {"attn_kernel_threads": threads}
         peaks = []
-        for name, (ratio, cp) in CASES.items():
-            case = attention_case(ratio, cp=cp)
+        for name, (ratio, cp) in cases.items():
+            case = attention_case(ratio, shapes, cp=cp)
             res[f"attn_mean_columns_{name}"] = case["mean_columns"]
-            for kernel in kernels:
-                attention_seconds(kernel, case, 1)  # warm up
-                for cpu, suffix in ((False, ""), (True, "_cpu")):
-                    # the matmul rate right before and after (the higher one counts)
-                    rate_before = matmul_flops(cpu=cpu)
-                    secs = attention_seconds(kernel, case, repeat, cpu=cpu)
-                    peak = max(rate_before, matmul_flops(cpu=cpu))
-                    peaks.append(peak)
-                    achieved = case["useful_flops"] / secs
-                    res[f"attn_seconds_{kernel}_{name}{suffix}"] = secs
-                    res[f"attn_matmul_gflops_{kernel}_{name}{suffix}"] = peak / 1e9
-                    res[f"attn_flops_over_matmul_{kernel}_{name}{suffix}"] = achieved / peak
+            for kernel, how in variants:
+                attention_seconds(kernel, case, 1, picks=how)  # warm up
+            for cpu, suffix in ((False, ""), (True, "_cpu")):
+                secs = dict.fromkeys(variants, float("inf"))
+                peak = dict.fromkeys(variants, 0.0)
+                for _ in range(repeat):  # round after round, every variant once
+                    for v in variants:
+                        # the matmul rate right before and after (the highest counts)
+                        rate_before = matmul_flops(cpu=cpu)
+                        secs[v] = min(secs[v], attention_seconds(v[0], case, 1, cpu, v[1]))
+                        peak[v] = max(peak[v], rate_before, matmul_flops(cpu=cpu))
+                for (kernel, how), t in secs.items():
+                    ratio_key = case["useful_flops"] / t / peak[(kernel, how)]
+                    peaks.append(peak[(kernel, how)])
+                    if kernel == "banded" and how in picks:
+                        res[f"attn_seconds_{name}_{how}{suffix}"] = t
+                        res[f"attn_flops_over_matmul_{name}_{how}{suffix}"] = ratio_key
+                    if how != shipped:
+                        continue
+                    res[f"attn_seconds_{kernel}_{name}{suffix}"] = t
+                    res[f"attn_matmul_gflops_{kernel}_{name}{suffix}"] = peak[(kernel, how)] / 1e9
+                    res[f"attn_flops_over_matmul_{kernel}_{name}{suffix}"] = ratio_key
             for suffix in ("", "_cpu"):
                 default_key = f"attn_flops_over_matmul_{default}_{name}{suffix}"
                 res[f"attn_flops_over_matmul_{name}{suffix}"] = res[default_key]
         res["matmul_gflops_spread"] = max(peaks) / min(peaks)  # drift of the machine
         res["attn_default_kernel"] = default
+        if picks:
+            res["attn_banded_default_picks"] = shipped
         return res
     finally:
         torch.set_num_threads(before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hp_cp_torch.bench.kernel``: only the kernel measures of ``hp-cp bench``,
+    printed as JSON; ``--merge bench.json`` also writes their numbers into that file (the
+    other keys kept)."""
+    import argparse
+    import json
+    import os
+
+    parser = argparse.ArgumentParser(prog="python -m hp_cp_torch.bench.kernel")
+    parser.add_argument("--kernels", default="banded", help="kernels (the default kernel first)")
+    parser.add_argument("--picks", default=None, help="banded picks reads (default: all)")
+    parser.add_argument("--repeat", type=int, default=2, help="timed rounds per clock")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--merge", default=None, help="a bench.json to update with the numbers")
+    args = parser.parse_args(argv)
+    picks = None if args.picks is None else tuple(p for p in args.picks.split(",") if p)
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    res = kernel_measures(kernels, threads=args.threads, repeat=args.repeat, picks=picks)
+    print(json.dumps(res, indent=1, sort_keys=True))
+    if args.merge:
+        numbers = {}
+        if os.path.exists(args.merge):
+            with open(args.merge) as f:
+                numbers = json.load(f)
+        numbers.update({k: v for k, v in res.items() if isinstance(v, (int, float))})
+        with open(args.merge, "w") as f:
+            json.dump(numbers, f, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

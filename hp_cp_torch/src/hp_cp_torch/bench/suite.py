@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core import LayerSpec, build_rank_plan
+from hp_cp_torch.bench.numbers import flatten_numbers
 from hp_cp_torch.bench.scaling import STEP_VARIANTS
 from hp_cp_torch.bench.traffic import FLASH, Shapes, comm_per_rank, traffic_measures
 
@@ -363,25 +364,6 @@ def _bars_png_fallback(rows: list[tuple[str, float, float | None]], path: str) -
         f.write(_png_bytes(pix, width, height))
 
 
-def _flatten_numbers(res: dict) -> tuple[dict, dict]:
-    """``bench.json`` holds numbers only (per-rank lists become ``key_<i>``); the strings that
-    name a setup go to ``bench.notes.json``."""
-    numbers: dict = {}
-    notes: dict = {}
-    for key, value in res.items():
-        if isinstance(value, bool):
-            numbers[key] = int(value)
-        elif isinstance(value, (int, float)):
-            numbers[key] = value
-        elif isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-        ):
-            numbers.update({f"{key}_{i}": v for i, v in enumerate(value)})
-        else:
-            notes[key] = value
-    return numbers, notes
-
-
 def write_png(rows: list[tuple[str, float, float | None]], path: str) -> str:
     """Bar chart of ``(label, value, target or None)``; returns the renderer used."""
     try:
@@ -614,6 +596,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _table(res: dict[str, Any]) -> str:
+    from hp_cp_torch.kernels.banded import PICK_READS
+
     lines = [f"{'measure':<48} {'value':>10} {'target':>8}"]
     for key, value, target in _lower_is_better_rows(res):
         mark = "" if target is None else ("ok" if value <= target else "MISS")
@@ -638,6 +622,11 @@ def _table(res: dict[str, Any]) -> str:
         "cp_enabled_cp1_overhead_cpu",
         "cp_enabled_cp1_overhead_swa",
         *[f"attn_flops_over_matmul_{c}" for c in ("r4", "r4_gathered", "r128")],
+        *[
+            f"attn_flops_over_matmul_{c}_{p}"
+            for c in ("r4", "r4_gathered", "r128")
+            for p in PICK_READS
+        ],
         *[
             f"attn_flops_over_matmul_{k}_{c}"
             for k in ("efficient", "smallop")
@@ -718,7 +707,38 @@ def main(argv: list[str] | None = None) -> int:
         default=512,
         help="S of the exposed-communication measure at cp 4 (0: skip)",
     )
+    long = parser.add_argument_group(
+        "long", "--long: one training step at cp 8 for long S (hp_cp_torch.bench.long)"
+    )
+    long.add_argument("--long", action="store_true", help="run the long-S bench only")
+    long.add_argument(
+        "--long-seqs",
+        default="65536,131072,262144,524288,1048576",
+        help="S of the cp-8 steps ('': none, the paper measures only)",
+    )
+    long.add_argument("--long-cp", type=int, default=8)
+    long.add_argument("--long-parity-seq", type=int, default=131072)
+    long.add_argument("--long-compare-seq", type=int, default=262144)
+    long.add_argument(
+        "--long-max-total-bytes",
+        type=float,
+        default=12 * 2**30,
+        help="skip an S whose predicted memory, all ranks together, is above this",
+    )
+    long.add_argument("--long-out", default="bench-long.json")
+    long.add_argument(
+        "--no-long-paper", action="store_true", help="skip the scale-on-paper measures"
+    )
+    long.add_argument(
+        "--long-merge",
+        action="store_true",
+        help="add the keys to an existing --long-out file instead of replacing it",
+    )
     args = parser.parse_args(argv)
+    if args.long:
+        from hp_cp_torch.bench.long import main_long
+
+        return main_long(args)
     if args.hf_mem_seqs and importlib.util.find_spec("transformers") is None:
         # refuse now rather than after the other measures have run for minutes
         parser.error(
@@ -731,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in (out, png):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     res["png_renderer"] = write_png(_lower_is_better_rows(res), png)
-    numbers, notes = _flatten_numbers(res)
+    numbers, notes = flatten_numbers(res)
     with open(out, "w") as f:
         json.dump(numbers, f, indent=1, sort_keys=True)
     with open(os.path.splitext(out)[0] + ".notes.json", "w") as f:

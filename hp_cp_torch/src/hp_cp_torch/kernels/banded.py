@@ -25,6 +25,8 @@ gather and ``rows`` small ones. The weight is a logit bias, ``log(count)``: ``-i
 column not picked (masked), ``0`` for one pick, ``log 2`` for a slot picked twice (never the
 indexer's top-k, but a caller's pick list may repeat), so ``exp(logit + log c) = c exp(logit)``
 adds repeats up exactly as the small-op kernel's gather does, with no host read to find them.
+The counts are integers of at most K, so the bias is a lookup in a ``K + 1`` table of logs
+built once per call, not a ``log`` over every block's counts (see :data:`PICK_READS`).
 
 All parts share one softmax with the sink: with ``m = max(max band logit, max slot logit,
 sink)`` (exactly the small-op kernel's max),
@@ -51,6 +53,7 @@ __all__ = [
     "BLOCK_ROWS",
     "GATHER_BUDGET_BYTES",
     "PICKS_BAND_FACTOR",
+    "PICK_READS",
     "block_rows_for",
     "sparse_attention_banded",
 ]
@@ -66,6 +69,20 @@ PICKS_BAND_FACTOR = 2
 """A block reads its indexer picks as a masked band of slots (no gather) when that band is at
 most this many times the top-k wide: a dense product over ``2 K`` columns runs faster on a CPU
 than a per-query gather and product over ``K``."""
+
+
+PICK_READS = ("weights", "log_weights", "mask")
+"""How a block reads picks that lie in its slot band (``picks=`` of
+:func:`sparse_attention_banded`); all three give the small-op kernel's result:
+
+* ``"weights"`` (the default): each column's pick count as a ``log(count)`` logit bias,
+  looked up in a table of logs (Note [Band plus gather, one softmax]); no host read;
+* ``"log_weights"``: the same bias by a ``log`` of each block's counts (0.2.0's kernel after
+  repeats were weighted; on a 2-core CPU that ``log`` costs more than the lookup);
+* ``"mask"``: a boolean mask and one host read per block to find a repeated pick; a block
+  with a repeat is gathered instead (the kernel before repeats were weighted).
+
+The benchmark (:mod:`hp_cp_torch.bench.kernel`) measures each of them in one run."""
 
 
 def block_rows_for(batch: int, k: int, dim: int) -> int:
@@ -99,20 +116,74 @@ class _Workspace:
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
+    def log_counts(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        """``[k + 1]`` fp32, ``log(c)`` at ``c``: the logit bias of a column picked ``c``
+        times (``-inf`` at 0, ``0`` at 1), for picks lists of ``k`` columns (built once)."""
+        table = self._buffers.get("log_counts")
+        if table is None or table.numel() < k + 1:
+            table = torch.arange(k + 1, dtype=torch.float32, device=like.device).log()
+            self._buffers["log_counts"] = table
+        return table
 
-def _picks_bias(sel: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+
+def _pick_counts(sel: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, n, stop - start + 1]``: how often ``sel`` ``[B, n, K]`` (global slots, ``-1`` =
+    none) picks each band column; the spare last column counts the picks that are none or
+    outside the band (dropped by the callers)."""
+    width = stop - start
+    inside = (sel >= start) & (sel < stop)
+    column = torch.where(inside, sel - start, width)
+    counts = torch.zeros(*sel.shape[:2], width + 1, dtype=dtype, device=sel.device)
+    one = torch.ones((), dtype=dtype, device=sel.device).expand(column.shape)
+    return counts.scatter_add_(2, column, one)
+
+
+def _picks_bias(
+    sel: torch.Tensor, start: int, stop: int, log_counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[B, n, stop - start]`` fp32: ``log(times picked)`` of each band column by ``sel``
     ``[B, n, K]`` (global slots, ``-1`` = none): ``-inf`` where not picked, ``log 2`` where
     picked twice. Added to the band's logits it weighs each column by its pick count, as the
-    gather would (Note [Band plus gather, one softmax]); no host read. The planner's band holds
-    every slot the block's queries see, so every pick lands in it (one outside would count in
-    the spare column, dropped)."""
+    gather would (Note [Band plus gather, one softmax]); no host read. ``log_counts``: the
+    table of :meth:`_Workspace.log_counts` (built here when not given). The planner's band
+    holds every slot the block's queries see, so every pick lands in it (one outside would
+    count in the spare column, dropped)."""
+    if log_counts is None:
+        log_counts = torch.arange(sel.shape[-1] + 1, dtype=torch.float32, device=sel.device).log()
+    counts = _pick_counts(sel, start, stop, torch.int64)
+    bias = log_counts.index_select(0, counts.view(-1)).view(counts.shape)
+    return bias[..., : stop - start]
+
+
+def _picks_log_bias(sel: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """:func:`_picks_bias` by a ``log`` of the counts (``PICK_READS`` ``"log_weights"``)."""
+    return _pick_counts(sel, start, stop, torch.float32)[..., : stop - start].log()
+
+
+def _picks_mask(sel: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+    """``[B, n, stop - start]``: True at each pick of ``sel`` inside the band, or ``None``
+    when a pick lies outside it or repeats (a mask cannot count a column twice; such blocks
+    are gathered, where repeats add up). One host read (``PICK_READS`` ``"mask"``)."""
     width = stop - start
-    inside = (sel >= start) & (sel < stop)
-    column = torch.where(inside, sel - start, width)  # none or outside: a spare last column
-    counts = torch.zeros(*sel.shape[:2], width + 1, dtype=torch.float32, device=sel.device)
-    counts.scatter_add_(2, column, torch.ones(sel.shape, dtype=torch.float32, device=sel.device))
-    return counts[..., :width].log()
+    valid = sel >= 0
+    inside = valid & (sel >= start) & (sel < stop)
+    column = torch.where(inside, sel - start, width)  # outside: a spare last column
+    mask = torch.zeros(*sel.shape[:2], width + 1, dtype=torch.bool, device=sel.device)
+    mask.scatter_(2, column, True)
+    mask = mask[..., :width]
+    return mask if int(mask.sum()) == int(valid.sum()) else None
+
+
+def _read_picks(
+    picks: str, sel: torch.Tensor, blk: DenseBlock, ws: _Workspace
+) -> torch.Tensor | None:
+    """The band's bias (fp32) or mask (bool) for the picks ``sel`` of block ``blk``, read as
+    ``picks`` says (:data:`PICK_READS`), or ``None``: gather them."""
+    if picks == "weights":
+        return _picks_bias(sel, blk.slot_start, blk.slot_stop, ws.log_counts(sel.shape[-1], sel))
+    if picks == "log_weights":
+        return _picks_log_bias(sel, blk.slot_start, blk.slot_stop)
+    return _picks_mask(sel, blk.slot_start, blk.slot_stop)
 
 
 class _Block:
@@ -120,19 +191,21 @@ class _Block:
     the band CSA's picks lie in), each a slice of its pool with a mask, and the gathered top-k
     part (only when the picks are not read as a band)."""
 
-    def __init__(self, q, kv_ext, cmp, idx, blk: DenseBlock, masks, scale, ws: _Workspace):
+    def __init__(
+        self, q, kv_ext, cmp, idx, blk: DenseBlock, masks, scale, ws: _Workspace, picks: str
+    ):
         b, n, h, d = q.shape[0], blk.hi - blk.lo, q.shape[2], q.shape[3]
         self.shape = (b, n, h)
         self.q = q[:, blk.lo : blk.hi].float()  # [B, n, H, D]
         ranges = [(kv_ext, blk.key_start, blk.key_stop, masks[0])]
-        if blk.slot_mask is not None:
+        if len(masks) > 1:  # the block has a slot mask (HCA)
             ranges.append((cmp, blk.slot_start, blk.slot_stop, masks[1]))
         self.k = idx.shape[-1]
         if self.k:
             sel = idx[:, blk.lo : blk.hi].long()  # [B, n, K]
-            if blk.picks_in_band:
-                bias = _picks_bias(sel, blk.slot_start, blk.slot_stop)
-                ranges.append((cmp, blk.slot_start, blk.slot_stop, bias))
+            weights = _read_picks(picks, sel, blk, ws) if blk.picks_in_band else None
+            if weights is not None:  # a mask, or a bias: log of each column's pick count
+                ranges.append((cmp, blk.slot_start, blk.slot_stop, weights))
                 self.k = 0
         q2 = self.q.reshape(b, n * h, d)
         self.dense = []  # (keys [B, nb, D], logits [B, n, H, nb], pool, start)
@@ -176,15 +249,15 @@ class _Block:
         return out
 
 
-def _masks(blocks: Sequence[DenseBlock], device: Any) -> list[list[torch.Tensor]]:
-    """Each block's planned masks as ``[1, n, width]`` tensors (window, then HCA slots)."""
-    out = []
-    for blk in blocks:
-        masks = [torch.as_tensor(blk.mask, device=device)[None]]
-        if blk.slot_mask is not None:
-            masks.append(torch.as_tensor(blk.slot_mask, device=device)[None])
-        out.append(masks)
-    return out
+def _masks(blk: DenseBlock, device: Any) -> list[torch.Tensor]:
+    """One block's planned masks as ``[1, n, width]`` tensors (window, then HCA slots), built
+    when the block runs and dropped after it: all blocks' masks at once would be ``[L, S / r]``
+    for HCA (Note [Masks on demand] in :mod:`hp_cp_core.columns`)."""
+    masks = [torch.as_tensor(blk.mask, device=device)[None]]
+    slot_mask = blk.slot_mask
+    if slot_mask is not None:
+        masks.append(torch.as_tensor(slot_mask, device=device)[None])
+    return masks
 
 
 class _BandedSparseAttention(torch.autograd.Function):
@@ -198,17 +271,17 @@ class _BandedSparseAttention(torch.autograd.Function):
         sink: torch.Tensor,
         scale: float,
         blocks: Sequence[DenseBlock],
+        picks: str,
     ) -> torch.Tensor:
         batch, seq, heads, dim = q.shape
         idx = idx.expand(batch, -1, -1)
         cmp = cmp_kv if cmp_kv.shape[1] else cmp_kv.new_zeros(batch, 1, dim)
-        masks = _masks(blocks, q.device)
         sink_f = sink.detach().float().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         ws = _Workspace()
-        for blk, mask in zip(blocks, masks):
-            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale, ws)
+        for blk in blocks:
+            parts = _Block(q, kv_ext, cmp, idx, blk, _masks(blk, q.device), scale, ws, picks)
             logits = parts.logits()
             m = sink_f
             for lg in logits:
@@ -221,7 +294,7 @@ class _BandedSparseAttention(torch.autograd.Function):
             lse[:, blk.lo : blk.hi] = (m + torch.log(denom)).squeeze(-1)
         small = cmp.shape[1] < 2**31 - 1
         ctx.save_for_backward(q, kv_ext, cmp_kv, idx.int() if small else idx.long(), sink, lse)
-        ctx.scale, ctx.blocks, ctx.masks = float(scale), blocks, masks
+        ctx.scale, ctx.blocks, ctx.picks = float(scale), blocks, picks
         return out
 
     @staticmethod
@@ -229,7 +302,7 @@ class _BandedSparseAttention(torch.autograd.Function):
         q, kv_ext, cmp_kv, idx, sink, lse = ctx.saved_tensors
         scale = ctx.scale
         batch, _, heads, dim = q.shape
-        need_q, need_ext, need_cmp, _, need_sink, _, _ = ctx.needs_input_grad
+        need_q, need_ext, need_cmp, _, need_sink, _, _, _ = ctx.needs_input_grad
         cmp = cmp_kv if cmp_kv.shape[1] else cmp_kv.new_zeros(batch, 1, dim)
         grads = {
             id(kv_ext): torch.zeros(kv_ext.shape, dtype=torch.float32, device=q.device),
@@ -240,8 +313,8 @@ class _BandedSparseAttention(torch.autograd.Function):
         d_sink = torch.zeros(heads, dtype=torch.float32, device=q.device)
         sink_f = sink.detach().float().view(1, 1, -1)
         ws = _Workspace()
-        for blk, mask in zip(ctx.blocks, ctx.masks):
-            parts = _Block(q, kv_ext, cmp, idx, blk, mask, scale, ws)
+        for blk in ctx.blocks:
+            parts = _Block(q, kv_ext, cmp, idx, blk, _masks(blk, q.device), scale, ws, ctx.picks)
             b, n, h = parts.shape
             lse_c = lse[:, blk.lo : blk.hi]
             go = grad_out[:, blk.lo : blk.hi].float()  # [B, n, H, D]
@@ -284,6 +357,7 @@ class _BandedSparseAttention(torch.autograd.Function):
             d_sink.to(sink.dtype) if need_sink else None,
             None,
             None,
+            None,
         )
 
 
@@ -295,6 +369,8 @@ def sparse_attention_banded(
     sink: torch.Tensor,
     scale: float,
     blocks: Sequence[DenseBlock],
+    *,
+    picks: str = "weights",
 ) -> torch.Tensor:
     """Attention of every query to its window band and its compressed slots, with a sink.
 
@@ -313,13 +389,22 @@ def sparse_attention_banded(
         blocks: Blocks covering every query ``0 .. L-1`` exactly once
             (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`); blocks with a slot band
             (HCA) attend those slots densely, on top of ``idx``.
+        picks: how a block whose picks lie in its slot band reads them (:data:`PICK_READS`;
+            the same result each way).
 
     Returns:
         ``[B, L, H, D]`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: ``picks`` is not one of :data:`PICK_READS`.
     """
+    if picks not in PICK_READS:
+        raise ValueError(
+            f"picks={picks!r} is not a way to read picks; expected one of {PICK_READS}"
+        )
     batch, seq, _, dim = q.shape
     if cmp_kv is None:
         cmp_kv = kv_ext.new_zeros(batch, 0, dim)
     if idx is None:
         idx = torch.full((1, seq, 0), -1, dtype=torch.long, device=q.device)
-    return _BandedSparseAttention.apply(q, kv_ext, cmp_kv, idx, sink, scale, tuple(blocks))
+    return _BandedSparseAttention.apply(q, kv_ext, cmp_kv, idx, sink, scale, tuple(blocks), picks)
