@@ -217,7 +217,7 @@ def torch(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def dsa(session: nox.Session) -> None:
-    """transformers' DSA models under hp_cp: DeepSeek V3.2 and GLM-5 (cp 2, 3, 4, 8 in one
+    """transformers' DSA models under hp_cp: DeepSeek V3.2 and GLM-5 (cp 1, 2, 3, 4, 8 in one
     8-rank gloo job against one process), then the two docs snippets under torchrun."""
     session.install(TORCH)
     session.install(

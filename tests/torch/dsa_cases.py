@@ -307,10 +307,11 @@ def error_checks(model: Any, ids: torch.Tensor, group: Any) -> dict[str, Any]:
 
 
 def dsa_suite(rank: int, world: int) -> dict[str, Any]:
-    """Every case: both models, cp 2, 3, 4 and 8, both layouts, padded (batch 2) and packed
+    """Every case: both models, cp 1, 2, 3, 4 and 8, both layouts, padded (batch 2) and packed
     (batch 1); the SGD step at cp 4; the error paths at cp 4 (world = 8)."""
     assert world == 8
     groups = {
+        1: dist.new_group([0]),
         2: dist.new_group([0, 1]),
         3: dist.new_group([0, 1, 2]),
         4: dist.new_group([0, 1, 2, 3]),

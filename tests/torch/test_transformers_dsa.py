@@ -1,6 +1,6 @@
 """transformers' DSA models under CP: the whole ``DeepseekV32ForCausalLM`` (DeepSeek V3.2) and
 ``GlmMoeDsaForCausalLM`` (GLM-5, a full indexer layer and two layers sharing its selection),
-tiny fp32 configs, on cp 2, 3, 4 and 8 (one 8-rank gloo job), contiguous and load-balanced,
+tiny fp32 configs, on cp 1, 2, 3, 4 and 8 (one 8-rank gloo job), contiguous and load-balanced,
 padded (batch 2) and packed (batch 1), S = 37 (a multiple of nothing), 4 indexer heads and
 top-k 4 of up to 37 visible tokens (exact top-k ties at the boundary do occur: hp_cp picks as
 HF's ``torch.topk`` does on one process), against the same model and weights on one process:
@@ -47,7 +47,7 @@ def test_every_case_ran_and_the_indexer_selects(suite: dict) -> None:
         (m, d, cp, lay)
         for m in dsa_cases.MODELS
         for d in ("padded", "packed")
-        for cp in (2, 3, 4, 8)
+        for cp in (1, 2, 3, 4, 8)
         for lay in dsa_cases.LAYOUTS
     }
     assert got == want
@@ -82,8 +82,9 @@ def test_every_parameter_gradient_matches_one_process(suite: dict) -> None:
 def test_one_exchange_per_layer_and_the_shared_layers_move_no_index_keys(suite: dict) -> None:
     for res in suite["results"]:
         layers = 3
-        assert res["collectives"].get("slot_exchange") == layers, _id(res)
         assert "halo_exchange" not in res["collectives"], _id(res)
+        if res["cp"] > 1:  # a group of one exchanges nothing (or keeps HF's own forward)
+            assert res["collectives"].get("slot_exchange") == layers, _id(res)
         if res["model"] == "glm_moe_dsa":
             table = res["sharing"]
             assert table[0]["readers"] == {"selection": [1, 2]}

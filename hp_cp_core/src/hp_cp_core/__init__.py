@@ -1,10 +1,11 @@
-"""hp_cp_core: backend-agnostic context parallelism for DeepSeek V4 compressed sparse attention.
+"""hp_cp_core: backend-agnostic context parallelism for DeepSeek's sparse attention (V4, V4.1,
+V3.2 / GLM-5).
 
 Public entry points: :func:`enable_cp`, :func:`disable_cp`, :class:`DeepSeekV4CPConfig`,
 :data:`hookimpl` and :data:`BACKEND_API` (for backend plugins), :class:`LayerSpec`,
 :class:`DeepSeekV4CPContext`, :class:`DeepSeekV4CPForward`, :func:`plan_sharing` (which
-layer owns each shared compressed KV, index-key set and selection), and the errors under
-:class:`HpCpError`.
+layer owns each shared compressed KV, index-key set, selection and candidate-block set), and
+the errors under :class:`HpCpError`.
 """
 
 from __future__ import annotations

@@ -307,12 +307,17 @@ def cp_dsa_batch(
         (this rank's rows), ``n_tokens`` (the targets of the whole batch: the divisor of
         :func:`cp_causal_lm_loss`) and ``model_kwargs`` (``{"hp_cp_cu_seqlens": ...}`` when
         packed, else empty) to pass to the model. The padding (token 0, label
-        ``ignore_index``) is a trailing document of its own when packed.
+        ``ignore_index``) is a trailing document of its own when packed. On a CP group of
+        one a batch with padding runs the CP path (``handle.use_cp_path()``): the model's own
+        forward would put the padding in its one-process top-k rows, where ties then pick
+        differently.
     """
     labels = input_ids if labels is None else labels
     shifted = cp_shift_labels(labels, ignore_index)
     rows = int(input_ids.shape[1])
     pad = handle.padding(rows)
+    if pad.pad_rows:  # on a group of one, HF's own top-k rows would hold the padding too
+        handle.use_cp_path()
     kwargs: dict[str, Any] = {}
     if cu_seqlens is None:
         positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
