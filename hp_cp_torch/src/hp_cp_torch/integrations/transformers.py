@@ -558,6 +558,8 @@ def cp_causal_lm_batch(
     labels = input_ids if labels is None else labels
     shifted = cp_shift_labels(labels, ignore_index)
     pad = handle.padding(int(input_ids.shape[1]))
+    if pad.pad_rows:  # HF's own forward (a group of one) would score the padding's slots
+        handle.use_cp_path()
     positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
     return {
         "input_ids": handle.shard(input_ids, 1, pad_value=0),
