@@ -438,6 +438,21 @@ class PlanColumns:
         """
         if packed_row not in ("document", "stream"):
             raise ValueError(f"packed_row must be 'document' or 'stream', got {packed_row!r}")
+        cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
+        key = ("topk_rows", int(lo), int(hi), sequence_rows, packed_row)
+        key += (None if cu is None else cu.tobytes(),)
+        if key not in self.plan.column_work:  # once per plan, chunk and sequence
+            self.plan.column_work[key] = self._topk_rows(lo, hi, sequence_rows, packed_row, cu)
+        return self.plan.column_work[key]
+
+    def _topk_rows(
+        self,
+        lo: int,
+        hi: int,
+        sequence_rows: int | None,
+        packed_row: str,
+        cu_seqlens: np.ndarray | None,
+    ) -> list[TopkRow]:
         p = self.plan
         r = int(p.spec.compress_ratio)
         cmp_cu = p.cmp_cu_seqlens
