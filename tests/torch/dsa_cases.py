@@ -204,7 +204,11 @@ def cp_case(
     """Under CP on ``group``: the same forward, loss, backward (and SGD step when ``step``)."""
     model.train()
     _zero(model)
-    handle = enable_cp(model, group, DeepSeekV4CPConfig(layout=layout))
+    # load-balanced cases attend in query chunks of 5 rows (each recomputed in backward);
+    # a group of one runs the CP path too, never the model's own forward
+    chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
+    config = DeepSeekV4CPConfig(layout=layout, query_chunk=chunk, single_rank_bypass=False)
+    handle = enable_cp(model, group, config)
     try:
         batch = cp_dsa_batch(handle, ids, cu_seqlens=cu)
         t0 = time.perf_counter()
@@ -218,6 +222,7 @@ def cp_case(
         loss.backward()
         seconds = time.perf_counter() - t0
         stats = handle.stats()
+        bypassed = handle.bypassed
         sharing = handle.sharing.describe()
         cp_sum_gradients(model.parameters(), group)
         with torch.no_grad():
@@ -269,6 +274,7 @@ def cp_case(
         "collectives": stats["collectives"],
         "sharing": sharing,
         "time_cp_s": seconds,
+        "bypassed": bypassed,
         "time_single_s": ref["seconds"],
     }
 

@@ -23,9 +23,9 @@ only its own latents, no index keys, and runs no indexer.
 
 The stages are HF's ops on the module's own parameters:
 
-* MLA, not absorbed (HF's ``expand_kv``): ``q_a_proj, q_a_layernorm, q_b_proj``,
-  ``kv_a_proj_with_mqa, kv_a_layernorm``, interleaved RoPE on ``q_rot`` / ``k_rot``; the
-  gathered latents go through ``kv_b_proj`` on the rank that reads them;
+* MLA: ``q_a_proj, q_a_layernorm, q_b_proj``, ``kv_a_proj_with_mqa, kv_a_layernorm``,
+  interleaved RoPE on ``q_rot`` / ``k_rot``; attention runs on the gathered latents with
+  ``kv_b_proj`` folded into the queries and the output (Note [DSA attention on the latents]);
 * the indexer (``wq_b, wk, k_norm, weights_proj, softmax_scale, index_topk``) under
   ``torch.no_grad`` as in HF (its top-k feeds only integer ids: no gradient, no indexer
   loss in transformers): RoPE half-split for V3.2, interleaved for GLM-5; scores
@@ -38,8 +38,8 @@ The stages are HF's ops on the module's own parameters:
   ``torch.topk``: padded, the real tokens (not the padding ``cp_dsa_batch`` appends); packed,
   one row for the whole packed stream (HF's one-process packed mask is block-diagonal over
   one row: ``one_process_row="stream"``);
-* attention: each query's logits over the tokens it may read, the unselected ones at
-  ``finfo.min`` (HF's additive mask), softmax in fp32, ``scaling``, then ``o_proj``.
+* attention: each query's logits over the tokens it selected, ``scaling``, softmax in fp32
+  (HF's dense row with the unselected at ``finfo.min`` gives them exactly 0), then ``o_proj``.
 
 Packed documents (batch 1): pass ``hp_cp_cu_seqlens=`` (``cp_dsa_batch(...,
 cu_seqlens=...)`` does) with positions restarting per document, as HF's one-process
@@ -47,6 +47,25 @@ packing detects them from ``position_ids``. Not supported under CP (an
 :class:`~hp_cp_core.HpCpError` on every rank, before any exchange): a KV cache, attention
 masks that hide tokens (padding; use ``cp_dsa_batch``'s trailing padding), attention
 dropout in training.
+
+Note [DSA attention on the latents]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+HF expands every token's latent ``c_j`` through ``kv_b_proj`` (``k_j = W_k c_j``, ``v_j =
+W_v c_j`` per head) and scores each query against all of them with a dense mask. Under CP the
+latents a rank reads are the whole causal prefix, so expanding them costs ``H * (d_k + d_v)``
+per token of the *global* sequence, and the dense ``[H, L, S]`` weights kept for backward grow
+as ``S * S / cp``. The same numbers come from the latents themselves::
+
+    q . k_j = (W_k^T q_pass) . c_j + q_rot . k_rot_j      (q_latent . [c_j ; k_rot_j])
+    sum_j p_j v_j = W_v (sum_j p_j c_j)
+
+    latents [N, rank + rope]  --gather selected-->  [l, k, rank + rope]  (one query chunk)
+    q_latent [H, l, rank + rope] . picked  ->  p [H, l, k]  ->  p . picked[:rank]  ->  W_v
+
+Each query chunk reads only the ``k`` tokens it picked, and is recomputed in backward
+(``torch.utils.checkpoint``), so what a rank keeps is its own rows' ``q_latent`` and output
+plus the gathered latents: no tensor grows with ``S * S / cp``, nothing is expanded per
+global token. The sums differ from HF's only in rounding order (fp32: ~1e-7).
 """
 
 from __future__ import annotations
@@ -60,6 +79,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hp_cp_core import DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.columns import PlanColumns
@@ -197,32 +217,24 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             call.outputs["selection"] = selected
         local["selection"] = selected
         latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
-        batch, n_slots = latent.shape[:2]
-        kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        key_states, value_states = m.expand_kv(
-            kv_pass.view(batch, 1, n_slots, m.kv_lora_rank),
-            k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
-        )  # [B, H, N, qk_head_dim], [B, H, N, v_head_dim]
         q = local["query"]  # [B, H, L, qk_head_dim]
-        plan = call.plan
-        stop = plan.cmp_start + plan.cmp_count
-        neg = torch.finfo(q.dtype).min
+        heads = q.shape[1]
+        w_kv = m.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_k, w_v = torch.split(w_kv, [m.qk_nope_head_dim, m.v_head_dim], dim=1)
+        q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        # Note [DSA attention on the latents]: q_pass . (W_k c) = (W_k^T q_pass) . c
+        q_latent = torch.cat([torch.einsum("bhld,hdr->bhlr", q_pass, w_k), q_rot], dim=-1)
         p_drop = m.attention_dropout if m.training else 0.0
         outs = []
-        for lo, hi in PlanColumns(plan, 0).chunks(call.config.query_chunk):
-            s1 = int(stop[lo:hi].max()) if hi > lo else 0
-            s1 = max(s1, 1)
-            sel = selected[:, lo:hi].to(q.device)  # [B, l, k]
-            keep = torch.zeros((batch, hi - lo, s1 + 1), dtype=torch.bool, device=q.device)
-            keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
-            bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
-            k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
-            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * m.scaling + bias
-            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-            w = F.dropout(w, p=p_drop, training=m.training)
-            outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
-        o = torch.cat(outs, dim=2).transpose(1, 2).reshape(batch, plan.n_local, -1)
-        return m.o_proj(o)
+        for lo, hi in PlanColumns(call.plan, 0).chunks(call.config.query_chunk):
+            sel = selected[:, lo:hi].to(q.device)
+            args = (q_latent[:, :, lo:hi], latent, sel, m.kv_lora_rank, m.scaling, p_drop)
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(_selected_latent_attention, *args, use_reentrant=False))
+            else:
+                outs.append(_selected_latent_attention(*args))
+        o = torch.einsum("bhlr,hvr->bhlv", torch.cat(outs, dim=2), w_v)  # [B, H, L, v]
+        return m.o_proj(o.transpose(1, 2).reshape(q.shape[0], call.plan.n_local, -1))
 
     # ----------------------------------------------------------------------- the forward
 
@@ -282,6 +294,32 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             return out, None
 
         return forward
+
+
+def _selected_latent_attention(
+    q_latent: torch.Tensor,
+    latent: torch.Tensor,
+    selected: torch.Tensor,
+    rank: int,
+    scaling: float,
+    p_drop: float,
+) -> torch.Tensor:
+    """One query chunk's attention over its selected tokens only, in the latent space.
+
+    ``q_latent [B, H, l, rank + rope]`` (``W_k^T q_pass ; q_rot``), ``latent [B, N, rank +
+    rope]`` (the gathered slots), ``selected [B, l, k]`` (global token ids, ``-1`` = none).
+    Returns ``sum_j p_j c_j [B, H, l, rank]``, the values still to go through ``W_v``.
+    """
+    batch, n_rows, n_pick = selected.shape
+    ids = selected.clamp(min=0).reshape(batch, n_rows * n_pick, 1)
+    picked = torch.gather(latent, 1, ids.expand(-1, -1, latent.shape[-1]))
+    picked = picked.view(batch, n_rows, n_pick, -1)  # [B, l, k, rank + rope]
+    neg = torch.finfo(q_latent.dtype).min
+    bias = torch.where(selected >= 0, 0.0, neg).to(q_latent.dtype).unsqueeze(1)  # [B,1,l,k]
+    w = torch.einsum("bhlc,blkc->bhlk", q_latent, picked) * scaling + bias
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    w = F.dropout(w, p=p_drop, training=p_drop > 0)
+    return torch.einsum("bhlk,blkr->bhlr", w, picked[..., :rank])
 
 
 def cp_dsa_batch(
