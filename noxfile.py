@@ -3,7 +3,7 @@
 # ///
 """Sessions: lint, docs, core (no framework), torch, dsa, mindformers, example_mindformers,
 example_jax, example_train, nemo_automodel, veomni, bench, bench_mindformers, bench_peers
-(bench_peers_nemo, bench_peers_veomni), dist, device, fuzz.
+(bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz.
 
 `nox` runs lint, docs, core, torch, dsa, mindformers, example_mindformers, example_jax,
 example_train, nemo_automodel and veomni; each installs its own distributions (the wheels
@@ -396,9 +396,23 @@ def nemo_automodel(session: nox.Session) -> None:
 @nox.session(venv_backend="none", default=False)
 def bench_peers(session: nox.Session) -> None:
     """hp_cp side by side with each peer stack's own CP inside its model: bench-peers.json
-    (bench_peers_nemo and bench_peers_veomni, each in its own virtualenv)."""
+    (bench_peers_nemo, bench_peers_veomni and bench_peers_dsa, each in its own virtualenv)."""
     session.notify("bench_peers_nemo", session.posargs)
     session.notify("bench_peers_veomni", session.posargs)
+    session.notify("bench_peers_dsa", session.posargs)
+
+
+@nox.session(python=PYTHONS, default=False)
+def bench_peers_dsa(session: nox.Session) -> None:
+    """hp_cp vs the all-gather CP of the public DSA code inside transformers' DeepSeek V3.2
+    and GLM-5 (gloo, cp 2 and 4; memory at cp 4): the dsa_allgather_* keys of
+    bench-peers.json."""
+    session.install(TORCH)
+    session.install(
+        *_wheels(session, "hp-cp-core", "hp-cp-torch[transformers]"), TRANSFORMERS, *TEST_DEPS
+    )
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("python", "bench/peers_dsa.py", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS, default=False)

@@ -57,6 +57,10 @@ TINY = dict(
 )
 
 MODELS = ("deepseek_v32", "glm_moe_dsa")
+VARIANTS = {2: ("regather+checkpointing",), 3: ("regather",), 4: ("checkpointing",)}
+"""Extra load-balanced cases per cp: the gathered latents re-received in backward
+(``regather_compressed_kv``), transformers' activation checkpointing (GLM-5's shared layers
+recomputed too), both together."""
 
 
 def build_dsa_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
@@ -200,14 +204,24 @@ def cp_case(
     group: Any,
     layout: str,
     step: bool,
+    variant: str = "plain",
 ) -> dict[str, Any]:
-    """Under CP on ``group``: the same forward, loss, backward (and SGD step when ``step``)."""
+    """Under CP on ``group``: the same forward, loss, backward (and SGD step when ``step``).
+    ``variant``: ``"plain"``, or with ``"regather"`` (``regather_compressed_kv=True``) and / or
+    ``"checkpointing"`` (transformers' activation checkpointing) in it."""
     model.train()
     _zero(model)
+    if "checkpointing" in variant:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     # load-balanced cases attend in query chunks of 5 rows (each recomputed in backward);
     # a group of one runs the CP path too, never the model's own forward
     chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
-    config = DeepSeekV4CPConfig(layout=layout, query_chunk=chunk, single_rank_bypass=False)
+    config = DeepSeekV4CPConfig(
+        layout=layout,
+        query_chunk=chunk,
+        single_rank_bypass=False,
+        regather_compressed_kv="regather" in variant,
+    )
     handle = enable_cp(model, group, config)
     try:
         batch = cp_dsa_batch(handle, ids, cu_seqlens=cu)
@@ -249,6 +263,8 @@ def cp_case(
                     p.copy_(saved[n])
     finally:
         disable_cp(handle)
+        if "checkpointing" in variant:
+            model.gradient_checkpointing_disable()
     grad_err: dict[str, float] = {}
     presence = []
     for n, p in model.named_parameters():
@@ -261,6 +277,7 @@ def cp_case(
     return {
         "cp": dist.get_world_size(group),
         "layout": layout,
+        "variant": variant,
         "logits_rel_err": _rel(logits, ref["logits"], ref["logits"]),
         "loss_rel_err": abs(float(total) - ref["loss"]) / abs(ref["loss"]),
         "loss2_rel_err": None if loss2 is None else abs(loss2 - ref["loss2"]) / abs(ref["loss2"]),
@@ -272,6 +289,7 @@ def cp_case(
         "bytes_sent": stats["bytes_sent"],
         "bytes_recv": stats["bytes_recv"],
         "collectives": stats["collectives"],
+        "regather_saved_views": stats.get("regather_saved_views", 0),
         "sharing": sharing,
         "time_cp_s": seconds,
         "bypassed": bypassed,
@@ -340,6 +358,10 @@ def dsa_suite(rank: int, world: int) -> dict[str, Any]:
                     continue
                 for layout in LAYOUTS:
                     res = cp_case(model, ids, cu, ref, group, layout, step=cp == 4)
+                    res.update(model=kind, docs=docs)
+                    results.append(res)
+                for variant in VARIANTS.get(cp, ()):
+                    res = cp_case(model, ids, cu, ref, group, "load_balanced", False, variant)
                     res.update(model=kind, docs=docs)
                     results.append(res)
             dist.barrier()

@@ -25,7 +25,8 @@ The stages are HF's ops on the module's own parameters:
 
 * MLA: ``q_a_proj, q_a_layernorm, q_b_proj``, ``kv_a_proj_with_mqa, kv_a_layernorm``,
   interleaved RoPE on ``q_rot`` / ``k_rot``; attention runs on the gathered latents with
-  ``kv_b_proj`` folded into the queries and the output (Note [DSA attention on the latents]);
+  ``kv_b_proj`` folded into the queries and the output (Note [DSA attention on the latents] in
+  :mod:`hp_cp_torch.latent_attention`);
 * the indexer (``wq_b, wk, k_norm, weights_proj, softmax_scale, index_topk``) under
   ``torch.no_grad`` as in HF (its top-k feeds only integer ids: no gradient, no indexer
   loss in transformers): RoPE half-split for V3.2, interleaved for GLM-5; scores
@@ -48,24 +49,6 @@ packing detects them from ``position_ids``. Not supported under CP (an
 masks that hide tokens (padding; use ``cp_dsa_batch``'s trailing padding), attention
 dropout in training.
 
-Note [DSA attention on the latents]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-HF expands every token's latent ``c_j`` through ``kv_b_proj`` (``k_j = W_k c_j``, ``v_j =
-W_v c_j`` per head) and scores each query against all of them with a dense mask. Under CP the
-latents a rank reads are the whole causal prefix, so expanding them costs ``H * (d_k + d_v)``
-per token of the *global* sequence, and the dense ``[H, L, S]`` weights kept for backward grow
-as ``S * S / cp``. The same numbers come from the latents themselves::
-
-    q . k_j = (W_k^T q_pass) . c_j + q_rot . k_rot_j      (q_latent . [c_j ; k_rot_j])
-    sum_j p_j v_j = W_v (sum_j p_j c_j)
-
-    latents [N, rank + rope]  --gather selected-->  [l, k, rank + rope]  (one query chunk)
-    q_latent [H, l, rank + rope] . picked  ->  p [H, l, k]  ->  p . picked[:rank]  ->  W_v
-
-Each query chunk reads only the ``k`` tokens it picked, and is recomputed in backward
-(``torch.utils.checkpoint``), so what a rank keeps is its own rows' ``q_latent`` and output
-plus the gathered latents: no tensor grows with ``S * S / cp``, nothing is expanded per
-global token. The sums differ from HF's only in rounding order (fp32: ~1e-7).
 """
 
 from __future__ import annotations
@@ -79,7 +62,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from hp_cp_core import DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.columns import PlanColumns
@@ -90,6 +72,7 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.latent_attention import MLADims, latent_attention
 
 __all__ = [
     "DSAAttentionAdapter",
@@ -218,22 +201,14 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         local["selection"] = selected
         latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
         q = local["query"]  # [B, H, L, qk_head_dim]
-        heads = q.shape[1]
-        w_kv = m.kv_b_proj.weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        w_k, w_v = torch.split(w_kv, [m.qk_nope_head_dim, m.v_head_dim], dim=1)
         q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        # Note [DSA attention on the latents]: q_pass . (W_k c) = (W_k^T q_pass) . c
-        q_latent = torch.cat([torch.einsum("bhld,hdr->bhlr", q_pass, w_k), q_rot], dim=-1)
-        p_drop = m.attention_dropout if m.training else 0.0
-        outs = []
-        for lo, hi in PlanColumns(call.plan, 0).chunks(call.config.query_chunk):
-            sel = selected[:, lo:hi].to(q.device)
-            args = (q_latent[:, :, lo:hi], latent, sel, m.kv_lora_rank, m.scaling, p_drop)
-            if torch.is_grad_enabled():
-                outs.append(checkpoint(_selected_latent_attention, *args, use_reentrant=False))
-            else:
-                outs.append(_selected_latent_attention(*args))
-        o = torch.einsum("bhlr,hvr->bhlv", torch.cat(outs, dim=2), w_v)  # [B, H, L, v]
+        dims = MLADims(
+            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
+        )
+        chunks = PlanColumns(call.plan, 0).chunks(call.config.query_chunk)
+        o = latent_attention(
+            q_pass, q_rot, latent, selected.to(q.device), m.kv_b_proj.weight, dims, chunks
+        )  # [B, H, L, v_head_dim]
         return m.o_proj(o.transpose(1, 2).reshape(q.shape[0], call.plan.n_local, -1))
 
     # ----------------------------------------------------------------------- the forward
@@ -294,32 +269,6 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             return out, None
 
         return forward
-
-
-def _selected_latent_attention(
-    q_latent: torch.Tensor,
-    latent: torch.Tensor,
-    selected: torch.Tensor,
-    rank: int,
-    scaling: float,
-    p_drop: float,
-) -> torch.Tensor:
-    """One query chunk's attention over its selected tokens only, in the latent space.
-
-    ``q_latent [B, H, l, rank + rope]`` (``W_k^T q_pass ; q_rot``), ``latent [B, N, rank +
-    rope]`` (the gathered slots), ``selected [B, l, k]`` (global token ids, ``-1`` = none).
-    Returns ``sum_j p_j c_j [B, H, l, rank]``, the values still to go through ``W_v``.
-    """
-    batch, n_rows, n_pick = selected.shape
-    ids = selected.clamp(min=0).reshape(batch, n_rows * n_pick, 1)
-    picked = torch.gather(latent, 1, ids.expand(-1, -1, latent.shape[-1]))
-    picked = picked.view(batch, n_rows, n_pick, -1)  # [B, l, k, rank + rope]
-    neg = torch.finfo(q_latent.dtype).min
-    bias = torch.where(selected >= 0, 0.0, neg).to(q_latent.dtype).unsqueeze(1)  # [B,1,l,k]
-    w = torch.einsum("bhlc,blkc->bhlk", q_latent, picked) * scaling + bias
-    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-    w = F.dropout(w, p=p_drop, training=p_drop > 0)
-    return torch.einsum("bhlk,blkr->bhlr", w, picked[..., :rank])
 
 
 def cp_dsa_batch(

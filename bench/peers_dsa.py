@@ -1,0 +1,378 @@
+"""hp_cp vs the all-gather CP that the public DSA code uses, inside transformers 5.23's
+``DeepseekV32ForCausalLM`` (DeepSeek V3.2) and ``GlmMoeDsaForCausalLM`` (GLM-5) (gloo, CPU).
+
+The baseline (:class:`AllGatherDSA`) is the CP NeMo Automodel 0.7.0 ships for GLM-5
+(``glm_moe_dsa/cp.py``, ``layers.py``), written for these models: contiguous query shards,
+and in every layer a differentiable all-gather of every rank's MLA latents ``[c ; k_rot]``
+and (in layers with an indexer) index keys, so each rank holds the whole sequence's; a
+shared GLM-5 layer reuses the previous layer's top-k. Its attention is a variant:
+
+* ``latent`` (the headline, fixed before measuring): the same indexer scoring, top-k and
+  attention code as hp_cp's (``transformers_dsa``: chunked scores, HF's ``torch.topk`` row,
+  attention on the latents over the selected tokens, query chunks recomputed in backward),
+  as NeMo's sparse kernels run on the gathered latents: only the CP differs;
+* ``hf_ops``: HF's own dense ops on the gathered tokens (``expand_kv`` of every token, the
+  indexer's and the attention's ``[L, S]`` rows and mask), the one path the public code has
+  that runs off GPU kernels.
+
+hp_cp runs load-balanced through ``enable_cp`` / ``cp_dsa_batch``. Same weights, inputs and
+machine; interleaved rounds (median); bytes received per training step (forward + backward,
+gradient sums excluded) counted by the same wrappers around torch.distributed's collectives
+(bench/peers_nemo.py's Counter); errors against one process. Peak memory and the longest S
+under the baseline's budget at cp 4, by real training steps: bench/peers_memory.py's ladder.
+Writes the ``dsa_allgather_*`` keys of ``bench-peers.json``.
+
+    OMP_NUM_THREADS=1 python bench/peers_dsa.py
+    HP_CP_PEERS_PARTS=compare|memory  HP_CP_PEERS_SEQ=2048  HP_CP_PEERS_ROUNDS=3
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, os.path.join(ROOT, "tests", "torch")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from peers_nemo import Counter  # noqa: E402
+
+SEQ = int(os.environ.get("HP_CP_PEERS_SEQ", "2048"))
+ROUNDS = int(os.environ.get("HP_CP_PEERS_ROUNDS", "3"))
+LADDER = [int(s) for s in os.environ.get("HP_CP_PEERS_LADDER", "").split(",") if s] or list(
+    range(2048, 16385, 2048)
+)
+MODELS = ("deepseek_v32", "glm_moe_dsa")
+SIDES = ("ours", "allgather", "allgather_hf_ops")
+
+BENCH_CONFIG: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=64,
+    q_lora_rank=96,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    index_topk=64,
+    index_head_dim=32,
+    index_n_heads=4,
+    max_position_embeddings=1 << 17,
+)
+"""The tests' tiny models (tests/torch/dsa_cases.py: 3 layers, GLM-5 one full indexer layer
+and two sharing its top-k) at bench dims: 8 heads, latent 64 + 16, top-k 64."""
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence (dim 1); backward: reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), 1)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.group)
+        return out, None
+
+
+class AllGatherDSA:
+    """The baseline CP: every DSA attention's forward replaced; :meth:`undo` restores."""
+
+    def __init__(self, model: Any, group: Any, variant: str) -> None:
+        from hp_cp_torch.integrations.transformers_dsa import dsa_adapter_for
+
+        self.group, self.variant, self.kept = group, variant, []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            adapter = dsa_adapter_for(attn)
+            self.kept.append((attn, attn.forward))
+            attn.forward = self._forward(attn, adapter)
+
+    def undo(self) -> None:
+        for attn, forward in self.kept:
+            attn.forward = forward
+
+    def _forward(self, m: Any, adapter: Any) -> Any:
+        from hp_cp_torch.integrations.transformers_dsa import _selected_latent_attention
+
+        group, hf_ops = self.group, self.variant == "hf_ops"
+
+        def forward(hidden_states, position_embeddings=None, prev_topk_indices=None, **_):
+            mod = adapter._mod()
+            batch, length = hidden_states.shape[:-1]
+            rank = dist.get_rank(group)
+            cos, sin = position_embeddings
+            q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
+            q = m.q_b_proj(q_resid).view(batch, length, -1, m.qk_head_dim).transpose(1, 2)
+            q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+            kv = m.kv_a_proj_with_mqa(hidden_states)
+            kv_pass, k_rot = torch.split(kv, [m.kv_lora_rank, m.qk_rope_head_dim], -1)
+            k_rot = k_rot.view(batch, 1, length, m.qk_rope_head_dim)
+            q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+            latent = torch.cat([m.kv_a_layernorm(kv_pass), k_rot[:, 0]], -1)
+            latent = _GatherSeq.apply(latent, group)  # [B, S, rank + rope]: every token
+            seq = latent.shape[1]
+            rows = torch.arange(length) + rank * length  # contiguous shards
+            if adapter.shared:
+                topk = prev_topk_indices
+            else:
+                iq, ik = adapter.indexer_qk(hidden_states, q_resid, cos, sin)
+                keys = _GatherSeq.apply(ik, group)
+                topk = _indexer_topk(m.indexer, hidden_states, iq, keys, rows)
+                if not hf_ops:  # future ids (picked when fewer are visible): none, -1
+                    topk = torch.where(topk > rows[None, :, None], -1, topk)
+            if hf_ops:
+                future = torch.arange(seq)[None, :] > rows[:, None]  # [L, S]
+                out = _hf_attention(m, q_pass, q_rot, latent, topk, future)
+            else:
+                w = m.kv_b_proj.weight.view(-1, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+                w_k, w_v = torch.split(w, [m.qk_nope_head_dim, m.v_head_dim], dim=1)
+                q_lat = torch.cat([torch.einsum("bhld,hdr->bhlr", q_pass, w_k), q_rot], -1)
+                outs = [
+                    torch.utils.checkpoint.checkpoint(
+                        _selected_latent_attention,
+                        q_lat[:, :, lo : lo + 1024],
+                        latent,
+                        topk[:, lo : lo + 1024],
+                        m.kv_lora_rank,
+                        m.scaling,
+                        0.0,
+                        use_reentrant=False,
+                    )
+                    for lo in range(0, length, 1024)
+                ]
+                out = torch.einsum("bhlr,hvr->bhlv", torch.cat(outs, 2), w_v)
+            out = m.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+            return (out, None, topk) if adapter.glm else (out, None)
+
+        return forward
+
+
+def _indexer_topk(ix: Any, hs: Any, q: torch.Tensor, keys: torch.Tensor, rows: Any) -> Any:
+    """HF's indexer scores of the local queries (global ``rows``) over every gathered key
+    (query chunks of 1024 rows, HF's op order), HF's additive causal mask, ``torch.topk`` on
+    each whole row."""
+    with torch.no_grad():
+        weights = ix.weights_proj(hs.to(ix.weights_proj.weight.dtype)).float() * ix.n_heads**-0.5
+        neg = torch.finfo(weights.dtype).min
+        picks = []
+        for lo in range(0, hs.shape[1], 1024):
+            hi = min(lo + 1024, hs.shape[1])
+            s = torch.matmul(q[:, lo:hi].float(), keys.transpose(-1, -2).float().unsqueeze(1))
+            s = torch.matmul(weights[:, lo:hi].unsqueeze(-2), F.relu(s * ix.softmax_scale))
+            future = torch.arange(keys.shape[1])[None, :] > rows[lo:hi, None]
+            s = s.squeeze(-2) + torch.where(future, neg, 0.0)
+            picks.append(s.topk(min(ix.index_topk, s.shape[-1]), dim=-1).indices)
+        return torch.cat(picks, 1)
+
+
+def _hf_attention(m, q_pass, q_rot, latent, topk, future) -> torch.Tensor:
+    """HF's eager path on the gathered tokens: ``expand_kv`` of all, the dense masked rows."""
+    batch, seq = latent.shape[:2]
+    kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], -1)
+    keys, values = m.expand_kv(kv_pass[:, None], k_rot[:, None])
+    neg = torch.finfo(q_pass.dtype).min
+    unpicked = torch.ones(batch, q_pass.shape[2], seq, dtype=torch.bool)
+    unpicked.scatter_(-1, topk.long(), False)
+    mask = torch.where(unpicked | future, neg, 0.0)[:, None]  # [B, 1, L, S]
+    w = torch.matmul(torch.cat([q_pass, q_rot], -1), keys.transpose(2, 3)) * m.scaling + mask
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q_pass.dtype)
+    return torch.matmul(w, values)
+
+
+def build(kind: str) -> Any:
+    import dsa_cases
+
+    return dsa_cases.build_dsa_model(kind, 0, **BENCH_CONFIG)
+
+
+def make_ids(seq: int) -> torch.Tensor:
+    return torch.randint(
+        0, BENCH_CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(3)
+    )
+
+
+def step(model: Any, ids: torch.Tensor, side: str, state: Any, group: Any) -> torch.Tensor:
+    """One training step of one side; returns this rank's logits."""
+    from hp_cp_torch.integrations.transformers import cp_shift_labels
+    from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_dsa_batch
+
+    if side == "ours":
+        batch = cp_dsa_batch(state, ids)
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            **batch["model_kwargs"],
+        )
+        cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"]).backward()
+        return out.logits
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    length = ids.shape[1] // cp
+    labels = cp_shift_labels(ids)
+    own = slice(rank * length, (rank + 1) * length)
+    out = model(
+        input_ids=ids[:, own], position_ids=torch.arange(ids.shape[1])[None, own], use_cache=False
+    )
+    cp_causal_lm_loss(out.logits, labels[:, own], (labels != -100).sum()).backward()
+    return out.logits
+
+
+def _full_logits(logits: torch.Tensor, side: str, state: Any, group: Any, seq: int) -> Any:
+    if side == "ours":
+        return state.unshard(logits.detach().float(), 1, rows=seq)
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.detach().contiguous(), group=group)
+    return torch.cat(parts, 1).float()
+
+
+def _install(model: Any, side: str, group: Any) -> Any:
+    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+
+    if side == "ours":
+        return enable_cp(model, group, DeepSeekV4CPConfig(layout="load_balanced"))
+    return AllGatherDSA(model, group, "hf_ops" if side.endswith("hf_ops") else "latent")
+
+
+def compare_job(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Bytes, step time (interleaved rounds), errors of logits and gradients vs one process."""
+    from hp_cp_torch.integrations.transformers import cp_shift_labels
+    from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss
+
+    counter = Counter()
+    counter.install()
+    group = dist.group.WORLD
+    base = build(kind)
+    ids = make_ids(SEQ)
+    ref = copy.deepcopy(base)
+    labels = cp_shift_labels(ids)
+    ref_logits = ref(input_ids=ids, use_cache=False).logits
+    cp_causal_lm_loss(ref_logits, labels, (labels != -100).sum()).backward()
+    models = {s: copy.deepcopy(base) for s in SIDES}
+    states = {s: _install(models[s], s, group) for s in SIDES}
+    times: dict[str, list[float]] = {s: [] for s in SIDES}
+    bytes_: dict[str, int] = {}
+    errs: dict[str, dict[str, float]] = {}
+    for r in range(ROUNDS + 1):
+        for side in SIDES:
+            model = models[side]
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            counter.bytes, counter.on = 0, True
+            t0 = time.perf_counter()
+            logits = step(model, ids, side, states[side], group)
+            elapsed = time.perf_counter() - t0
+            counter.on = False
+            if r:
+                times[side].append(elapsed)
+                continue
+            bytes_[side] = counter.bytes
+            full = _full_logits(logits, side, states[side], group, SEQ)
+            grad_err = 0.0
+            for p, q in zip(model.parameters(), ref.parameters()):
+                if q.grad is None:
+                    continue
+                g = p.grad.detach().clone()
+                dist.all_reduce(g, group=group)
+                grad_err = max(grad_err, float((g - q.grad).abs().max() / q.grad.abs().max()))
+            scale = float(ref_logits.abs().max())
+            errs[side] = {
+                "logits": float((full - ref_logits.detach()).abs().max()) / scale,
+                "grads": grad_err,
+            }
+    return {
+        "rank": rank,
+        "bytes": bytes_,
+        "time": {s: statistics.median(v) for s, v in times.items()},
+        "err": errs,
+    }
+
+
+def memory_job(rank: int, world: int, kind: str, side: str, budget: int | None) -> dict:
+    """One side's busiest-rank peak memory per S of the ladder (bench/peers_memory.py)."""
+    from peers_memory import ladder_peaks
+
+    group = dist.group.WORLD
+    model = build(kind)
+    state = _install(model, side, group)
+
+    def one(seq: int) -> None:
+        model.zero_grad(set_to_none=True)
+        step(model, make_ids(seq), side, state, group)
+        model.zero_grad(set_to_none=True)
+
+    ladder = LADDER if budget is not None or side == "allgather" else LADDER[:1]
+    return {"rank": rank, "peaks": ladder_peaks(one, ladder, budget, group)}
+
+
+def main() -> None:
+    from dist_utils import run_ranks
+    from peers_memory import max_seq_summary
+
+    out: dict[str, Any] = {}
+    parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory").split(",")
+    for kind in MODELS:
+        for cp in (2, 4) if "compare" in parts else ():
+            ranks = run_ranks(cp, compare_job, kind, timeout=3600)
+            busiest = {s: max(r["bytes"][s] for r in ranks) for s in SIDES}
+            total = {s: sum(r["bytes"][s] for r in ranks) for s in SIDES}
+            step_s = {s: max(r["time"][s] for r in ranks) for s in SIDES}
+            sfx = f"_{kind}_cp{cp}"
+            for side in SIDES[1:]:
+                name = "dsa_" + side
+                out[f"{name}_busiest_rank_bytes_over_ours{sfx}"] = busiest[side] / busiest["ours"]
+                out[f"{name}_total_bytes_over_ours{sfx}"] = total[side] / total["ours"]
+                out[f"{name}_step_time_over_ours{sfx}"] = step_s[side] / step_s["ours"]
+                out[f"{name}_step_time_s{sfx}"] = step_s[side]
+                out[f"{name}_busiest_rank_bytes{sfx}"] = busiest[side]
+                out[f"{name}_max_rel_err{sfx}"] = ranks[0]["err"][side]
+            out[f"ours_busiest_rank_bytes_vs_dsa{sfx}"] = busiest["ours"]
+            out[f"ours_step_time_s_vs_dsa{sfx}"] = step_s["ours"]
+            out[f"ours_max_rel_err_vs_dsa{sfx}"] = ranks[0]["err"]["ours"]
+        if "memory" in parts:
+            first = LADDER[0]
+            base = run_ranks(4, memory_job, kind, "allgather", None, timeout=7200)[0]["peaks"]
+            ours = run_ranks(4, memory_job, kind, "ours", base[first], timeout=7200)[0]["peaks"]
+            dense = run_ranks(4, memory_job, kind, "allgather_hf_ops", None, timeout=3600)
+            dense_peak = dense[0]["peaks"][first]
+            out[f"dsa_allgather_peak_mem_over_ours_{kind}"] = base[first] / ours[first]
+            out[f"dsa_allgather_hf_ops_peak_mem_over_ours_{kind}"] = dense_peak / ours[first]
+            out[f"dsa_allgather_peak_mem_seq_{kind}"] = first
+            summary = max_seq_summary(f"dsa_allgather_{kind}", base, ours)
+            out.update(summary)
+    out["dsa_allgather_bench_setup"] = (
+        "transformers 5.23 DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM, 3 layers (GLM-5: "
+        "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "
+        "4 indexer heads, top-k 64, fp32 eager, gloo CPU, one process per rank, "
+        f"S={SEQ}, median of {ROUNDS} interleaved rounds; memory: cp 4, ladder {LADDER}; "
+        "headline baseline: all-gather with hp_cp's attention code (latent); hf_ops: "
+        "all-gather with HF's dense ops"
+    )
+    path = os.path.join(ROOT, "bench-peers.json")
+    data = json.load(open(path)) if os.path.exists(path) else {}
+    data.update(out)
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
