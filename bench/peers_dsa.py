@@ -45,13 +45,15 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from peers_nemo import Counter  # noqa: E402
 
+from hp_cp_torch.attention import SCORE_CHUNK_CELLS  # noqa: E402
+
 SEQ = int(os.environ.get("HP_CP_PEERS_SEQ", "2048"))
 ROUNDS = int(os.environ.get("HP_CP_PEERS_ROUNDS", "3"))
 LADDER = [int(s) for s in os.environ.get("HP_CP_PEERS_LADDER", "").split(",") if s] or list(
-    range(2048, 16385, 2048)
+    range(2048, 8193, 512)
 )
 MODELS = ("deepseek_v32", "glm_moe_dsa")
-SIDES = ("ours", "allgather", "allgather_hf_ops")
+SIDES = ("ours", "ours_regather", "allgather", "allgather_hf_ops")
 
 BENCH_CONFIG: dict[str, Any] = dict(
     vocab_size=512,
@@ -110,7 +112,7 @@ class AllGatherDSA:
             attn.forward = forward
 
     def _forward(self, m: Any, adapter: Any) -> Any:
-        from hp_cp_torch.integrations.transformers_dsa import _selected_latent_attention
+        from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
 
         group, hf_ops = self.group, self.variant == "hf_ops"
 
@@ -141,24 +143,15 @@ class AllGatherDSA:
             if hf_ops:
                 future = torch.arange(seq)[None, :] > rows[:, None]  # [L, S]
                 out = _hf_attention(m, q_pass, q_rot, latent, topk, future)
-            else:
-                w = m.kv_b_proj.weight.view(-1, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-                w_k, w_v = torch.split(w, [m.qk_nope_head_dim, m.v_head_dim], dim=1)
-                q_lat = torch.cat([torch.einsum("bhld,hdr->bhlr", q_pass, w_k), q_rot], -1)
-                outs = [
-                    torch.utils.checkpoint.checkpoint(
-                        _selected_latent_attention,
-                        q_lat[:, :, lo : lo + 1024],
-                        latent,
-                        topk[:, lo : lo + 1024],
-                        m.kv_lora_rank,
-                        m.scaling,
-                        0.0,
-                        use_reentrant=False,
-                    )
-                    for lo in range(0, length, 1024)
-                ]
-                out = torch.einsum("bhlr,hvr->bhlv", torch.cat(outs, 2), w_v)
+            else:  # hp_cp's attention code, its chunk rule
+                dims = MLADims(
+                    m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
+                )
+                step = chunk_rows(1024, topk.shape[-1], latent.shape[-1], q.shape[1])
+                chunks = [(lo, min(lo + step, length)) for lo in range(0, length, step)]
+                out = latent_attention(
+                    q_pass, q_rot, latent, topk, m.kv_b_proj.weight, dims, chunks
+                )
             out = m.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
             return (out, None, topk) if adapter.glm else (out, None)
 
@@ -167,14 +160,15 @@ class AllGatherDSA:
 
 def _indexer_topk(ix: Any, hs: Any, q: torch.Tensor, keys: torch.Tensor, rows: Any) -> Any:
     """HF's indexer scores of the local queries (global ``rows``) over every gathered key
-    (query chunks of 1024 rows, HF's op order), HF's additive causal mask, ``torch.topk`` on
+    (query chunks as hp_cp sizes them, HF's op order), HF's additive causal mask, ``torch.topk`` on
     each whole row."""
     with torch.no_grad():
         weights = ix.weights_proj(hs.to(ix.weights_proj.weight.dtype)).float() * ix.n_heads**-0.5
         neg = torch.finfo(weights.dtype).min
         picks = []
-        for lo in range(0, hs.shape[1], 1024):
-            hi = min(lo + 1024, hs.shape[1])
+        step = max(1, min(1024, SCORE_CHUNK_CELLS // keys.shape[1]))  # hp_cp's chunk rule
+        for lo in range(0, hs.shape[1], step):
+            hi = min(lo + step, hs.shape[1])
             s = torch.matmul(q[:, lo:hi].float(), keys.transpose(-1, -2).float().unsqueeze(1))
             s = torch.matmul(weights[:, lo:hi].unsqueeze(-2), F.relu(s * ix.softmax_scale))
             future = torch.arange(keys.shape[1])[None, :] > rows[lo:hi, None]
@@ -214,7 +208,7 @@ def step(model: Any, ids: torch.Tensor, side: str, state: Any, group: Any) -> to
     from hp_cp_torch.integrations.transformers import cp_shift_labels
     from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_dsa_batch
 
-    if side == "ours":
+    if side.startswith("ours"):
         batch = cp_dsa_batch(state, ids)
         out = model(
             input_ids=batch["input_ids"],
@@ -236,7 +230,7 @@ def step(model: Any, ids: torch.Tensor, side: str, state: Any, group: Any) -> to
 
 
 def _full_logits(logits: torch.Tensor, side: str, state: Any, group: Any, seq: int) -> Any:
-    if side == "ours":
+    if side.startswith("ours"):
         return state.unshard(logits.detach().float(), 1, rows=seq)
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, logits.detach().contiguous(), group=group)
@@ -246,8 +240,10 @@ def _full_logits(logits: torch.Tensor, side: str, state: Any, group: Any, seq: i
 def _install(model: Any, side: str, group: Any) -> Any:
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
 
-    if side == "ours":
-        return enable_cp(model, group, DeepSeekV4CPConfig(layout="load_balanced"))
+    if side.startswith("ours"):
+        regather = side == "ours_regather"
+        config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=regather)
+        return enable_cp(model, group, config)
     return AllGatherDSA(model, group, "hf_ops" if side.endswith("hf_ops") else "latent")
 
 
@@ -318,8 +314,57 @@ def memory_job(rank: int, world: int, kind: str, side: str, budget: int | None) 
         step(model, make_ids(seq), side, state, group)
         model.zero_grad(set_to_none=True)
 
-    ladder = LADDER if budget is not None or side == "allgather" else LADDER[:1]
-    return {"rank": rank, "peaks": ladder_peaks(one, ladder, budget, group)}
+    return {"rank": rank, "peaks": ladder_peaks(one, LADDER, budget, group)}
+
+
+def compare_keys(ranks: list[dict], kind: str, cp: int) -> dict[str, Any]:
+    """The bytes, step-time and error keys of one model at one cp (every side over ours)."""
+    busiest = {s: max(r["bytes"][s] for r in ranks) for s in SIDES}
+    total = {s: sum(r["bytes"][s] for r in ranks) for s in SIDES}
+    step_s = {s: max(r["time"][s] for r in ranks) for s in SIDES}
+    sfx = f"_{kind}_cp{cp}"
+    out: dict[str, Any] = {}
+    for side in SIDES[1:]:
+        name = side if side.startswith("ours") else "dsa_" + side
+        out[f"{name}_busiest_rank_bytes_over_ours{sfx}"] = busiest[side] / busiest["ours"]
+        out[f"{name}_total_bytes_over_ours{sfx}"] = total[side] / total["ours"]
+        out[f"{name}_step_time_over_ours{sfx}"] = step_s[side] / step_s["ours"]
+        out[f"{name}_step_time_s{sfx}"] = step_s[side]
+        out[f"{name}_busiest_rank_bytes{sfx}"] = busiest[side]
+        out[f"{name}_max_rel_err{sfx}"] = ranks[0]["err"][side]
+    out[f"ours_busiest_rank_bytes_vs_dsa{sfx}"] = busiest["ours"]
+    out[f"ours_step_time_s_vs_dsa{sfx}"] = step_s["ours"]
+    out[f"ours_max_rel_err_vs_dsa{sfx}"] = ranks[0]["err"]["ours"]
+    return out
+
+
+def memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, Any]:
+    """Peak memory at the ladder's first S and the longest S under the all-gather's budget
+    (its own step at that S), every side at cp 4."""
+    first = LADDER[0]
+    peaks = {"allgather": run_ranks(4, memory_job, kind, "allgather", None, timeout=7200)}
+    budget = peaks["allgather"][0]["peaks"][first]
+    for side in ("ours", "ours_regather", "allgather_hf_ops"):
+        peaks[side] = run_ranks(4, memory_job, kind, side, budget, timeout=7200)
+    peaks = {s: r[0]["peaks"] for s, r in peaks.items()}
+    out: dict[str, Any] = {f"dsa_allgather_peak_mem_seq_{kind}": first}
+    for side in ("allgather", "allgather_hf_ops"):
+        out[f"dsa_{side}_peak_mem_over_ours_{kind}"] = peaks[side][first] / peaks["ours"][first]
+    out[f"dsa_allgather_peak_mem_over_ours_regather_{kind}"] = (
+        peaks["allgather"][first] / peaks["ours_regather"][first]
+    )
+    out.update(max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks["ours"]))
+    regather = max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks["ours_regather"])
+    for key, value in regather.items():
+        out[
+            key.replace("ours_", "ours_regather_", 1)
+            if key.startswith("ours_")
+            else key + "_regather"
+        ] = value
+    out[f"dsa_allgather_hf_ops_peaks_{kind}"] = {
+        str(k): v for k, v in peaks["allgather_hf_ops"].items()
+    }
+    return out
 
 
 def main() -> None:
@@ -330,40 +375,17 @@ def main() -> None:
     parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory").split(",")
     for kind in MODELS:
         for cp in (2, 4) if "compare" in parts else ():
-            ranks = run_ranks(cp, compare_job, kind, timeout=3600)
-            busiest = {s: max(r["bytes"][s] for r in ranks) for s in SIDES}
-            total = {s: sum(r["bytes"][s] for r in ranks) for s in SIDES}
-            step_s = {s: max(r["time"][s] for r in ranks) for s in SIDES}
-            sfx = f"_{kind}_cp{cp}"
-            for side in SIDES[1:]:
-                name = "dsa_" + side
-                out[f"{name}_busiest_rank_bytes_over_ours{sfx}"] = busiest[side] / busiest["ours"]
-                out[f"{name}_total_bytes_over_ours{sfx}"] = total[side] / total["ours"]
-                out[f"{name}_step_time_over_ours{sfx}"] = step_s[side] / step_s["ours"]
-                out[f"{name}_step_time_s{sfx}"] = step_s[side]
-                out[f"{name}_busiest_rank_bytes{sfx}"] = busiest[side]
-                out[f"{name}_max_rel_err{sfx}"] = ranks[0]["err"][side]
-            out[f"ours_busiest_rank_bytes_vs_dsa{sfx}"] = busiest["ours"]
-            out[f"ours_step_time_s_vs_dsa{sfx}"] = step_s["ours"]
-            out[f"ours_max_rel_err_vs_dsa{sfx}"] = ranks[0]["err"]["ours"]
+            out.update(compare_keys(run_ranks(cp, compare_job, kind, timeout=3600), kind, cp))
         if "memory" in parts:
-            first = LADDER[0]
-            base = run_ranks(4, memory_job, kind, "allgather", None, timeout=7200)[0]["peaks"]
-            ours = run_ranks(4, memory_job, kind, "ours", base[first], timeout=7200)[0]["peaks"]
-            dense = run_ranks(4, memory_job, kind, "allgather_hf_ops", None, timeout=3600)
-            dense_peak = dense[0]["peaks"][first]
-            out[f"dsa_allgather_peak_mem_over_ours_{kind}"] = base[first] / ours[first]
-            out[f"dsa_allgather_hf_ops_peak_mem_over_ours_{kind}"] = dense_peak / ours[first]
-            out[f"dsa_allgather_peak_mem_seq_{kind}"] = first
-            summary = max_seq_summary(f"dsa_allgather_{kind}", base, ours)
-            out.update(summary)
+            out.update(memory_keys(run_ranks, max_seq_summary, kind))
     out["dsa_allgather_bench_setup"] = (
         "transformers 5.23 DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM, 3 layers (GLM-5: "
         "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "
         "4 indexer heads, top-k 64, fp32 eager, gloo CPU, one process per rank, "
         f"S={SEQ}, median of {ROUNDS} interleaved rounds; memory: cp 4, ladder {LADDER}; "
-        "headline baseline: all-gather with hp_cp's attention code (latent); hf_ops: "
-        "all-gather with HF's dense ops"
+        "headline baseline: all-gather with hp_cp's indexer and attention code and chunk rules "
+        "(latent); hf_ops: all-gather with HF's dense ops; ours_regather: hp_cp with "
+        "regather_compressed_kv=True"
     )
     path = os.path.join(ROOT, "bench-peers.json")
     data = json.load(open(path)) if os.path.exists(path) else {}

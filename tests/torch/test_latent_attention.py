@@ -75,3 +75,12 @@ def test_frozen_inputs_get_no_gradient_and_nothing_fails() -> None:
     out = latent_attention(q_pass, q_rot, latent, selected, weight, DIMS, [(0, L)])
     out.sum().backward()
     assert q_pass.grad is not None and latent.grad is None and weight.grad is None
+
+
+def test_chunk_rows_bound_the_chunk_at_any_topk() -> None:
+    from hp_cp_torch.latent_attention import CHUNK_ELEMENTS, chunk_rows
+
+    assert chunk_rows(1024, 64, 80, 8) == 1024  # small picks: the configured chunk
+    rows = chunk_rows(1024, 2048, 576, 128)  # V3.2's top-k, latent width and heads
+    assert 1 <= rows < 1024 and rows * 2048 * (576 + 128) <= CHUNK_ELEMENTS
+    assert chunk_rows(1024, 1 << 30, 576, 128) == 1  # never zero rows

@@ -37,7 +37,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MLADims", "latent_attention"]
+__all__ = ["CHUNK_ELEMENTS", "MLADims", "chunk_rows", "latent_attention"]
+
+CHUNK_ELEMENTS = 1 << 24
+"""Most elements a query chunk's picked latents and weights hold (``rows * k * (width +
+heads)``): ~64 MiB in fp32 at any top-k, latent width and head count."""
+
+
+def chunk_rows(query_chunk: int, picks: int, width: int, heads: int) -> int:
+    """Query rows per chunk: at most ``query_chunk``, few enough that the chunk's picked
+    latents ``[rows, picks, width]`` and weights ``[heads, rows, picks]`` stay under
+    :data:`CHUNK_ELEMENTS` (at least one row)."""
+    per_row = max(int(picks) * (int(width) + int(heads)), 1)
+    return max(1, min(int(query_chunk), CHUNK_ELEMENTS // per_row))
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,8 @@ def _chunk_attention(
     bias = torch.zeros(selected.shape, dtype=q_latent.dtype, device=q_latent.device)
     bias = bias.masked_fill(selected < 0, neg).unsqueeze(1)  # [B, 1, l, k]
     w = torch.einsum("bhlc,blkc->bhlk", q_latent, picked) * dims.scaling + bias
-    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    softmax_dtype = torch.promote_types(w.dtype, torch.float32)  # fp32 as transformers'
+    w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(q_latent.dtype)
     out_latent = torch.einsum("bhlk,blkr->bhlr", w, picked[..., : dims.rank])
     return torch.einsum("bhlr,hvr->bhlv", out_latent, w_v)
 

@@ -72,7 +72,7 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
-from hp_cp_torch.latent_attention import MLADims, latent_attention
+from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
 
 __all__ = [
     "DSAAttentionAdapter",
@@ -205,7 +205,8 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         dims = MLADims(
             m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
         )
-        chunks = PlanColumns(call.plan, 0).chunks(call.config.query_chunk)
+        rows = chunk_rows(call.config.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
+        chunks = PlanColumns(call.plan, 0).chunks(rows)
         o = latent_attention(
             q_pass, q_rot, latent, selected.to(q.device), m.kv_b_proj.weight, dims, chunks
         )  # [B, H, L, v_head_dim]
