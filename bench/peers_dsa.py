@@ -101,6 +101,7 @@ class AllGatherDSA:
         from hp_cp_torch.integrations.transformers_dsa import dsa_adapter_for
 
         self.group, self.variant, self.kept = group, variant, []
+        self.documents: Any = None  # [S] document ids when packed (set by step)
         for layer in model.model.layers:
             attn = layer.self_attn
             adapter = dsa_adapter_for(attn)
@@ -114,7 +115,7 @@ class AllGatherDSA:
     def _forward(self, m: Any, adapter: Any) -> Any:
         from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
 
-        group, hf_ops = self.group, self.variant == "hf_ops"
+        group, hf_ops, cp = self.group, self.variant == "hf_ops", self
 
         def forward(hidden_states, position_embeddings=None, prev_topk_indices=None, **_):
             mod = adapter._mod()
@@ -137,12 +138,14 @@ class AllGatherDSA:
             else:
                 iq, ik = adapter.indexer_qk(hidden_states, q_resid, cos, sin)
                 keys = _GatherSeq.apply(ik, group)
-                topk = _indexer_topk(m.indexer, hidden_states, iq, keys, rows)
-                if not hf_ops:  # future ids (picked when fewer are visible): none, -1
-                    topk = torch.where(topk > rows[None, :, None], -1, topk)
+                topk = _indexer_topk(m.indexer, hidden_states, iq, keys, rows, cp.documents)
+                if not hf_ops:  # invisible ids (picked when fewer are visible): none, -1
+                    topk = torch.where(_hidden(topk, rows, cp.documents), -1, topk)
             if hf_ops:
-                future = torch.arange(seq)[None, :] > rows[:, None]  # [L, S]
-                out = _hf_attention(m, q_pass, q_rot, latent, topk, future)
+                every = torch.arange(seq)[None, :].expand(length, -1)
+                out = _hf_attention(
+                    m, q_pass, q_rot, latent, topk, _hidden(every, rows, cp.documents)
+                )
             else:  # hp_cp's attention code, its chunk rule
                 dims = MLADims(
                     m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
@@ -158,10 +161,13 @@ class AllGatherDSA:
         return forward
 
 
-def _indexer_topk(ix: Any, hs: Any, q: torch.Tensor, keys: torch.Tensor, rows: Any) -> Any:
+def _indexer_topk(
+    ix: Any, hs: Any, q: torch.Tensor, keys: torch.Tensor, rows: Any, documents: Any
+) -> Any:
     """HF's indexer scores of the local queries (global ``rows``) over every gathered key
     (query chunks as hp_cp sizes them, HF's op order), HF's additive causal mask, ``torch.topk`` on
-    each whole row."""
+    each whole row (packed: one row for the stream, other documents masked, as HF's packed
+    mask has it)."""
     with torch.no_grad():
         weights = ix.weights_proj(hs.to(ix.weights_proj.weight.dtype)).float() * ix.n_heads**-0.5
         neg = torch.finfo(weights.dtype).min
@@ -171,13 +177,13 @@ def _indexer_topk(ix: Any, hs: Any, q: torch.Tensor, keys: torch.Tensor, rows: A
             hi = min(lo + step, hs.shape[1])
             s = torch.matmul(q[:, lo:hi].float(), keys.transpose(-1, -2).float().unsqueeze(1))
             s = torch.matmul(weights[:, lo:hi].unsqueeze(-2), F.relu(s * ix.softmax_scale))
-            future = torch.arange(keys.shape[1])[None, :] > rows[lo:hi, None]
-            s = s.squeeze(-2) + torch.where(future, neg, 0.0)
+            every = torch.arange(keys.shape[1])[None, :].expand(hi - lo, -1)
+            s = s.squeeze(-2) + torch.where(_hidden(every, rows[lo:hi], documents), neg, 0.0)
             picks.append(s.topk(min(ix.index_topk, s.shape[-1]), dim=-1).indices)
         return torch.cat(picks, 1)
 
 
-def _hf_attention(m, q_pass, q_rot, latent, topk, future) -> torch.Tensor:
+def _hf_attention(m, q_pass, q_rot, latent, topk, hidden) -> torch.Tensor:
     """HF's eager path on the gathered tokens: ``expand_kv`` of all, the dense masked rows."""
     batch, seq = latent.shape[:2]
     kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], -1)
@@ -185,7 +191,7 @@ def _hf_attention(m, q_pass, q_rot, latent, topk, future) -> torch.Tensor:
     neg = torch.finfo(q_pass.dtype).min
     unpicked = torch.ones(batch, q_pass.shape[2], seq, dtype=torch.bool)
     unpicked.scatter_(-1, topk.long(), False)
-    mask = torch.where(unpicked | future, neg, 0.0)[:, None]  # [B, 1, L, S]
+    mask = torch.where(unpicked | hidden, neg, 0.0)[:, None]  # [B, 1, L, S]
     w = torch.matmul(torch.cat([q_pass, q_rot], -1), keys.transpose(2, 3)) * m.scaling + mask
     w = F.softmax(w, dim=-1, dtype=torch.float32).to(q_pass.dtype)
     return torch.matmul(w, values)
@@ -203,13 +209,17 @@ def make_ids(seq: int) -> torch.Tensor:
     )
 
 
-def step(model: Any, ids: torch.Tensor, side: str, state: Any, group: Any) -> torch.Tensor:
-    """One training step of one side; returns this rank's logits."""
-    from hp_cp_torch.integrations.transformers import cp_shift_labels
+def step(
+    model: Any, ids: torch.Tensor, side: str, state: Any, group: Any, cu: Any = None
+) -> torch.Tensor:
+    """One training step of one side (``cu``: packed document boundaries, or ``None``);
+    returns this rank's logits."""
+    import dsa_cases
+
     from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_dsa_batch
 
     if side.startswith("ours"):
-        batch = cp_dsa_batch(state, ids)
+        batch = cp_dsa_batch(state, ids, cu_seqlens=cu)
         out = model(
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
@@ -219,14 +229,29 @@ def step(model: Any, ids: torch.Tensor, side: str, state: Any, group: Any) -> to
         cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"]).backward()
         return out.logits
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    length = ids.shape[1] // cp
-    labels = cp_shift_labels(ids)
+    seq = ids.shape[1]
+    length = seq // cp
+    labels = dsa_cases._labels(ids, cu)
     own = slice(rank * length, (rank + 1) * length)
-    out = model(
-        input_ids=ids[:, own], position_ids=torch.arange(ids.shape[1])[None, own], use_cache=False
-    )
+    state.documents = None if cu is None else _documents(cu, seq)
+    positions = dsa_cases._positions(seq, cu)
+    out = model(input_ids=ids[:, own], position_ids=positions[:, own], use_cache=False)
     cp_causal_lm_loss(out.logits, labels[:, own], (labels != -100).sum()).backward()
     return out.logits
+
+
+def _documents(cu: list[int], seq: int) -> torch.Tensor:
+    """``[S]``: the packed document of every token."""
+    return torch.searchsorted(torch.as_tensor(cu[1:-1]), torch.arange(seq), right=True)
+
+
+def _hidden(keys: torch.Tensor, rows: torch.Tensor, documents: Any) -> torch.Tensor:
+    """Which ``keys`` (token ids, any shape ``[..., L, n]``) the queries ``rows [L]`` may not
+    read: later tokens, and, packed, other documents' tokens."""
+    hidden = keys > rows[:, None]
+    if documents is not None:
+        hidden = hidden | (documents[keys] != documents[rows][:, None])
+    return hidden
 
 
 def _full_logits(logits: torch.Tensor, side: str, state: Any, group: Any, seq: int) -> Any:
@@ -247,9 +272,15 @@ def _install(model: Any, side: str, group: Any) -> Any:
     return AllGatherDSA(model, group, "hf_ops" if side.endswith("hf_ops") else "latent")
 
 
-def compare_job(rank: int, world: int, kind: str) -> dict[str, Any]:
+def packed_documents(seq: int) -> list[int]:
+    """Five packed documents of uneven lengths, none a multiple of anything."""
+    return [0] + [int(seq * f) + 1 for f in (0.15, 0.35, 0.55, 0.8)] + [seq]
+
+
+def compare_job(rank: int, world: int, kind: str, packed: bool) -> dict[str, Any]:
     """Bytes, step time (interleaved rounds), errors of logits and gradients vs one process."""
-    from hp_cp_torch.integrations.transformers import cp_shift_labels
+    import dsa_cases
+
     from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss
 
     counter = Counter()
@@ -257,9 +288,11 @@ def compare_job(rank: int, world: int, kind: str) -> dict[str, Any]:
     group = dist.group.WORLD
     base = build(kind)
     ids = make_ids(SEQ)
+    cu = packed_documents(SEQ) if packed else None
     ref = copy.deepcopy(base)
-    labels = cp_shift_labels(ids)
-    ref_logits = ref(input_ids=ids, use_cache=False).logits
+    labels = dsa_cases._labels(ids, cu)
+    positions = dsa_cases._positions(SEQ, cu)
+    ref_logits = ref(input_ids=ids, position_ids=positions, use_cache=False).logits
     cp_causal_lm_loss(ref_logits, labels, (labels != -100).sum()).backward()
     models = {s: copy.deepcopy(base) for s in SIDES}
     states = {s: _install(models[s], s, group) for s in SIDES}
@@ -273,7 +306,7 @@ def compare_job(rank: int, world: int, kind: str) -> dict[str, Any]:
             dist.barrier()
             counter.bytes, counter.on = 0, True
             t0 = time.perf_counter()
-            logits = step(model, ids, side, states[side], group)
+            logits = step(model, ids, side, states[side], group, cu)
             elapsed = time.perf_counter() - t0
             counter.on = False
             if r:
@@ -317,12 +350,12 @@ def memory_job(rank: int, world: int, kind: str, side: str, budget: int | None) 
     return {"rank": rank, "peaks": ladder_peaks(one, LADDER, budget, group)}
 
 
-def compare_keys(ranks: list[dict], kind: str, cp: int) -> dict[str, Any]:
-    """The bytes, step-time and error keys of one model at one cp (every side over ours)."""
+def compare_keys(ranks: list[dict], kind: str, case: str) -> dict[str, Any]:
+    """The bytes, step-time and error keys of one model in one case (every side over ours)."""
     busiest = {s: max(r["bytes"][s] for r in ranks) for s in SIDES}
     total = {s: sum(r["bytes"][s] for r in ranks) for s in SIDES}
     step_s = {s: max(r["time"][s] for r in ranks) for s in SIDES}
-    sfx = f"_{kind}_cp{cp}"
+    sfx = f"_{kind}_{case}"
     out: dict[str, Any] = {}
     for side in SIDES[1:]:
         name = side if side.startswith("ours") else "dsa_" + side
@@ -375,14 +408,19 @@ def main() -> None:
     parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory").split(",")
     for kind in MODELS:
         for cp in (2, 4) if "compare" in parts else ():
-            out.update(compare_keys(run_ranks(cp, compare_job, kind, timeout=3600), kind, cp))
+            ranks = run_ranks(cp, compare_job, kind, False, timeout=3600)
+            out.update(compare_keys(ranks, kind, f"cp{cp}"))
+        if "compare" in parts:  # packed documents, cp 4
+            ranks = run_ranks(4, compare_job, kind, True, timeout=3600)
+            out.update(compare_keys(ranks, kind, "cp4_packed"))
         if "memory" in parts:
             out.update(memory_keys(run_ranks, max_seq_summary, kind))
     out["dsa_allgather_bench_setup"] = (
         "transformers 5.23 DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM, 3 layers (GLM-5: "
         "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "
         "4 indexer heads, top-k 64, fp32 eager, gloo CPU, one process per rank, "
-        f"S={SEQ}, median of {ROUNDS} interleaved rounds; memory: cp 4, ladder {LADDER}; "
+        f"S={SEQ} (packed: documents {packed_documents(SEQ)}), median of {ROUNDS} "
+        f"interleaved rounds; memory: cp 4, ladder {LADDER}; "
         "headline baseline: all-gather with hp_cp's indexer and attention code and chunk rules "
         "(latent); hf_ops: all-gather with HF's dense ops; ours_regather: hp_cp with "
         "regather_compressed_kv=True"
