@@ -53,7 +53,7 @@ LADDER = [int(s) for s in os.environ.get("HP_CP_PEERS_LADDER", "").split(",") if
     range(2048, 8193, 512)
 )
 MODELS = ("deepseek_v32", "glm_moe_dsa")
-SIDES = ("ours", "ours_regather", "allgather", "allgather_hf_ops")
+SIDES = ("ours", "ours_regather", "ours_smallop", "allgather", "allgather_hf_ops")
 
 BENCH_CONFIG: dict[str, Any] = dict(
     vocab_size=512,
@@ -176,7 +176,7 @@ def _indexer_topk(
         for lo in range(0, hs.shape[1], step):
             hi = min(lo + step, hs.shape[1])
             s = torch.matmul(q[:, lo:hi].float(), keys.transpose(-1, -2).float().unsqueeze(1))
-            s = torch.matmul(weights[:, lo:hi].unsqueeze(-2), F.relu(s * ix.softmax_scale))
+            s = torch.matmul(weights[:, lo:hi].unsqueeze(-2), s.mul_(ix.softmax_scale).relu_())
             every = torch.arange(keys.shape[1])[None, :].expand(hi - lo, -1)
             s = s.squeeze(-2) + torch.where(_hidden(every, rows[lo:hi], documents), neg, 0.0)
             picks.append(s.topk(min(ix.index_topk, s.shape[-1]), dim=-1).indices)
@@ -266,8 +266,11 @@ def _install(model: Any, side: str, group: Any) -> Any:
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
 
     if side.startswith("ours"):
-        regather = side == "ours_regather"
-        config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=regather)
+        config = DeepSeekV4CPConfig(
+            layout="load_balanced",
+            regather_compressed_kv=side == "ours_regather",
+            attention_kernel="smallop" if side == "ours_smallop" else "banded",
+        )
         return enable_cp(model, group, config)
     return AllGatherDSA(model, group, "hf_ops" if side.endswith("hf_ops") else "latent")
 
@@ -377,26 +380,35 @@ def memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, An
     first = LADDER[0]
     peaks = {"allgather": run_ranks(4, memory_job, kind, "allgather", None, timeout=7200)}
     budget = peaks["allgather"][0]["peaks"][first]
-    for side in ("ours", "ours_regather", "allgather_hf_ops"):
+    for side in ("ours", "ours_regather", "ours_smallop", "allgather_hf_ops"):
         peaks[side] = run_ranks(4, memory_job, kind, side, budget, timeout=7200)
     peaks = {s: r[0]["peaks"] for s, r in peaks.items()}
     out: dict[str, Any] = {f"dsa_allgather_peak_mem_seq_{kind}": first}
     for side in ("allgather", "allgather_hf_ops"):
         out[f"dsa_{side}_peak_mem_over_ours_{kind}"] = peaks[side][first] / peaks["ours"][first]
-    out[f"dsa_allgather_peak_mem_over_ours_regather_{kind}"] = (
-        peaks["allgather"][first] / peaks["ours_regather"][first]
-    )
+    for side in ("ours_regather", "ours_smallop"):
+        out[f"dsa_allgather_peak_mem_over_{side}_{kind}"] = (
+            peaks["allgather"][first] / peaks[side][first]
+        )
     out.update(max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks["ours"]))
-    regather = max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks["ours_regather"])
-    for key, value in regather.items():
-        out[
-            key.replace("ours_", "ours_regather_", 1)
-            if key.startswith("ours_")
-            else key + "_regather"
-        ] = value
+    for side in ("ours_regather", "ours_smallop"):
+        out.update(
+            _renamed(
+                max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks[side]), side
+            )
+        )
     out[f"dsa_allgather_hf_ops_peaks_{kind}"] = {
         str(k): v for k, v in peaks["allgather_hf_ops"].items()
     }
+    return out
+
+
+def _renamed(summary: dict[str, Any], side: str) -> dict[str, Any]:
+    """``max_seq_summary``'s keys for another of our sides (``ours_`` -> ``<side>_``)."""
+    out = {}
+    for key, value in summary.items():
+        name = side + key[len("ours") :] if key.startswith("ours_") else f"{key}_{side[5:]}"
+        out[name] = value
     return out
 
 
@@ -423,7 +435,8 @@ def main() -> None:
         f"interleaved rounds; memory: cp 4, ladder {LADDER}; "
         "headline baseline: all-gather with hp_cp's indexer and attention code and chunk rules "
         "(latent); hf_ops: all-gather with HF's dense ops; ours_regather: hp_cp with "
-        "regather_compressed_kv=True"
+        "regather_compressed_kv=True; ours_smallop: hp_cp with attention_kernel='smallop' "
+        "(transformers' op order)"
     )
     path = os.path.join(ROOT, "bench-peers.json")
     data = json.load(open(path)) if os.path.exists(path) else {}

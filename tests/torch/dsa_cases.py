@@ -57,10 +57,10 @@ TINY = dict(
 )
 
 MODELS = ("deepseek_v32", "glm_moe_dsa")
-VARIANTS = {2: ("regather+checkpointing",), 3: ("regather",), 4: ("checkpointing",)}
+VARIANTS = {2: ("regather+checkpointing",), 3: ("regather", "smallop"), 4: ("checkpointing",)}
 """Extra load-balanced cases per cp: the gathered latents re-received in backward
 (``regather_compressed_kv``), transformers' activation checkpointing (GLM-5's shared layers
-recomputed too), both together."""
+recomputed too), both together, transformers' op order (``attention_kernel="smallop"``)."""
 
 
 def build_dsa_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
@@ -221,6 +221,7 @@ def cp_case(
         query_chunk=chunk,
         single_rank_bypass=False,
         regather_compressed_kv="regather" in variant,
+        attention_kernel="smallop" if variant == "smallop" else "banded",
     )
     handle = enable_cp(model, group, config)
     try:

@@ -26,6 +26,16 @@ forward and receive them again in backward (Note [Re-gathered slots] in
 global token. The sums differ from transformers' only in rounding order (fp32: about 1e-6).
 An unselected pick (``-1``) gets ``finfo.min``, as transformers' dense mask gives it, so its
 weight is exactly 0.
+
+Rounding and the next layer's top-k: the indexer of the next layer picks its top-k from
+scores of this layer's output, a discontinuous choice. Where two of its scores lie within
+that rounding of each other at the k-th place, the pick can differ from the one process, and
+the outputs then differ by far more than rounding. Measured on tiny V3.2 / GLM-5 models,
+packed, S = 1000 ... 3000 (one process through the CP path against transformers): 1 of 10
+configurations flipped a pick (logits 1.9e-2 off), the other 9 matched to 1e-6. DeepSeek's
+and NeMo's sparse kernels compute this same absorbed form. ``attention_kernel="smallop"``
+runs transformers' own op order instead (0 of the 10 flipped; logits 7e-7 or closer), at the
+memory of transformers' eager path.
 """
 
 from __future__ import annotations

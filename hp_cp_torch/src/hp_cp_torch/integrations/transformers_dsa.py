@@ -26,7 +26,8 @@ The stages are HF's ops on the module's own parameters:
 * MLA: ``q_a_proj, q_a_layernorm, q_b_proj``, ``kv_a_proj_with_mqa, kv_a_layernorm``,
   interleaved RoPE on ``q_rot`` / ``k_rot``; attention runs on the gathered latents with
   ``kv_b_proj`` folded into the queries and the output (Note [DSA attention on the latents] in
-  :mod:`hp_cp_torch.latent_attention`);
+  :mod:`hp_cp_torch.latent_attention`), or, with ``attention_kernel="smallop"``, in
+  transformers' op order (``expand_kv`` of every gathered token, dense rows);
 * the indexer (``wq_b, wk, k_norm, weights_proj, softmax_scale, index_topk``) under
   ``torch.no_grad`` as in HF (its top-k feeds only integer ids: no gradient, no indexer
   loss in transformers): RoPE half-split for V3.2, interleaved for GLM-5; scores
@@ -175,7 +176,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
                 k = keys[:, s0:s1]
                 s = torch.matmul(q[:, lo:hi].float(), k.transpose(-1, -2).float().unsqueeze(1))
-                s = F.relu(s * ix.softmax_scale)  # [B, l, H_I, n]
+                s = s.mul_(ix.softmax_scale).relu_()  # [B, l, H_I, n]; HF's ops, in place
                 return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
 
             return select_topk_chunked(
@@ -201,16 +202,52 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         local["selection"] = selected
         latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
         q = local["query"]  # [B, H, L, qk_head_dim]
-        q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        dims = MLADims(
-            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
-        )
-        rows = chunk_rows(call.config.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
-        chunks = PlanColumns(call.plan, 0).chunks(rows)
-        o = latent_attention(
-            q_pass, q_rot, latent, selected.to(q.device), m.kv_b_proj.weight, dims, chunks
-        )  # [B, H, L, v_head_dim]
+        if call.config.attention_kernel == "smallop":
+            o = self.expanded_attention(q, latent, selected.to(q.device), call)
+        else:
+            q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            dims = MLADims(
+                m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
+            )
+            rows = chunk_rows(
+                call.config.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1]
+            )
+            chunks = PlanColumns(call.plan, 0).chunks(rows)
+            o = latent_attention(
+                q_pass, q_rot, latent, selected.to(q.device), m.kv_b_proj.weight, dims, chunks
+            )  # [B, H, L, v_head_dim]
         return m.o_proj(o.transpose(1, 2).reshape(q.shape[0], call.plan.n_local, -1))
+
+    def expanded_attention(
+        self, q: torch.Tensor, latent: torch.Tensor, selected: torch.Tensor, call: Any
+    ) -> torch.Tensor:
+        """transformers' op order (``attention_kernel="smallop"``): every gathered latent
+        through ``expand_kv``, each query chunk's dense row over the tokens up to its last
+        visible one, the unselected at ``finfo.min``. The closest to transformers' rounding
+        (Note [DSA attention on the latents]); keeps the expanded keys and each chunk's
+        weights for backward, ``O(S * S / cp)`` a rank."""
+        m = self.module
+        batch, n_slots = latent.shape[:2]
+        kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        key_states, value_states = m.expand_kv(
+            kv_pass.view(batch, 1, n_slots, m.kv_lora_rank),
+            k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
+        )  # [B, H, N, qk_head_dim], [B, H, N, v_head_dim]
+        plan = call.plan
+        stop = plan.cmp_start + plan.cmp_count
+        neg = torch.finfo(q.dtype).min
+        outs = []
+        for lo, hi in PlanColumns(plan, 0).chunks(call.config.query_chunk):
+            s1 = max(int(stop[lo:hi].max()) if hi > lo else 0, 1)
+            sel = selected[:, lo:hi]  # [B, l, k]
+            keep = torch.zeros((batch, hi - lo, s1 + 1), dtype=torch.bool, device=q.device)
+            keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
+            bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
+            k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
+            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * m.scaling + bias
+            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
+        return torch.cat(outs, dim=2)
 
     # ----------------------------------------------------------------------- the forward
 
