@@ -375,12 +375,12 @@ def compare_keys(ranks: list[dict], kind: str, case: str) -> dict[str, Any]:
 
 
 def memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, Any]:
-    """Peak memory at the ladder's first S and the longest S under the all-gather's budget
-    (its own step at that S), every side at cp 4."""
+    """Peak memory at the ladder's first S, and the longest S of every side under one budget:
+    the public code's dense path (all-gather, HF's ops) at that S, every side at cp 4."""
     first = LADDER[0]
-    peaks = {"allgather": run_ranks(4, memory_job, kind, "allgather", None, timeout=7200)}
-    budget = peaks["allgather"][0]["peaks"][first]
-    for side in ("ours", "ours_regather", "ours_smallop", "allgather_hf_ops"):
+    peaks = {"allgather_hf_ops": run_ranks(4, memory_job, kind, "allgather_hf_ops", None)}
+    budget = peaks["allgather_hf_ops"][0]["peaks"][first]
+    for side in ("allgather", "ours", "ours_regather", "ours_smallop"):
         peaks[side] = run_ranks(4, memory_job, kind, side, budget, timeout=7200)
     peaks = {s: r[0]["peaks"] for s, r in peaks.items()}
     out: dict[str, Any] = {f"dsa_allgather_peak_mem_seq_{kind}": first}
@@ -390,16 +390,13 @@ def memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, An
         out[f"dsa_allgather_peak_mem_over_{side}_{kind}"] = (
             peaks["allgather"][first] / peaks[side][first]
         )
-    out.update(max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks["ours"]))
-    for side in ("ours_regather", "ours_smallop"):
-        out.update(
-            _renamed(
-                max_seq_summary(f"dsa_allgather_{kind}", peaks["allgather"], peaks[side]), side
+    why = f"the all-gather with HF's dense ops: its busiest rank's step at S={first}"
+    for peer in ("allgather", "allgather_hf_ops"):
+        for side in ("ours", "ours_regather", "ours_smallop"):
+            summary = max_seq_summary(
+                f"dsa_{peer}_{kind}", peaks[peer], peaks[side], budget=budget, budget_is=why
             )
-        )
-    out[f"dsa_allgather_hf_ops_peaks_{kind}"] = {
-        str(k): v for k, v in peaks["allgather_hf_ops"].items()
-    }
+            out.update(_renamed(summary, side) if side != "ours" else summary)
     return out
 
 

@@ -46,9 +46,17 @@ def ladder_peaks(
     return peaks
 
 
-def max_seq_summary(peer: str, peer_peaks: dict[int, int], ours_peaks: dict[int, int]) -> dict:
-    """``ours_max_seq_over_<peer>`` and the measurement behind it (every S tried, both sides)."""
-    budget = peer_peaks[min(peer_peaks)]
+def max_seq_summary(
+    peer: str,
+    peer_peaks: dict[int, int],
+    ours_peaks: dict[int, int],
+    budget: int | None = None,
+    budget_is: str | None = None,
+) -> dict:
+    """``ours_max_seq_over_<peer>`` and the measurement behind it (every S tried, both sides).
+    ``budget``: default the peer's own peak at its first S (``budget_is`` says what else)."""
+    own = budget is None
+    budget = peer_peaks[min(peer_peaks)] if own else budget
 
     def longest(peaks: dict[int, int]) -> int:
         return max((s for s, p in peaks.items() if p <= budget), default=0)
@@ -61,7 +69,9 @@ def max_seq_summary(peer: str, peer_peaks: dict[int, int], ours_peaks: dict[int,
         f"{peer}_max_seq_measured": {
             "budget_bytes": budget,
             "budget_is": f"{peer}'s busiest-rank peak RSS growth of a training step at S="
-            f"{min(peer_peaks)}",
+            f"{min(peer_peaks)}"
+            if own
+            else budget_is,
             peer: longest(peer_peaks),
             "ours": longest(ours_peaks),
             f"peaks_{peer}": {str(s): p for s, p in sorted(peer_peaks.items())},
