@@ -40,4 +40,5 @@ for step in range(2):
     total = layout.global_loss(loss)  # the global mean loss (a collective)
     if dist.get_rank() == 0:
         print(f"step {step}: loss {total:.4f}")
+dist.barrier()  # every rank done before any tears its process group down
 dist.destroy_process_group()

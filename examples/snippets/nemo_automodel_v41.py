@@ -50,4 +50,5 @@ loss.backward()
 cp_sum_gradients(model.parameters(), dist.group.WORLD)
 dist.all_reduce(total := loss.detach().clone())
 print(f"rank {dist.get_rank()}: loss {total.item():.4f} {handle.stats()['bytes_recv']} B")
+dist.barrier()  # every rank done before any tears its process group down
 dist.destroy_process_group()

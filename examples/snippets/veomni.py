@@ -40,4 +40,5 @@ dist.all_reduce(total)
 if dist.get_rank() == 0:
     print(f"loss {float(total):.4f} over {int(batch.n_tokens)} targets, cp {handle.cp_size}")
 disable_cp(handle)
+dist.barrier()  # every rank done before any tears its process group down
 dist.destroy_process_group()
