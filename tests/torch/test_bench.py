@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -12,7 +13,13 @@ import pytest
 from hp_cp_core.layout import SequenceLayout
 from hp_cp_torch.bench import suite
 from hp_cp_torch.bench.suite import Shapes, comm_per_rank, work_per_rank
-from hp_cp_torch.bench.traffic import traffic_measures, ulysses_rank_bytes
+from hp_cp_torch.bench.traffic import (
+    FAMILY_KINDS,
+    dsa_traffic_measures,
+    family_comm_per_rank,
+    traffic_measures,
+    ulysses_rank_bytes,
+)
 
 SMALL = Shapes(hidden=48, head_dim=16, n_heads=2, index_heads=2, index_dim=8, topk=3, window=8)
 
@@ -87,6 +94,50 @@ def test_every_rank_at_its_own_lower_bound():
     assert res["comm_allgather_fallback_total_over_sum_lower_bounds_contiguous_r4"] > 1.5
     assert res["comm_allgather_fallback_bytes_unneeded_contiguous_r4"] > 0  # rank 0's
     assert res["ulysses_bytes_over_ours_r4"] > 1.0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
+@pytest.mark.parametrize("seq,cp", [(60, 3), (64, 4), (48, 8)])
+@pytest.mark.parametrize("kind", sorted(FAMILY_KINDS))
+def test_family_traffic_against_per_token_loops(kind, seq, cp, layout):
+    """Every new layer kind of the family (DSA full / shared, V4.1 Full / Reindex / Reuse):
+    the plan's point-to-point slots are exactly the visible slots another rank owns, the
+    bound's slots the visible ones with a remote input, and a layer reusing the compressed KV
+    moves no slot (its owner moved them)."""
+    spec, big = FAMILY_KINDS[kind]
+    shapes = Shapes(hidden=48, head_dim=16, index_dim=8, window=min(big.window, 8))
+    spec = dataclasses.replace(spec, window_size=shapes.window)
+    c = family_comm_per_rank(seq, cp, spec, layout, shapes)
+    r = int(spec.compress_ratio)
+    width = (16 if spec.makes_compressed_kv else 0) + (8 if spec.makes_index_keys else 0)
+    lay = SequenceLayout(layout, cp, seq)
+    owner = lay.rank_of(np.arange(seq))
+    for k in range(cp):
+        rows = np.flatnonzero(owner == k)
+        win = {j for t in rows for j in range(max(0, t - shapes.window + 1), t + 1)}
+        remote_window = sum(owner[j] != k for j in win)
+        visible = [j for j in range(seq // r) if any((j + 1) * r <= t + 1 for t in rows)]
+        remote = sum(owner[j * r + r - 1] != k for j in visible)
+        needed = sum(any(owner[i] != k for i in range(j * r, j * r + r)) for j in visible)
+        assert c["ours_window"][k] == remote_window * 16 * 2, (kind, k)
+        assert c["ours_slots"][k] == remote * width * 2, (kind, k)
+        assert c["lower"][k] == (remote_window * 16 + needed * width) * 2, (kind, k)
+        if not spec.makes_compressed_kv:
+            assert c["ours_slots"][k] == 0 and c["ours_x"][k] == 0
+        assert c["ours"][k] >= c["lower"][k]
+
+
+def test_family_every_rank_at_its_own_lower_bound():
+    """The family's traffic keys of ``hp-cp bench``: every kind at its bound, and the DSA
+    all-gather above ours in total."""
+    res = dsa_traffic_measures(16384, 8)
+    for lay in ("contiguous", "balanced"):
+        for kind in FAMILY_KINDS:
+            assert res[f"comm_max_rank_over_own_lower_bound_{lay}_{kind}"] <= 1.05, (lay, kind)
+            assert res[f"comm_bytes_unneeded_{lay}_{kind}"] == 0, (lay, kind)
+        for kind in ("dsa", "dsa_shared"):
+            assert res[f"dsa_allgather_total_bytes_over_ours_{lay}_{kind}"] > 1.3, (lay, kind)
+            assert res[f"dsa_allgather_max_rank_bytes_over_ours_{lay}_{kind}"] >= 1.0
 
 
 def test_work_counts():

@@ -228,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     strings into ``bench.notes.json`` (the other keys kept)."""
     import argparse
     import json
-    import os
 
     parser = argparse.ArgumentParser(prog="python -m hp_cp_torch.bench.kernel")
     parser.add_argument("--kernels", default="banded", help="kernels (the default kernel first)")
@@ -242,15 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     res = kernel_measures(kernels, threads=args.threads, repeat=args.repeat, picks=picks)
     print(json.dumps(res, indent=1, sort_keys=True))
     if args.merge:  # numbers into the JSON, the strings into its .notes.json (as hp-cp bench)
-        notes_path = os.path.splitext(args.merge)[0] + ".notes.json"
-        for path, keep in ((args.merge, True), (notes_path, False)):
-            old = {}
-            if os.path.exists(path):
-                with open(path) as f:
-                    old = json.load(f)
-            old.update({k: v for k, v in res.items() if isinstance(v, (int, float)) == keep})
-            with open(path, "w") as f:
-                json.dump(old, f, indent=1, sort_keys=True)
+        from hp_cp_torch.bench.numbers import merge_numbers
+
+        merge_numbers(args.merge, res)
     return 0
 
 

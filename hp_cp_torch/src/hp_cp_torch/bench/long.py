@@ -338,6 +338,10 @@ def main_long(args: Any) -> int:
                 max_total_bytes=int(args.long_max_total_bytes),
             )
         )
+    if getattr(args, "long_hf", False):
+        from hp_cp_torch.bench.memory import hf_cp_scaling_measures
+
+        res.update(hf_cp_scaling_measures())
     if not args.no_long_paper:
         from hp_cp_torch.bench.paper import paper_measures
 
@@ -368,6 +372,9 @@ def main_long(args: Any) -> int:
         "long_parity_out_rel_err",
         "long_parity_grad_params_max_rel_err",
         "long_skipped_seqs",
+        "hf_max_seq_cp4",
+        "hf_max_seq_cp8",
+        "hf_max_seq_cp8_over_cp4",
     ):
         if key in res:
             value = res[key]

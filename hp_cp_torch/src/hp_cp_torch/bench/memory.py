@@ -37,7 +37,7 @@ import math
 import os
 from typing import Any
 
-__all__ = ["HF_MEM_CONFIG", "hf_memory_measures"]
+__all__ = ["HF_MEM_CONFIG", "hf_cp_scaling_measures", "hf_memory_measures"]
 
 HF_MEM_CONFIG: dict[str, Any] = dict(
     vocab_size=2048,
@@ -197,4 +197,41 @@ def hf_memory_measures(
                 res[f"hf_step_peak_bytes_{name}_probe_s{seq}"] = peak
     if search and res["hf_max_seq_single"]:
         res[f"hf_max_seq_cp{cp}_over_single"] = res[f"hf_max_seq_cp{cp}"] / res["hf_max_seq_single"]
+    return res
+
+
+def hf_cp_scaling_measures(
+    cps: tuple[int, ...] = (4, 8), seeds: tuple[int, ...] = (4096, 8192), budget: float = 0
+) -> dict[str, Any]:
+    """``hf_max_seq_cp<N>`` for every ``cp`` in ``cps`` under ONE per-rank budget, by real
+    training steps of the HF model at :data:`HF_MEM_CONFIG` (Note [Longest S that fits]):
+    what doubling the ranks buys at the same memory per rank.
+
+    ``budget`` (default this machine's memory over 16, so that 8 ranks and their runtimes stay
+    well inside it) is the busiest rank's peak extra resident bytes; each cp is seeded with a
+    step at every S of ``seeds`` and searched from there. Keys: ``hf_max_seq_cp<N>``,
+    ``hf_max_seq_cp<N>_over`` (the shortest S measured not to fit),
+    ``hf_step_peak_bytes_cp<N>_max_rank_s<S>`` (every step measured),
+    ``hf_max_seq_cp<last>_over_cp<first>`` and ``hf_max_seq_budget_bytes``.
+    """
+    budget = budget or _machine_bytes() // 16
+    res: dict[str, Any] = {"hf_max_seq_budget_bytes": budget, "hf_max_seq_config": HF_MEM_CONFIG}
+    for cp in cps:
+        measured: dict[int, float] = {}
+        for seq in seeds:
+            peak = _peak(seq, cp)
+            if peak is None:
+                return {"hf_mem_note": "VmHWM cannot be reset here (/proc/self/clear_refs)"}
+            measured[seq] = peak
+        fit, over, measured = longest_fitting_seq(cp, budget, measured)
+        res[f"hf_max_seq_cp{cp}"] = fit
+        if over is not None:
+            res[f"hf_max_seq_cp{cp}_over"] = over
+        for seq, peak in sorted(measured.items()):
+            res[f"hf_step_peak_bytes_cp{cp}_max_rank_s{seq}"] = peak
+    first, last = cps[0], cps[-1]
+    if res.get(f"hf_max_seq_cp{first}"):
+        res[f"hf_max_seq_cp{last}_over_cp{first}"] = (
+            res[f"hf_max_seq_cp{last}"] / res[f"hf_max_seq_cp{first}"]
+        )
     return res

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["flatten_numbers"]
+import json
+import os
+
+__all__ = ["flatten_numbers", "merge_numbers"]
 
 
 def flatten_numbers(res: dict) -> tuple[dict, dict]:
@@ -22,3 +25,19 @@ def flatten_numbers(res: dict) -> tuple[dict, dict]:
         else:
             notes[key] = value
     return numbers, notes
+
+
+def merge_numbers(path: str, res: dict) -> None:
+    """Add ``res`` to an existing ``bench.json`` at ``path`` (its numbers, flattened) and to
+    the ``.notes.json`` beside it (its strings), keeping every other key of both files: what
+    a bench module run alone (``--merge``) writes, as ``hp-cp bench`` splits them."""
+    numbers, notes = flatten_numbers(res)
+    notes_path = os.path.splitext(path)[0] + ".notes.json"
+    for target, new in ((path, numbers), (notes_path, notes)):
+        old = {}
+        if os.path.exists(target):
+            with open(target) as f:
+                old = json.load(f)
+        old.update(new)
+        with open(target, "w") as f:
+            json.dump(old, f, indent=1, sort_keys=True)

@@ -44,7 +44,13 @@ import numpy as np
 from hp_cp_core import LayerSpec, build_rank_plan
 from hp_cp_torch.bench.numbers import flatten_numbers
 from hp_cp_torch.bench.scaling import STEP_VARIANTS
-from hp_cp_torch.bench.traffic import FLASH, Shapes, comm_per_rank, traffic_measures
+from hp_cp_torch.bench.traffic import (
+    FLASH,
+    Shapes,
+    comm_per_rank,
+    dsa_traffic_measures,
+    traffic_measures,
+)
 
 __all__ = ["FLASH", "Shapes", "comm_per_rank", "main", "work_per_rank"]
 
@@ -492,6 +498,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
 
     res.update(traffic_measures(args.seq, args.cp))  # traffic (exact)
+    res.update(dsa_traffic_measures(args.seq, args.cp))  # the family's new layer kinds
     # work (exact)
     for r in (0, 4, 128):
         for lay, name in (("contiguous", "contiguous"), ("load_balanced", "balanced")):
@@ -724,6 +731,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=12 * 2**30,
         help="skip an S whose predicted memory, all ranks together, is above this",
+    )
+    long.add_argument(
+        "--long-hf",
+        action="store_true",
+        help="also the HF model's longest S at cp 4 and cp 8 under one per-rank budget "
+        "(hf_max_seq_cp8; real training steps, about an hour on 2 cores)",
     )
     long.add_argument("--long-out", default="bench-long.json")
     long.add_argument(

@@ -84,9 +84,11 @@ from hp_cp_core.layout import Documents, SequenceLayout
 
 __all__ = [
     "DSA_V32",
+    "FAMILY_KINDS",
     "FLASH",
     "dsa_comm_per_rank",
     "dsa_traffic_measures",
+    "family_comm_per_rank",
     "LAYOUT_KEYS",
     "Shapes",
     "comm_per_rank",
@@ -129,13 +131,20 @@ LAYOUT_KEYS = {"contiguous": "contiguous", "load_balanced": "balanced"}
 
 
 def _lower_bound_rank(
-    rank: int, layout: SequenceLayout, docs: Documents, ratio: int, shapes: Shapes
+    rank: int,
+    layout: SequenceLayout,
+    docs: Documents,
+    ratio: int,
+    shapes: Shapes,
+    overlap: bool | None = None,
 ) -> tuple[int, int]:
     """``(window rows, remote slots)`` rank must receive (Note [Communication lower bound]).
 
     Computed from the per-token definitions (a difference array over every row), not from
-    the plan's halo code, so it checks the plan as well as bounding it.
+    the plan's halo code, so it checks the plan as well as bounding it. ``overlap``: whether
+    a slot also reads the previous block (default: V4's rule, r = 4).
     """
+    overlap = ratio == 4 if overlap is None else overlap
     seq = docs.total_rows
     rows = layout.rank_rows(rank)
     local = np.zeros(seq, dtype=bool)
@@ -148,7 +157,7 @@ def _lower_bound_rank(
     if ratio == 0:
         return window_rows, 0
     grid = "per_document"
-    slots = build_slot_table(docs, ratio, ratio == 4, grid)
+    slots = build_slot_table(docs, ratio, overlap, grid)
     start, count = compressed_visibility(rows, docs, ratio, grid)
     seen = np.zeros(slots.n_slots + 1, dtype=np.int64)
     np.add.at(seen, start[count > 0], 1)
@@ -276,63 +285,165 @@ def traffic_measures(seq: int, cp: int, shapes: Shapes = FLASH) -> dict[str, Any
 
 # Note [Traffic of the DSA family]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A DSA layer (ratio 1, no window; DeepSeek V3.2, GLM-5) reads no row of another rank except
-# through its slots: the lower bound of rank k is every remote token visible to one of its
-# queries (its causal prefix, per document), each once, as the finished slot: the MLA
-# latent (``kv_lora_rank + qk_rope_head_dim``) plus the index key (``index_head_dim``). A
-# GLM-5 "shared" layer reuses the selection, so its bound (and ours) is the latent only; a
-# V4.1 Reuse / Reindex layer receives its compressed KV and index keys from their owner
-# with no collective: 0 bytes. The all-gather the public CPs use delivers every remote
-# token of the sequence to every rank, latents and keys (``dsa_allgather_*``).
+# The same bound holds for every layer of the family, read off its LayerSpec: the window
+# halo (none without a window), and every remote-dependent visible slot once, finished,
+# ``D`` wide plus ``Di`` when the layer makes its own index keys. A DSA layer (ratio 1, no
+# window; DeepSeek V3.2, GLM-5) reads no row of another rank except through its slots: its
+# bound is every remote token visible to one of its queries (its causal prefix, per
+# document) as the MLA latent (``kv_lora_rank + qk_rope_head_dim``) plus the index key. A
+# layer that *reuses* an artifact (a GLM-5 "shared" layer the selection; a V4.1 Reindex
+# layer the compressed KV and index keys; a V4.1 Reuse layer all three) gets it from the
+# layer that made it, on the same rank, with no collective: it adds nothing to the bound
+# and ours moves nothing for it::
+#
+#     GLM-5, cp 4, one full + two shared layers      full      shared    shared
+#     moved per rank (latents, index keys)           L + K     L         L
+#     V4.1 ratio 2: Full, Reindex, Reuse             W+x+S     W         W
+#
+# (W: window halo, x: the straddling block's rows, S: remote slots.) The all-gather the
+# public DSA CPs use delivers every remote token of the sequence to every rank, latents and
+# keys (``dsa_allgather_*``).
 
-DSA_V32 = {"latent": 512 + 64, "index_dim": 128, "elem_bytes": 2}
-"""DeepSeek V3.2 / GLM-5 attention widths: MLA latent 512 + 64 rope, index keys 128, bf16."""
+DSA_V32 = Shapes(hidden=7168, head_dim=512 + 64, index_dim=128, window=0)
+"""DeepSeek V3.2 / GLM-5 attention: hidden 7168, MLA latent 512 + 64 rope (the slot),
+index keys 128, no window, bf16."""
+
+FAMILY_KINDS: dict[str, tuple[LayerSpec, Shapes]] = {
+    "dsa": (LayerSpec(compress_ratio=1, window_size=0, has_indexer=True), DSA_V32),
+    "dsa_shared": (
+        LayerSpec(compress_ratio=1, window_size=0, has_indexer=True, reuses=("selection",)),
+        DSA_V32,
+    ),
+    "csa2_r2_full": (
+        LayerSpec(compress_ratio=2, window_size=128, has_indexer=True, overlapping=False),
+        FLASH,
+    ),
+    "csa2_r1_full": (
+        LayerSpec(compress_ratio=1, window_size=128, has_indexer=True, index_block=64),
+        FLASH,
+    ),
+    "csa2_r2_reindex": (
+        LayerSpec(
+            compress_ratio=2,
+            window_size=128,
+            has_indexer=True,
+            overlapping=False,
+            reuses=("compressed_kv", "index_keys"),
+        ),
+        FLASH,
+    ),
+    "csa2_r2_reuse": (
+        LayerSpec(
+            compress_ratio=2,
+            window_size=128,
+            has_indexer=True,
+            overlapping=False,
+            reuses=("compressed_kv", "index_keys", "selection"),
+        ),
+        FLASH,
+    ),
+}
+"""The family's new layer kinds and the shapes their bytes are counted at: V3.2 / GLM-5 DSA
+(full and shared) and V4.1's CSA2 (ratio 2 and ratio 1 Full layers, ratio 2 Reindex and Reuse
+layers) at V4-Flash's attention sizes."""
+
+
+def family_comm_per_rank(
+    seq: int, cp: int, spec: LayerSpec, layout: str = "contiguous", shapes: Shapes = FLASH
+) -> dict[str, np.ndarray]:
+    """Forward bytes each rank receives in one layer of any kind of the family (Note [Traffic
+    of the DSA family]): ours from the plan (window halo, x halo, point-to-point slots, each
+    only where the layer makes them), the rank's own lower bound, and the all-gather of every
+    remote token's slot that the public DSA CPs run (``allgather``; a layer that reuses the
+    compressed KV gathers nothing)."""
+    b, d, h = shapes.elem_bytes, shapes.head_dim, shapes.hidden
+    ratio = int(spec.compress_ratio)
+    width = (d if spec.makes_compressed_kv else 0) + (
+        shapes.index_dim if spec.makes_index_keys else 0
+    )
+    docs = Documents.padded(seq)
+    lay = SequenceLayout(layout, cp, seq)
+    keys = ("ours", "ours_window", "ours_x", "ours_slots", "lower", "allgather")
+    out: dict[str, list[int]] = {k: [] for k in keys}
+    for k in range(cp):
+        plan = build_rank_plan(rank=k, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq)
+        win = plan.window.n_halo * d * b
+        makes = spec.makes_compressed_kv
+        xb = (plan.x.n_halo if plan.x is not None and makes else 0) * h * b
+        slots = plan.slot_exchange.n_halo * width * b if width else 0
+        lw, ls = _lower_bound_rank(k, lay, docs, ratio, shapes, spec.overlap)
+        remote_rows = seq - lay.rank_rows(k).size
+        for key, value in (
+            ("ours", win + xb + slots),
+            ("ours_window", win),
+            ("ours_x", xb),
+            ("ours_slots", slots),
+            ("lower", (lw * d + ls * width) * b),
+            ("allgather", win + (remote_rows // max(ratio, 1)) * width * b),
+        ):
+            out[key].append(int(value))
+    return {k: np.asarray(v, dtype=np.int64) for k, v in out.items()}
 
 
 def dsa_comm_per_rank(
-    seq: int, cp: int, layout: str = "contiguous", kind: str = "dsa", widths: dict = DSA_V32
+    seq: int, cp: int, layout: str = "contiguous", kind: str = "dsa"
 ) -> dict[str, np.ndarray]:
-    """Forward bytes each rank receives in one DSA layer (Note [Traffic of the DSA family]):
-    ours (the plan's point-to-point slot exchange), the rank's lower bound, and the
-    all-gather baseline. ``kind``: ``"dsa"`` (a full layer) or ``"dsa_shared"``."""
-    reuses = ("selection",) if kind == "dsa_shared" else ()
-    spec = LayerSpec(compress_ratio=1, window_size=0, has_indexer=True, reuses=reuses)
-    width = widths["latent"] + (widths["index_dim"] if kind == "dsa" else 0)
-    b = widths["elem_bytes"]
-    docs = Documents.padded(seq)
-    lay = SequenceLayout(layout, cp, seq)
-    ours, lower, gather = [], [], []
-    for k in range(cp):
-        plan = build_rank_plan(rank=k, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq)
-        assert plan.window.n_halo == 0 and plan.x.n_halo == 0  # no halo: only slots move
-        ours.append(plan.slot_exchange.n_halo * width * b)
-        _, remote = _lower_bound_rank(k, lay, docs, 1, Shapes(window=0))
-        lower.append(remote * width * b)
-        gather.append((seq - lay.rank_rows(k).size) * width * b)
-    return {
-        "ours": np.asarray(ours, dtype=np.int64),
-        "lower": np.asarray(lower, dtype=np.int64),
-        "allgather": np.asarray(gather, dtype=np.int64),
-    }
+    """:func:`family_comm_per_rank` of a DSA layer: ``kind`` ``"dsa"`` (a full layer) or
+    ``"dsa_shared"`` (a GLM-5 layer reusing the selection)."""
+    spec, shapes = FAMILY_KINDS[kind]
+    return family_comm_per_rank(seq, cp, spec, layout, shapes)
 
 
 def dsa_traffic_measures(seq: int, cp: int) -> dict[str, Any]:
-    """The DSA-family traffic keys of ``hp-cp bench`` (Note [Traffic of the DSA family])."""
+    """The family's traffic keys of ``hp-cp bench`` (Note [Traffic of the DSA family]), for
+    every kind of :data:`FAMILY_KINDS` and both layouts:
+    ``comm_max_rank_over_own_lower_bound_<layout>_<kind>``, ``comm_bytes_unneeded_*``,
+    ``comm_ours_bytes_per_rank_*``; for the DSA kinds the all-gather's
+    ``dsa_allgather_{max_rank,total}_bytes_over_ours_*``."""
     res: dict[str, Any] = {}
-    for kind in ("dsa", "dsa_shared"):
+    for kind, (spec, shapes) in FAMILY_KINDS.items():
         for layout, name in LAYOUT_KEYS.items():
-            c = dsa_comm_per_rank(seq, cp, layout, kind)
+            c = family_comm_per_rank(seq, cp, spec, layout, shapes)
             ours, low, gather = c["ours"], c["lower"], c["allgather"]
             res[f"comm_max_rank_over_own_lower_bound_{name}_{kind}"] = _max_own_ratio(ours, low)
             res[f"comm_bytes_unneeded_{name}_{kind}"] = int(ours[low == 0].sum())
-            res[f"dsa_allgather_max_rank_bytes_over_ours_{name}_{kind}"] = float(
-                gather.max() / max(int(ours.max()), 1)
-            )
-            res[f"dsa_allgather_total_bytes_over_ours_{name}_{kind}"] = float(
-                gather.sum() / max(int(ours.sum()), 1)
-            )
             res[f"comm_ours_bytes_per_rank_{name}_{kind}"] = ours.tolist()
-            res[f"dsa_allgather_bytes_per_rank_{name}_{kind}"] = gather.tolist()
-    for kind in ("csa2_reindex", "csa2_reuse"):  # compressed KV and keys from their owner
-        res[f"comm_slot_bytes_{kind}"] = 0
+            if kind.startswith("dsa"):
+                res[f"dsa_allgather_max_rank_bytes_over_ours_{name}_{kind}"] = float(
+                    gather.max() / max(int(ours.max()), 1)
+                )
+                res[f"dsa_allgather_total_bytes_over_ours_{name}_{kind}"] = float(
+                    gather.sum() / max(int(ours.sum()), 1)
+                )
+                res[f"dsa_allgather_bytes_per_rank_{name}_{kind}"] = gather.tolist()
     return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hp_cp_torch.bench.traffic``: only the traffic keys of ``hp-cp bench`` (exact,
+    from the plans; a minute at the defaults), printed; ``--merge bench.json`` also writes
+    them into that file (the other keys kept); ``--family``: the family's kinds only."""
+    import argparse
+
+    from hp_cp_torch.bench.numbers import merge_numbers
+
+    parser = argparse.ArgumentParser(prog="python -m hp_cp_torch.bench.traffic")
+    parser.add_argument("--seq", type=int, default=131072)
+    parser.add_argument("--cp", type=int, default=8)
+    parser.add_argument("--family", action="store_true", help="only the family's layer kinds")
+    parser.add_argument("--merge", default=None, help="a bench.json to update with the numbers")
+    args = parser.parse_args(argv)
+    res = {} if args.family else traffic_measures(args.seq, args.cp)
+    res.update(dsa_traffic_measures(args.seq, args.cp))
+    for key, value in sorted(res.items()):
+        if not isinstance(value, list):
+            print(f"{key:<64} {value}")
+    if args.merge:
+        merge_numbers(args.merge, res)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
