@@ -314,9 +314,27 @@ def model_suite(rank: int, world: int) -> dict:
         res = compare(reference(model, ids, DOCS), got)
         res.update(case="packed_seq_ids", cp=2, layout="load_balanced")
         results.append(res)
+    if rank < 3:  # activation checkpointing: each layer's forward runs again in backward
+        wrapped = checkpointed(build_model(0))
+        got = cp_run(wrapped, ids, groups[3], "load_balanced", DOCS)
+        res = compare(reference(wrapped, ids, DOCS), got)
+        res.update(case="checkpointed", cp=3, layout="load_balanced")
+        res["checkpointed_slot_exchanges"] = got["slot_exchanges"]
+        results.append(res)
     errors = error_checks(model, ids, dist.group.WORLD)
     restore = restore_check(model, ids, dist.group.WORLD)
     return {"rank": rank, "results": results, "errors": errors, "restore": restore}
+
+
+def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
+    """Every decoder layer under torch's ``checkpoint_wrapper`` (non-reentrant), as NeMo's
+    activation checkpointing wraps them: a Reuse / Reindex layer recomputed in backward runs
+    before the Full layer it reads from is."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key in list(model.model.layers.keys()):
+        model.model.layers[key] = checkpoint_wrapper(model.model.layers[key])
+    return model
 
 
 def cp1_suite(rank: int, world: int) -> dict:
