@@ -218,6 +218,14 @@ def parity_suite(rank: int, world: int) -> dict[str, Any]:
                     res = cp_parity(model, ids, ref, groups[2], "load_balanced", config=config)
                     res["case"] = f"long {kernel} query_chunk={chunk} overlap={overlap}"
                     variants.append(res)
+                # the memory option under HF's activation checkpointing: each layer's
+                # forward runs again in backward, its slots received again, bit for bit
+                model.gradient_checkpointing_enable({"use_reentrant": False})
+                config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=True)
+                res = cp_parity(model, ids, ref, groups[2], "load_balanced", config=config)
+                model.gradient_checkpointing_disable()
+                res["case"] = "long regather_compressed_kv gradient_checkpointing"
+                variants.append(res)
             errors = error_checks(model, ids, ref.logits)
         dist.barrier()
     selective = selective_cases(rank, groups)

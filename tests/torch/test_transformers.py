@@ -61,7 +61,8 @@ def test_every_case_ran(suite: dict) -> None:
 
 @pytest.mark.slow
 def test_logits_and_loss_match_single_device(suite: dict) -> None:
-    assert len(suite["variants"]) == 3  # efficient kernel; several query chunks; blocking
+    # efficient kernel; several query chunks; blocking; regather under HF's checkpointing
+    assert len(suite["variants"]) == 4
     for res in suite["results"] + suite["variants"]:
         assert res["logits_rel_err"] <= LOGITS_RTOL, _case_id(res)
         assert res["loss_rel_err"] <= LOSS_RTOL, _case_id(res)
