@@ -22,7 +22,10 @@ Then, in the same run:
 * parity: at ``--long-parity-seq`` the cp = 8 step's output, input gradient and every
   parameter's gradient (summed over ranks) against one process running the same layers
   through the CP path on a group of one (``long_parity_*_rel_err``);
-* ``long_max_seq_cp8``: the longest S that ran (every rank finished, loss finite).
+* ``long_max_seq_cp8``: the longest S that ran (every rank finished, loss finite);
+* with ``--long-hf``, the Hugging Face model's longest S at cp 4 and at cp 8 under one
+  per-rank budget, by real training steps (``hf_max_seq_cp4``, ``hf_max_seq_cp8``,
+  ``hf_max_seq_cp8_over_cp4``: :func:`hp_cp_torch.bench.memory.hf_cp_scaling_measures`).
 
 A length whose predicted total (the line through the peaks so far, plus each process's
 runtime, times 8 ranks) exceeds ``--long-max-total-bytes`` is not run (``long_skipped_seqs``):
