@@ -346,6 +346,28 @@ def test_longest_fitting_seq_brackets_the_limit_without_far_probes(true_limit, m
     assert set(measured) == {512, 1024, 2048, *probes}
 
 
+def test_hf_cp_scaling_measures_one_budget_for_both_cp(monkeypatch):
+    """``hp-cp bench --long --long-hf``: cp 4 and cp 8 searched under the same per-rank budget;
+    a rank that holds what its own rows need fits twice the S at twice the ranks."""
+    from hp_cp_torch.bench import memory as bench_memory
+
+    calls = []
+
+    def fake_peak(seq, cp):  # a constant plus a cost per local row
+        calls.append((seq, cp))
+        return 0.1 + 0.9 * (seq / cp) / 3000
+
+    monkeypatch.setattr(bench_memory, "_peak", fake_peak)
+    res = bench_memory.hf_cp_scaling_measures((4, 8), seeds=(4096, 8192), budget=1.0)
+    assert res["hf_max_seq_budget_bytes"] == 1.0
+    assert {cp for _, cp in calls} == {4, 8}
+    for cp in (4, 8):
+        fit, over = res[f"hf_max_seq_cp{cp}"], res[f"hf_max_seq_cp{cp}_over"]
+        assert fake_peak(fit, cp) <= 1.0 < fake_peak(over, cp)
+        assert res[f"hf_step_peak_bytes_cp{cp}_max_rank_s{fit}"] <= 1.0
+    assert 1.8 <= res["hf_max_seq_cp8_over_cp4"] <= 2.2
+
+
 @pytest.mark.slow
 def test_hotpath_counts():
     """The hot-path keys of ``hp-cp bench`` (one warm-up and one counted step, 2 ranks): no

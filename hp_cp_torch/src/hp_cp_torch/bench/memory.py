@@ -114,7 +114,9 @@ def _longest_seq(seqs: list[int], peaks: list[float], budget: float) -> float:
     """Largest S with ``fit(S) <= budget`` (see the module docstring)."""
     import numpy as np
 
-    c, b, a = np.polyfit(np.asarray(seqs, float), np.asarray(peaks, float), 2)
+    c = 0.0  # two points: the line through them
+    if len(seqs) >= 3:
+        c, b, a = np.polyfit(np.asarray(seqs, float), np.asarray(peaks, float), 2)
     if c <= 0:
         b, a = np.polyfit(np.asarray(seqs[-2:], float), np.asarray(peaks[-2:], float), 1)
         return float((budget - a) / b) if b > 0 else float("inf")
