@@ -309,7 +309,8 @@ def _expect_error(fn: Any, match: str) -> str:
 
 
 def error_checks(model: Any, ids: torch.Tensor, group: Any) -> dict[str, Any]:
-    """A KV cache is refused on every rank; ``disable_cp`` restores the forwards exactly."""
+    """A KV cache and malformed packed input are refused on every rank; ``disable_cp``
+    restores the forwards exactly."""
     forwards = [layer.self_attn.__dict__.get("forward") for layer in model.model.layers]
     handle = enable_cp(model, group, DeepSeekV4CPConfig(layout="load_balanced"))
     out: dict[str, Any] = {}
@@ -324,6 +325,14 @@ def error_checks(model: Any, ids: torch.Tensor, group: Any) -> dict[str, Any]:
                 ),
                 "use_cache=False",
             )
+        # packed input the batch helper refuses before sharding anything, on every rank
+        two = torch.cat([ids[:1], ids[:1]])
+        out["packed_batch_2"] = _expect_error(
+            lambda: cp_dsa_batch(handle, two, cu_seqlens=[0, 5, ids.shape[1]]), "batch size 1"
+        )
+        out["packed_cu_start"] = _expect_error(
+            lambda: cp_dsa_batch(handle, ids[:1], cu_seqlens=[3, 5, ids.shape[1]]), "start at 0"
+        )
     finally:
         disable_cp(handle)
     after = [layer.self_attn.__dict__.get("forward") for layer in model.model.layers]

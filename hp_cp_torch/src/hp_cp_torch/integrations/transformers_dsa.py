@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPContext, LayerSpec
+from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import select_topk_chunked
 from hp_cp_torch.integrations.transformers import (
@@ -348,6 +348,7 @@ def cp_dsa_batch(
         positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
     else:
         cu = np.asarray(torch.as_tensor(cu_seqlens).cpu(), dtype=np.int64).reshape(-1)
+        _check_packed(input_ids, cu, rows)
         last = cu[1:] - 1
         shifted = shifted.clone()
         shifted[:, last[last >= 0]] = ignore_index
@@ -363,3 +364,19 @@ def cp_dsa_batch(
         "n_tokens": (shifted != ignore_index).sum(),
         "model_kwargs": kwargs,
     }
+
+
+def _check_packed(input_ids: torch.Tensor, cu: np.ndarray, rows: int) -> None:
+    """Packed input as ``cp_dsa_batch`` takes it, checked before anything is sharded (the
+    same full batch on every rank, so every rank raises the same :class:`HpCpError`)."""
+    if int(input_ids.shape[0]) != 1:
+        raise HpCpError(
+            f"cp_dsa_batch: packed input (cu_seqlens) needs batch size 1, got "
+            f"{int(input_ids.shape[0])}; pack the documents of the batch into one row."
+        )
+    if cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != rows:
+        raise HpCpError(
+            f"cp_dsa_batch: cu_seqlens must start at 0, be non-decreasing and end at the "
+            f"sequence's {rows} tokens; got {cu[:8].tolist()}{'...' if cu.size > 8 else ''}. "
+            "Pass the boundaries of the full (unsharded, unpadded) packed sequence."
+        )
