@@ -10,6 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
+from hp_cp_core import build_rank_plan
 from hp_cp_core.layout import SequenceLayout
 from hp_cp_torch.bench import suite
 from hp_cp_torch.bench.suite import Shapes, comm_per_rank, work_per_rank
@@ -122,7 +123,11 @@ def test_family_traffic_against_per_token_loops(kind, seq, cp, layout):
         assert c["ours_window"][k] == remote_window * 16 * 2, (kind, k)
         assert c["ours_slots"][k] == remote * width * 2, (kind, k)
         assert c["lower"][k] == (remote_window * 16 + needed * width) * 2, (kind, k)
-        if not spec.makes_compressed_kv:
+        if not spec.makes_compressed_kv:  # the plan itself moves nothing for the slots
+            plan = build_rank_plan(
+                rank=k, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq
+            )
+            assert plan.slot_exchange is None and plan.x is None, (kind, k)
             assert c["ours_slots"][k] == 0 and c["ours_x"][k] == 0
         assert c["ours"][k] >= c["lower"][k]
 

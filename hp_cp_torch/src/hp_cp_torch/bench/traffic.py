@@ -368,9 +368,9 @@ def family_comm_per_rank(
     for k in range(cp):
         plan = build_rank_plan(rank=k, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq)
         win = plan.window.n_halo * d * b
-        makes = spec.makes_compressed_kv
-        xb = (plan.x.n_halo if plan.x is not None and makes else 0) * h * b
-        slots = plan.slot_exchange.n_halo * width * b if width else 0
+        # a layer that reuses its slots plans no x halo and no slot exchange (the core's)
+        xb = (plan.x.n_halo if plan.x is not None else 0) * h * b
+        slots = (plan.slot_exchange.n_halo if plan.slot_exchange is not None else 0) * width * b
         lw, ls = _lower_bound_rank(k, lay, docs, ratio, shapes, spec.overlap)
         remote_rows = seq - lay.rank_rows(k).size
         for key, value in (

@@ -66,6 +66,7 @@ from torch import nn
 
 from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec
 from hp_cp_core.columns import PlanColumns
+from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
@@ -374,9 +375,4 @@ def _check_packed(input_ids: torch.Tensor, cu: np.ndarray, rows: int) -> None:
             f"cp_dsa_batch: packed input (cu_seqlens) needs batch size 1, got "
             f"{int(input_ids.shape[0])}; pack the documents of the batch into one row."
         )
-    if cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != rows:
-        raise HpCpError(
-            f"cp_dsa_batch: cu_seqlens must start at 0, be non-decreasing and end at the "
-            f"sequence's {rows} tokens; got {cu[:8].tolist()}{'...' if cu.size > 8 else ''}. "
-            "Pass the boundaries of the full (unsharded, unpadded) packed sequence."
-        )
+    Documents.packed(cu, rows)  # the core's boundary check (a PlanError, an HpCpError)
