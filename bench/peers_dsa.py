@@ -23,7 +23,10 @@ under the baseline's budget at cp 4, by real training steps: bench/peers_memory.
 Writes the ``dsa_allgather_*`` keys of ``bench-peers.json``.
 
     OMP_NUM_THREADS=1 python bench/peers_dsa.py
-    HP_CP_PEERS_PARTS=compare|memory  HP_CP_PEERS_SEQ=2048  HP_CP_PEERS_ROUNDS=3
+    HP_CP_PEERS_PARTS=compare,memory,memory_step  HP_CP_PEERS_SEQ=2048  HP_CP_PEERS_ROUNDS=3
+
+``memory_step`` measures the same ladder with each step alone (``step_peaks``: a warm-up
+step first, the high-water mark reset before every step), keys ending ``_per_step``.
 """
 
 from __future__ import annotations
@@ -337,9 +340,12 @@ def compare_job(rank: int, world: int, kind: str, packed: bool) -> dict[str, Any
     }
 
 
-def memory_job(rank: int, world: int, kind: str, side: str, budget: int | None) -> dict:
-    """One side's busiest-rank peak memory per S of the ladder (bench/peers_memory.py)."""
-    from peers_memory import ladder_peaks
+def memory_job(
+    rank: int, world: int, kind: str, side: str, budget: int | None, per_step: bool = False
+) -> dict:
+    """One side's busiest-rank peak memory per S of the ladder (bench/peers_memory.py:
+    ``ladder_peaks``, or ``step_peaks`` when ``per_step``)."""
+    from peers_memory import ladder_peaks, step_peaks
 
     group = dist.group.WORLD
     model = build(kind)
@@ -350,7 +356,8 @@ def memory_job(rank: int, world: int, kind: str, side: str, budget: int | None) 
         step(model, make_ids(seq), side, state, group)
         model.zero_grad(set_to_none=True)
 
-    return {"rank": rank, "peaks": ladder_peaks(one, LADDER, budget, group)}
+    measure = step_peaks if per_step else ladder_peaks
+    return {"rank": rank, "peaks": measure(one, LADDER, budget, group)}
 
 
 def compare_keys(ranks: list[dict], kind: str, case: str) -> dict[str, Any]:
@@ -374,14 +381,20 @@ def compare_keys(ranks: list[dict], kind: str, case: str) -> dict[str, Any]:
     return out
 
 
-def memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, Any]:
+def memory_keys(
+    run_ranks: Any, max_seq_summary: Any, kind: str, per_step: bool = False
+) -> dict[str, Any]:
     """Peak memory at the ladder's first S, and the longest S of every side under one budget:
-    the public code's dense path (all-gather, HF's ops) at that S, every side at cp 4."""
+    the public code's dense path (all-gather, HF's ops) at that S, every side at cp 4.
+    ``per_step``: each step measured alone (``step_peaks``), every key ending ``_per_step``."""
     first = LADDER[0]
-    peaks = {"allgather_hf_ops": run_ranks(4, memory_job, kind, "allgather_hf_ops", None)}
+    job = (memory_job, kind)
+    peaks = {"allgather_hf_ops": run_ranks(4, *job, "allgather_hf_ops", None, per_step)}
+    if peaks["allgather_hf_ops"][0]["peaks"] is None:
+        return {f"dsa_allgather_memory_note_{kind}": "VmHWM cannot be reset here"}
     budget = peaks["allgather_hf_ops"][0]["peaks"][first]
     for side in ("allgather", "ours", "ours_regather", "ours_smallop"):
-        peaks[side] = run_ranks(4, memory_job, kind, side, budget, timeout=7200)
+        peaks[side] = run_ranks(4, *job, side, budget, per_step, timeout=7200)
     peaks = {s: r[0]["peaks"] for s, r in peaks.items()}
     out: dict[str, Any] = {f"dsa_allgather_peak_mem_seq_{kind}": first}
     for side in ("allgather", "allgather_hf_ops"):
@@ -390,14 +403,15 @@ def memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, An
         out[f"dsa_allgather_peak_mem_over_{side}_{kind}"] = (
             peaks["allgather"][first] / peaks[side][first]
         )
-    why = f"the all-gather with HF's dense ops: its busiest rank's step at S={first}"
+    how = "each step alone (step_peaks)" if per_step else "ru_maxrss growth (ladder_peaks)"
+    why = f"the all-gather with HF's dense ops: its busiest rank's step at S={first}; {how}"
     for peer in ("allgather", "allgather_hf_ops"):
         for side in ("ours", "ours_regather", "ours_smallop"):
             summary = max_seq_summary(
                 f"dsa_{peer}_{kind}", peaks[peer], peaks[side], budget=budget, budget_is=why
             )
             out.update(_renamed(summary, side) if side != "ours" else summary)
-    return out
+    return {f"{k}_per_step": v for k, v in out.items()} if per_step else out
 
 
 def _renamed(summary: dict[str, Any], side: str) -> dict[str, Any]:
@@ -414,7 +428,7 @@ def main() -> None:
     from peers_memory import max_seq_summary
 
     out: dict[str, Any] = {}
-    parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory").split(",")
+    parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory,memory_step").split(",")
     for kind in MODELS:
         for cp in (2, 4) if "compare" in parts else ():
             ranks = run_ranks(cp, compare_job, kind, False, timeout=3600)
@@ -424,6 +438,8 @@ def main() -> None:
             out.update(compare_keys(ranks, kind, "cp4_packed"))
         if "memory" in parts:
             out.update(memory_keys(run_ranks, max_seq_summary, kind))
+        if "memory_step" in parts:
+            out.update(memory_keys(run_ranks, max_seq_summary, kind, per_step=True))
     out["dsa_allgather_bench_setup"] = (
         "transformers 5.23 DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM, 3 layers (GLM-5: "
         "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "

@@ -8,10 +8,18 @@ rank's value. The budget is the peer's own peak at the ladder's first S; each si
 the ladder until its busiest rank goes over the budget (the step after that is not run),
 so both longest S are measured, not assumed. If hp_cp is still within the budget at the
 top of the ladder, its longest S is a lower bound and the summary says so.
+
+:func:`step_peaks` measures each step alone instead (the method of
+``hp_cp_torch.bench.memory``): after one warm-up step at the ladder's first S, before each
+step the allocator returns its free memory to the system (``malloc_trim``) and the resident
+high-water mark is reset (``/proc/self/clear_refs``), so ``VmHWM - VmRSS`` before the step is
+that step's peak extra resident memory, without the one-time costs of a process's first step
+(thread pools, communicator buffers, plan caches) that ``ru_maxrss`` keeps in every later S.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import resource
 from collections.abc import Callable, Sequence
@@ -38,6 +46,42 @@ def ladder_peaks(
         step(seq)
         gc.collect()
         grown = torch.tensor([_rss_bytes() - base], dtype=torch.int64)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX, group=group)
+        peaks[seq] = int(grown)
+        budget = peaks[seq] if budget is None else budget
+        if peaks[seq] > budget:
+            break
+    return peaks
+
+
+def _trim_heap() -> None:
+    """Hand the C allocator's free memory back to the system (glibc; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def step_peaks(
+    step: Callable[[int], Any], ladder: Sequence[int], budget: int | None, group: Any = None
+) -> dict[int, int] | None:
+    """Like :func:`ladder_peaks`, each step measured alone (see the module docstring): the
+    busiest rank's peak extra resident bytes of the step at every S tried. ``None`` where the
+    high-water mark cannot be reset (no number rather than a different one)."""
+    from hp_cp_torch.bench.memory import reset_peak, status_bytes
+
+    step(ladder[0])  # warm-up: the process's one-time costs
+    peaks: dict[int, int] = {}
+    for seq in ladder:
+        gc.collect()
+        _trim_heap()
+        ok = torch.tensor([int(reset_peak())], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if not int(ok):
+            return None
+        before = status_bytes("VmRSS")
+        step(seq)
+        grown = torch.tensor([status_bytes("VmHWM") - before], dtype=torch.int64)
         dist.all_reduce(grown, op=dist.ReduceOp.MAX, group=group)
         peaks[seq] = int(grown)
         budget = peaks[seq] if budget is None else budget

@@ -448,3 +448,33 @@ def test_device_hotpath_script_parses_its_arguments():
     assert args.dry_run and args.steps == 1 and args.seq == 256
     assert mod.parse_args([]).out == "bench/device/hotpath.json"
     assert set(mod.PARTS) == {"hf", "csa_triton"}
+
+
+def test_step_peaks_measures_each_step_alone(monkeypatch):
+    """bench/peers_memory.py's per-step method: a warm-up step first, then each step's own
+    peak (a step's freed memory does not count in the next), stopping past the budget."""
+    import os
+    import sys
+
+    import torch
+
+    from hp_cp_torch.bench.memory import reset_peak
+
+    if not reset_peak():
+        pytest.skip("VmHWM cannot be reset here")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    try:
+        import peers_memory
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(peers_memory.dist, "all_reduce", lambda *a, **k: None)
+    mib, ran = 1 << 20, []
+
+    def step(n: int) -> None:
+        ran.append(n)
+        torch.ones(n * mib // 4).sum()  # n MiB, touched, freed at return
+
+    peaks = peers_memory.step_peaks(step, [32, 8, 64, 16], None, None)
+    assert ran == [32, 32, 8, 64]  # warm-up, then until the first S over the budget (S = 32's)
+    for n in (32, 8, 64):  # each step's own buffer, within a few pages
+        assert (n - 2) * mib <= peaks[n] < (n + 24) * mib

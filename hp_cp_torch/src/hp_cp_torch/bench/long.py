@@ -64,14 +64,6 @@ LONG_KINDS = (0, 4, 128)
 """The stacked layers: sliding window, CSA (indexer loss on, training mode), HCA."""
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no {field} in /proc/self/status")
-
-
 def _model(kinds: tuple[int, ...]) -> Any:
     import dataclasses
 
@@ -105,6 +97,7 @@ def _step_worker(
     import torch.distributed as dist
 
     from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_torch.bench.memory import reset_peak, status_bytes
 
     torch.set_num_threads(1)
     model = _model(kinds)
@@ -117,18 +110,15 @@ def _step_worker(
     gl = handle.shard(g, 1).clone()
     del x, g
     gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-    except OSError:
+    if not reset_peak():  # VmHWM := VmRSS
         return {"peak": None}
-    before = _status_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     t0 = time.perf_counter()
     out = model(xl)
     loss = (out.float() * gl).sum()
     loss.backward()
     seconds = time.perf_counter() - t0
-    peak = _status_bytes("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     stats = handle.stats()
     res: dict[str, Any] = {
         "peak": peak,

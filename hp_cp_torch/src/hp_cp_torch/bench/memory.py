@@ -37,7 +37,13 @@ import math
 import os
 from typing import Any
 
-__all__ = ["HF_MEM_CONFIG", "hf_cp_scaling_measures", "hf_memory_measures"]
+__all__ = [
+    "HF_MEM_CONFIG",
+    "hf_cp_scaling_measures",
+    "hf_memory_measures",
+    "reset_peak",
+    "status_bytes",
+]
 
 HF_MEM_CONFIG: dict[str, Any] = dict(
     vocab_size=2048,
@@ -59,15 +65,18 @@ HF_MEM_CONFIG: dict[str, Any] = dict(
 HCA r = 128), W = 128, top-k 64."""
 
 
-def _status_kib(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """This process's ``/proc/self/status`` field (``VmRSS``, ``VmHWM``, ...) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) * 1024
     raise OSError(f"no {field} in /proc/self/status")
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
+    """Reset this process's resident high-water mark (``VmHWM := VmRSS``); ``False`` where
+    the system does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -95,15 +104,15 @@ def _step_peak_worker(rank: int, world: int, seq: int, cp: int) -> int | None:
         labels = cp_shift_labels(ids)
         n_tok = (labels != -100).sum()
         ids, pos, labels = (handle.shard(t, 1) for t in (ids, pos, labels))
-    if not _reset_peak():
+    if not reset_peak():
         return None
-    before = _status_kib("VmRSS")
+    before = status_bytes("VmRSS")
     if cp > 1:
         out = model(input_ids=ids, position_ids=pos, use_cache=False)
         cp_causal_lm_loss(out.logits, labels, n_tok).backward()
     else:
         model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
-    return (_status_kib("VmHWM") - before) * 1024
+    return status_bytes("VmHWM") - before
 
 
 def _machine_bytes() -> int:

@@ -220,17 +220,6 @@ def saved_bytes(kernel: str, *, local_rows: int, heads: int, cp: int, device: st
     return int(sum(seen.values()))
 
 
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def peak_memory_bytes(kernel: str, *, local_rows: int, heads: int, cp: int) -> int | None:
     """Peak resident-memory growth (bytes) of one CSA attention forward + backward on the
     CPU (Linux: the high-water mark is reset through ``/proc/self/clear_refs``); ``None``
@@ -238,21 +227,19 @@ def peak_memory_bytes(kernel: str, *, local_rows: int, heads: int, cp: int) -> i
     import gc
 
     from hp_cp_torch.attention import run_sparse_attention
+    from hp_cp_torch.bench.memory import reset_peak, status_bytes
 
     q, ori, cmp, plan, sel, sink = _attention_inputs(local_rows, heads, cp, "cpu")
     gc.collect()
+    if not reset_peak():  # VmHWM := VmRSS
+        return None
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
+        base = status_bytes("VmRSS")
+        out = run_sparse_attention(q, ori, cmp, plan, sel, sink, q.shape[-1] ** -0.5, kernel=kernel)
+        out.float().square().sum().backward()
+        return status_bytes("VmHWM") - base
     except OSError:
         return None
-    base = _proc_status_kib("VmRSS")
-    out = run_sparse_attention(q, ori, cmp, plan, sel, sink, q.shape[-1] ** -0.5, kernel=kernel)
-    out.float().square().sum().backward()
-    peak = _proc_status_kib("VmHWM")
-    if base is None or peak is None:
-        return None
-    return (peak - base) * 1024
 
 
 # ----------------------------------------------------------------------------- charts
