@@ -41,13 +41,24 @@ def ladder_peaks(
     (``None``: the first S's peak is the budget, the peer's case)."""
     gc.collect()
     base = _rss_bytes()
-    peaks: dict[int, int] = {}
-    for seq in ladder:
+
+    def grown(seq: int) -> int:
         step(seq)
         gc.collect()
-        grown = torch.tensor([_rss_bytes() - base], dtype=torch.int64)
-        dist.all_reduce(grown, op=dist.ReduceOp.MAX, group=group)
-        peaks[seq] = int(grown)
+        return _rss_bytes() - base
+
+    return _climb(grown, ladder, budget, group)
+
+
+def _climb(
+    grown: Callable[[int], int], ladder: Sequence[int], budget: int | None, group: Any
+) -> dict[int, int]:
+    """Up the ladder: the busiest rank's ``grown(seq)`` per S, until one is over ``budget``."""
+    peaks: dict[int, int] = {}
+    for seq in ladder:
+        busiest = torch.tensor([grown(seq)], dtype=torch.int64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=group)
+        peaks[seq] = int(busiest)
         budget = peaks[seq] if budget is None else budget
         if peaks[seq] > budget:
             break
@@ -70,24 +81,21 @@ def step_peaks(
     high-water mark cannot be reset (no number rather than a different one)."""
     from hp_cp_torch.bench.memory import reset_peak, status_bytes
 
+    allowed = torch.tensor([int(reset_peak())], dtype=torch.int64)
+    dist.all_reduce(allowed, op=dist.ReduceOp.MIN, group=group)
+    if not int(allowed):
+        return None
     step(ladder[0])  # warm-up: the process's one-time costs
-    peaks: dict[int, int] = {}
-    for seq in ladder:
+
+    def grown(seq: int) -> int:
         gc.collect()
         _trim_heap()
-        ok = torch.tensor([int(reset_peak())], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if not int(ok):
-            return None
+        reset_peak()
         before = status_bytes("VmRSS")
         step(seq)
-        grown = torch.tensor([status_bytes("VmHWM") - before], dtype=torch.int64)
-        dist.all_reduce(grown, op=dist.ReduceOp.MAX, group=group)
-        peaks[seq] = int(grown)
-        budget = peaks[seq] if budget is None else budget
-        if peaks[seq] > budget:
-            break
-    return peaks
+        return status_bytes("VmHWM") - before
+
+    return _climb(grown, ladder, budget, group)
 
 
 def max_seq_summary(
