@@ -23,10 +23,14 @@ under the baseline's budget at cp 4, by real training steps: bench/peers_memory.
 Writes the ``dsa_allgather_*`` keys of ``bench-peers.json``.
 
     OMP_NUM_THREADS=1 python bench/peers_dsa.py
-    HP_CP_PEERS_PARTS=compare,memory,memory_step  HP_CP_PEERS_SEQ=2048  HP_CP_PEERS_ROUNDS=3
+    HP_CP_PEERS_PARTS=compare,memory,memory_step,memory_live  HP_CP_PEERS_SEQ=2048
+    HP_CP_PEERS_ROUNDS=3
 
-``memory_step`` measures the same ladder with each step alone (``step_peaks``: a warm-up
-step first, the high-water mark reset before every step), keys ending ``_per_step``.
+Memory three ways (bench/peers_memory.py), every side, the same ladder: ``memory`` the
+resident growth since the first step (``ladder_peaks``), ``memory_step`` each step's own
+resident peak (``step_peaks``, keys ending ``_per_step``), ``memory_live`` each step's peak of
+live tensor bytes (``live_peaks``, keys ending ``_live``: what a GPU's
+``max_memory_allocated`` reports, without the allocator's and the system's noise).
 """
 
 from __future__ import annotations
@@ -340,12 +344,21 @@ def compare_job(rank: int, world: int, kind: str, packed: bool) -> dict[str, Any
     }
 
 
+MEMORY_METHODS = {
+    "memory": ("", "ladder_peaks", "the resident growth since the first step"),
+    "memory_step": ("_per_step", "step_peaks", "each step's own resident peak"),
+    "memory_live": ("_live", "live_peaks", "each step's live-tensor peak"),
+}
+"""The memory parts (``HP_CP_PEERS_PARTS``): their keys' suffix, the measure of
+bench/peers_memory.py, what it is."""
+
+
 def memory_job(
-    rank: int, world: int, kind: str, side: str, budget: int | None, per_step: bool = False
+    rank: int, world: int, kind: str, side: str, budget: int | None, method: str = "memory"
 ) -> dict:
-    """One side's busiest-rank peak memory per S of the ladder (bench/peers_memory.py:
-    ``ladder_peaks``, or ``step_peaks`` when ``per_step``)."""
-    from peers_memory import ladder_peaks, step_peaks
+    """One side's busiest-rank peak memory per S of the ladder, by ``method`` (a key of
+    :data:`MEMORY_METHODS`)."""
+    import peers_memory
 
     group = dist.group.WORLD
     model = build(kind)
@@ -356,8 +369,8 @@ def memory_job(
         step(model, make_ids(seq), side, state, group)
         model.zero_grad(set_to_none=True)
 
-    measure = step_peaks if per_step else ladder_peaks
-    return {"rank": rank, "peaks": measure(one, LADDER, budget, group)}
+    peaks = getattr(peers_memory, MEMORY_METHODS[method][1])(one, LADDER, budget, group)
+    return {"rank": rank, "peaks": peaks}
 
 
 def compare_keys(ranks: list[dict], kind: str, case: str) -> dict[str, Any]:
@@ -382,19 +395,20 @@ def compare_keys(ranks: list[dict], kind: str, case: str) -> dict[str, Any]:
 
 
 def memory_keys(
-    run_ranks: Any, max_seq_summary: Any, kind: str, per_step: bool = False
+    run_ranks: Any, max_seq_summary: Any, kind: str, method: str = "memory"
 ) -> dict[str, Any]:
     """Peak memory at the ladder's first S, and the longest S of every side under one budget:
-    the public code's dense path (all-gather, HF's ops) at that S, every side at cp 4.
-    ``per_step``: each step measured alone (``step_peaks``), every key ending ``_per_step``."""
+    the public code's dense path (all-gather, HF's ops) at that S, every side at cp 4, by
+    ``method`` (:data:`MEMORY_METHODS`: every key ends with its suffix)."""
     first = LADDER[0]
     job = (memory_job, kind)
-    peaks = {"allgather_hf_ops": run_ranks(4, *job, "allgather_hf_ops", None, per_step)}
+    peaks = {"allgather_hf_ops": run_ranks(4, *job, "allgather_hf_ops", None, method)}
     if peaks["allgather_hf_ops"][0]["peaks"] is None:
-        return {f"dsa_allgather_memory_note_{kind}": "VmHWM cannot be reset here"}
+        note = "VmHWM cannot be reset here"
+        return {f"dsa_allgather_memory_note_{kind}{MEMORY_METHODS[method][0]}": note}
     budget = peaks["allgather_hf_ops"][0]["peaks"][first]
     for side in ("allgather", "ours", "ours_regather", "ours_smallop"):
-        peaks[side] = run_ranks(4, *job, side, budget, per_step, timeout=7200)
+        peaks[side] = run_ranks(4, *job, side, budget, method, timeout=7200)
     peaks = {s: r[0]["peaks"] for s, r in peaks.items()}
     out: dict[str, Any] = {f"dsa_allgather_peak_mem_seq_{kind}": first}
     for side in ("allgather", "allgather_hf_ops"):
@@ -403,15 +417,16 @@ def memory_keys(
         out[f"dsa_allgather_peak_mem_over_{side}_{kind}"] = (
             peaks["allgather"][first] / peaks[side][first]
         )
-    how = "each step alone (step_peaks)" if per_step else "ru_maxrss growth (ladder_peaks)"
+    suffix, measure, how = MEMORY_METHODS[method]
     why = f"the all-gather with HF's dense ops: its busiest rank's step at S={first}; {how}"
+    why += f" ({measure})"
     for peer in ("allgather", "allgather_hf_ops"):
         for side in ("ours", "ours_regather", "ours_smallop"):
             summary = max_seq_summary(
                 f"dsa_{peer}_{kind}", peaks[peer], peaks[side], budget=budget, budget_is=why
             )
             out.update(_renamed(summary, side) if side != "ours" else summary)
-    return {f"{k}_per_step": v for k, v in out.items()} if per_step else out
+    return {k + suffix: v for k, v in out.items()}
 
 
 def _renamed(summary: dict[str, Any], side: str) -> dict[str, Any]:
@@ -428,7 +443,7 @@ def main() -> None:
     from peers_memory import max_seq_summary
 
     out: dict[str, Any] = {}
-    parts = os.environ.get("HP_CP_PEERS_PARTS", "compare,memory,memory_step").split(",")
+    parts = os.environ.get("HP_CP_PEERS_PARTS", ",".join(["compare", *MEMORY_METHODS])).split(",")
     for kind in MODELS:
         for cp in (2, 4) if "compare" in parts else ():
             ranks = run_ranks(cp, compare_job, kind, False, timeout=3600)
@@ -436,10 +451,9 @@ def main() -> None:
         if "compare" in parts:  # packed documents, cp 4
             ranks = run_ranks(4, compare_job, kind, True, timeout=3600)
             out.update(compare_keys(ranks, kind, "cp4_packed"))
-        if "memory" in parts:
-            out.update(memory_keys(run_ranks, max_seq_summary, kind))
-        if "memory_step" in parts:
-            out.update(memory_keys(run_ranks, max_seq_summary, kind, per_step=True))
+        for method in MEMORY_METHODS:
+            if method in parts:
+                out.update(memory_keys(run_ranks, max_seq_summary, kind, method))
     out["dsa_allgather_bench_setup"] = (
         "transformers 5.23 DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM, 3 layers (GLM-5: "
         "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "

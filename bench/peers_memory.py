@@ -15,6 +15,12 @@ step the allocator returns its free memory to the system (``malloc_trim``) and t
 high-water mark is reset (``/proc/self/clear_refs``), so ``VmHWM - VmRSS`` before the step is
 that step's peak extra resident memory, without the one-time costs of a process's first step
 (thread pools, communicator buffers, plan caches) that ``ru_maxrss`` keeps in every later S.
+
+:func:`live_peaks` counts tensors, not pages: the most bytes of tensors alive at once during
+the step, from the allocations and frees torch's profiler records (``profile_memory``), what
+``torch.cuda.max_memory_allocated`` reports on a GPU. The allocator's caching, fragmentation
+and the system's paging, which move a CPU step's resident peak by 10-20% from one step to the
+next, do not enter it; communicator buffers outside torch's allocator do not either.
 """
 
 from __future__ import annotations
@@ -96,6 +102,29 @@ def step_peaks(
         return status_bytes("VmHWM") - before
 
     return _climb(grown, ladder, budget, group)
+
+
+def _live_tensor_peak(step: Callable[[int], Any], seq: int) -> int:
+    """The most bytes of tensors alive at once during ``step(seq)`` (profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(seq)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def live_peaks(
+    step: Callable[[int], Any], ladder: Sequence[int], budget: int | None, group: Any = None
+) -> dict[int, int]:
+    """Like :func:`ladder_peaks`, the busiest rank's live-tensor peak of each step (see the
+    module docstring), after one warm-up step at the ladder's first S."""
+    step(ladder[0])
+    return _climb(lambda seq: _live_tensor_peak(step, seq), ladder, budget, group)
 
 
 def max_seq_summary(
