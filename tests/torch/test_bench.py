@@ -450,31 +450,51 @@ def test_device_hotpath_script_parses_its_arguments():
     assert set(mod.PARTS) == {"hf", "csa_triton"}
 
 
-def test_step_peaks_measures_each_step_alone(monkeypatch):
-    """bench/peers_memory.py's per-step method: a warm-up step first, then each step's own
-    peak (a step's freed memory does not count in the next), stopping past the budget."""
+def _peers_memory(monkeypatch):
+    """bench/peers_memory.py, its collectives made local (one rank)."""
     import os
     import sys
 
-    import torch
-
-    from hp_cp_torch.bench.memory import reset_peak
-
-    if not reset_peak():
-        pytest.skip("VmHWM cannot be reset here")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     try:
         import peers_memory
     finally:
         sys.path.pop(0)
     monkeypatch.setattr(peers_memory.dist, "all_reduce", lambda *a, **k: None)
-    mib, ran = 1 << 20, []
+    return peers_memory
 
-    def step(n: int) -> None:
+
+def _allocating_step(ran: list[int]):
+    import torch
+
+    def step(n: int) -> None:  # n MiB, touched, freed at return; then 1 MiB
         ran.append(n)
-        torch.ones(n * mib // 4).sum()  # n MiB, touched, freed at return
+        torch.ones(n * (1 << 20) // 4).sum()
+        torch.ones(1 << 18).sum()
 
-    peaks = peers_memory.step_peaks(step, [32, 8, 64, 16], None, None)
+    return step
+
+
+def test_step_peaks_measures_each_step_alone(monkeypatch):
+    """bench/peers_memory.py's per-step resident method: a warm-up step first, then each
+    step's own peak, stopping past the budget."""
+    from hp_cp_torch.bench.memory import reset_peak
+
+    if not reset_peak():
+        pytest.skip("VmHWM cannot be reset here")
+    peers_memory, mib, ran = _peers_memory(monkeypatch), 1 << 20, []
+    peaks = peers_memory.step_peaks(_allocating_step(ran), [32, 8, 64, 16], None, None)
     assert ran == [32, 32, 8, 64]  # warm-up, then until the first S over the budget (S = 32's)
     for n in (32, 8, 64):  # each step's own buffer, within a few pages
         assert (n - 2) * mib <= peaks[n] < (n + 24) * mib
+
+
+def test_live_peaks_counts_the_most_tensor_bytes_alive_at_once(monkeypatch):
+    """bench/peers_memory.py's live-tensor method: exactly the largest buffer alive at once
+    (the 1 MiB one comes after it is freed), nothing of the previous steps."""
+    peers_memory, mib, ran = _peers_memory(monkeypatch), 1 << 20, []
+    peaks = peers_memory.live_peaks(_allocating_step(ran), [32, 8, 64, 16], None, None)
+    assert ran == [32, 32, 8, 64]
+    assert sorted(peaks) == [8, 32, 64]
+    for n, peak in peaks.items():  # the buffer and sum()'s scalars
+        assert n * mib <= peak <= n * mib + 64
