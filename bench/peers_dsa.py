@@ -23,7 +23,7 @@ under the baseline's budget at cp 4, by real training steps: bench/peers_memory.
 Writes the ``dsa_allgather_*`` keys of ``bench-peers.json``.
 
     OMP_NUM_THREADS=1 python bench/peers_dsa.py
-    HP_CP_PEERS_PARTS=compare,memory,memory_step,memory_live  HP_CP_PEERS_SEQ=2048
+    HP_CP_PEERS_PARTS=compare,memory,memory_step,memory_live,memory_wide  HP_CP_PEERS_SEQ=2048
     HP_CP_PEERS_ROUNDS=3
 
 Memory three ways (bench/peers_memory.py), every side, the same ladder: ``memory`` the
@@ -31,6 +31,9 @@ resident growth since the first step (``ladder_peaks``), ``memory_step`` each st
 resident peak (``step_peaks``, keys ending ``_per_step``), ``memory_live`` each step's peak of
 live tensor bytes (``live_peaks``, keys ending ``_live``: what a GPU's
 ``max_memory_allocated`` reports, without the allocator's and the system's noise).
+``memory_wide`` (keys ending ``_live_wide``) measures live peaks again at the family's real
+attention widths (:data:`WIDE_CONFIG`), the headline baseline against hp_cp by default and
+with ``regather_compressed_kv``.
 """
 
 from __future__ import annotations
@@ -81,6 +84,18 @@ BENCH_CONFIG: dict[str, Any] = dict(
 )
 """The tests' tiny models (tests/torch/dsa_cases.py: 3 layers, GLM-5 one full indexer layer
 and two sharing its top-k) at bench dims: 8 heads, latent 64 + 16, top-k 64."""
+
+WIDE_CONFIG: dict[str, Any] = dict(
+    num_hidden_layers=8, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128
+)
+"""The part ``memory_wide``: the family's real MLA and indexer widths (latent 512 + 64, index
+heads of 128) and 8 layers (GLM-5: two groups of one full indexer layer and three sharing it),
+so the state each layer keeps for backward weighs against the transients as in the real
+models; at :data:`BENCH_CONFIG`'s widths one chunk's indexer scores, the same on every side,
+make most of every rank's peak."""
+
+WIDE_LADDER = list(range(4096, 8193, 512))
+"""``memory_wide``'s ladder: the budget is the headline baseline's peak at its first S."""
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -204,10 +219,16 @@ def _hf_attention(m, q_pass, q_rot, latent, topk, hidden) -> torch.Tensor:
     return torch.matmul(w, values)
 
 
-def build(kind: str) -> Any:
+def build(kind: str, wide: bool = False) -> Any:
+    """The bench model; ``wide``: at :data:`WIDE_CONFIG`."""
     import dsa_cases
 
-    return dsa_cases.build_dsa_model(kind, 0, **BENCH_CONFIG)
+    config = dict(BENCH_CONFIG)
+    if wide:
+        config.update(WIDE_CONFIG)
+        if kind == "glm_moe_dsa":
+            config["indexer_types"] = ["full", "shared", "shared", "shared"] * 2
+    return dsa_cases.build_dsa_model(kind, 0, **config)
 
 
 def make_ids(seq: int) -> torch.Tensor:
@@ -354,14 +375,20 @@ bench/peers_memory.py, what it is."""
 
 
 def memory_job(
-    rank: int, world: int, kind: str, side: str, budget: int | None, method: str = "memory"
+    rank: int,
+    world: int,
+    kind: str,
+    side: str,
+    budget: int | None,
+    method: str = "memory",
+    wide: bool = False,
 ) -> dict:
     """One side's busiest-rank peak memory per S of the ladder, by ``method`` (a key of
-    :data:`MEMORY_METHODS`)."""
+    :data:`MEMORY_METHODS`); ``wide``: the model at :data:`WIDE_CONFIG`, :data:`WIDE_LADDER`."""
     import peers_memory
 
     group = dist.group.WORLD
-    model = build(kind)
+    model = build(kind, wide)
     state = _install(model, side, group)
 
     def one(seq: int) -> None:
@@ -369,7 +396,8 @@ def memory_job(
         step(model, make_ids(seq), side, state, group)
         model.zero_grad(set_to_none=True)
 
-    peaks = getattr(peers_memory, MEMORY_METHODS[method][1])(one, LADDER, budget, group)
+    ladder = WIDE_LADDER if wide else LADDER
+    peaks = getattr(peers_memory, MEMORY_METHODS[method][1])(one, ladder, budget, group)
     return {"rank": rank, "peaks": peaks}
 
 
@@ -429,6 +457,32 @@ def memory_keys(
     return {k + suffix: v for k, v in out.items()}
 
 
+def wide_memory_keys(run_ranks: Any, max_seq_summary: Any, kind: str) -> dict[str, Any]:
+    """``memory_wide``: live-tensor peaks at :data:`WIDE_CONFIG`, the headline baseline against
+    hp_cp as configured by default and with ``regather_compressed_kv``; the budget is the
+    baseline's own peak at :data:`WIDE_LADDER`'s first S (keys end ``_live_wide``)."""
+    job = (memory_job, kind)
+    peaks = {"allgather": run_ranks(4, *job, "allgather", None, "memory_live", True)}
+    first = WIDE_LADDER[0]
+    budget = peaks["allgather"][0]["peaks"][first]
+    for side in ("ours", "ours_regather"):
+        peaks[side] = run_ranks(4, *job, side, budget, "memory_live", True, timeout=7200)
+    peaks = {s: r[0]["peaks"] for s, r in peaks.items()}
+    out: dict[str, Any] = {f"dsa_allgather_peak_mem_seq_{kind}": first}
+    out[f"dsa_allgather_peak_mem_over_ours_{kind}"] = (
+        peaks["allgather"][first] / peaks["ours"][first]
+    )
+    regather = peaks["ours_regather"][first]
+    out[f"dsa_allgather_peak_mem_over_ours_regather_{kind}"] = peaks["allgather"][first] / regather
+    why = f"the all-gather's busiest rank's live-tensor peak of a step at S={first} (live_peaks)"
+    for side in ("ours", "ours_regather"):
+        summary = max_seq_summary(
+            f"dsa_allgather_{kind}", peaks["allgather"], peaks[side], budget=budget, budget_is=why
+        )
+        out.update(_renamed(summary, side) if side != "ours" else summary)
+    return {k + "_live_wide": v for k, v in out.items()}
+
+
 def _renamed(summary: dict[str, Any], side: str) -> dict[str, Any]:
     """``max_seq_summary``'s keys for another of our sides (``ours_`` -> ``<side>_``)."""
     out = {}
@@ -443,7 +497,8 @@ def main() -> None:
     from peers_memory import max_seq_summary
 
     out: dict[str, Any] = {}
-    parts = os.environ.get("HP_CP_PEERS_PARTS", ",".join(["compare", *MEMORY_METHODS])).split(",")
+    every = ["compare", *MEMORY_METHODS, "memory_wide"]
+    parts = os.environ.get("HP_CP_PEERS_PARTS", ",".join(every)).split(",")
     for kind in MODELS:
         for cp in (2, 4) if "compare" in parts else ():
             ranks = run_ranks(cp, compare_job, kind, False, timeout=3600)
@@ -454,6 +509,8 @@ def main() -> None:
         for method in MEMORY_METHODS:
             if method in parts:
                 out.update(memory_keys(run_ranks, max_seq_summary, kind, method))
+        if "memory_wide" in parts:
+            out.update(wide_memory_keys(run_ranks, max_seq_summary, kind))
     out["dsa_allgather_bench_setup"] = (
         "transformers 5.23 DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM, 3 layers (GLM-5: "
         "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "
@@ -463,7 +520,9 @@ def main() -> None:
         "headline baseline: all-gather with hp_cp's indexer and attention code and chunk rules "
         "(latent); hf_ops: all-gather with HF's dense ops; ours_regather: hp_cp with "
         "regather_compressed_kv=True; ours_smallop: hp_cp with attention_kernel='smallop' "
-        "(transformers' op order)"
+        "(transformers' op order); memory_wide (keys ending _live_wide): live-tensor peaks "
+        f"with {WIDE_CONFIG} (GLM-5: 2 x one full indexer layer and three sharing it), "
+        f"ladder {WIDE_LADDER}, budget the all-gather's peak at its first S"
     )
     path = os.path.join(ROOT, "bench-peers.json")
     data = json.load(open(path)) if os.path.exists(path) else {}

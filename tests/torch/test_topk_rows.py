@@ -7,6 +7,8 @@ token)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +111,39 @@ def test_picks_equal_torch_topk_on_the_one_process_row(
             assert {int(i) for i in got[0, q] if i >= 0} == want, (rank, q, int(g))
             differs_from_lower_index += {int(i) for i in plain[0, q] if i >= 0} != want
     assert differs_from_lower_index > 0  # the ties really decide picks here
+
+
+def _live_peak(fn: Any) -> int:
+    """The most bytes of tensors alive at once during ``fn()`` (the profiler's allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_each_chunk_is_scored_with_no_earlier_chunk_alive() -> None:
+    """The busiest rank's peak is one chunk's scoring (per-head scores, then their sum): no
+    earlier chunk's masked scores stay alive through it (they did: a fifth more). The
+    one-process row, as every integration picks; hp_cp's own top-k peaks in its int64 keys."""
+    plan = build_rank_plan(
+        rank=0, cp_size=1, spec=SPECS[1], layout_kind="contiguous", total_rows=2048
+    )
+    cells = []
+
+    def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+        cells.append((hi - lo) * (s1 - s0))
+        return torch.rand(4, 1, hi - lo, s1 - s0).sum(0)  # four heads' scores, summed
+
+    def select() -> None:
+        select_topk_chunked(score, plan, TOPK, 256, batch=1, one_process_row="stream")
+
+    peak = _live_peak(select)
+    scoring = 5 * 4 * max(cells)  # the last chunk's four heads and their sum, fp32
+    assert len(cells) == 8
+    assert peak < scoring * 1.05, (peak, scoring)

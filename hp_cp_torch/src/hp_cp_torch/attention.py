@@ -180,24 +180,39 @@ def select_topk_chunked(
     out = None
     rows = columns.score_chunk_rows(query_chunk, SCORE_CHUNK_CELLS)
     for chunk in columns.score_chunks(rows):
-        scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
-        if out is None:
-            shape = (scores.shape[0], plan.n_local, topk)
-            out = torch.full(shape, -1, dtype=torch.long, device=scores.device)
-        visible = torch.as_tensor(chunk.visible, device=scores.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        rows_of = None
         if one_process_row is not None:
-            frames = columns.topk_rows(
+            rows_of = columns.topk_rows(
                 chunk.lo, chunk.hi, sequence_rows, packed_row=one_process_row, cu_seqlens=cu_seqlens
             )
-            for row in frames:
-                _topk_as_one_process(scores, chunk, row, topk, out)
-            continue
-        values, ids = deterministic_topk(scores, chunk.keep(topk))
-        picks = torch.where(torch.isneginf(values), -1, ids + chunk.slot_start)
-        out[:, chunk.lo : chunk.hi, : picks.shape[-1]] = picks
+        out = _pick_chunk(score_fn, chunk, rows_of, topk, plan.n_local, out)
     if out is None:
         out = torch.full((1 if batch is None else batch, plan.n_local, topk), -1, dtype=torch.long)
+    return out
+
+
+def _pick_chunk(
+    score_fn: Any, chunk: Any, rows_of: Any, topk: int, n_local: int, out: Any
+) -> torch.Tensor:
+    """Score one chunk, mask its invisible slots and write its picks into ``out`` (made here,
+    ``[B, n_local, topk]`` of ``-1``, when ``None``): hp_cp's top-k, or, with ``rows_of`` (the
+    one-process rows of its queries), ``torch.topk`` as one process does. Every temporary
+    dies on return, before the next chunk is scored: a chunk's scoring is the busiest rank's
+    peak, and a previous chunk's scores alive through it would add a third to it."""
+    scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
+    if out is None:
+        shape = (scores.shape[0], n_local, topk)
+        out = torch.full(shape, -1, dtype=torch.long, device=scores.device)
+    visible = torch.as_tensor(chunk.visible, device=scores.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    del visible
+    if rows_of is not None:
+        for row in rows_of:
+            _topk_as_one_process(scores, chunk, row, topk, out)
+        return out
+    values, ids = deterministic_topk(scores, chunk.keep(topk))
+    picks = torch.where(torch.isneginf(values), -1, ids + chunk.slot_start)
+    out[:, chunk.lo : chunk.hi, : picks.shape[-1]] = picks
     return out
 
 
