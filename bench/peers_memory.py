@@ -104,27 +104,15 @@ def step_peaks(
     return _climb(grown, ladder, budget, group)
 
 
-def _live_tensor_peak(step: Callable[[int], Any], seq: int) -> int:
-    """The most bytes of tensors alive at once during ``step(seq)`` (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(seq)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def live_peaks(
     step: Callable[[int], Any], ladder: Sequence[int], budget: int | None, group: Any = None
 ) -> dict[int, int]:
     """Like :func:`ladder_peaks`, the busiest rank's live-tensor peak of each step (see the
     module docstring), after one warm-up step at the ladder's first S."""
+    from hp_cp_torch.bench.memory import live_tensor_peak
+
     step(ladder[0])
-    return _climb(lambda seq: _live_tensor_peak(step, seq), ladder, budget, group)
+    return _climb(lambda seq: live_tensor_peak(lambda: step(seq)), ladder, budget, group)
 
 
 def max_seq_summary(

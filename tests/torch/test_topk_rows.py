@@ -7,8 +7,6 @@ token)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch
 from hp_cp_core import LayerSpec
 from hp_cp_core.plan import build_rank_plan
 from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.bench.memory import live_tensor_peak
 
 TOPK = 6
 SPECS = {
@@ -113,20 +112,6 @@ def test_picks_equal_torch_topk_on_the_one_process_row(
     assert differs_from_lower_index > 0  # the ties really decide picks here
 
 
-def _live_peak(fn: Any) -> int:
-    """The most bytes of tensors alive at once during ``fn()`` (the profiler's allocations)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def test_each_chunk_is_scored_with_no_earlier_chunk_alive() -> None:
     """The busiest rank's peak is one chunk's scoring (per-head scores, then their sum): no
     earlier chunk's masked scores stay alive through it (they did: a fifth more). The
@@ -143,7 +128,7 @@ def test_each_chunk_is_scored_with_no_earlier_chunk_alive() -> None:
     def select() -> None:
         select_topk_chunked(score, plan, TOPK, 256, batch=1, one_process_row="stream")
 
-    peak = _live_peak(select)
+    peak = live_tensor_peak(select)
     scoring = 5 * 4 * max(cells)  # the last chunk's four heads and their sum, fp32
     assert len(cells) == 8
     assert peak < scoring * 1.05, (peak, scoring)

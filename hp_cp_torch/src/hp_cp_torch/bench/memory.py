@@ -41,6 +41,7 @@ __all__ = [
     "HF_MEM_CONFIG",
     "hf_cp_scaling_measures",
     "hf_memory_measures",
+    "live_tensor_peak",
     "reset_peak",
     "status_bytes",
 ]
@@ -63,6 +64,23 @@ HF_MEM_CONFIG: dict[str, Any] = dict(
 )
 """Overrides of the demo's tiny config: hidden 1024, the three layer kinds (sliding, CSA r = 4,
 HCA r = 128), W = 128, top-k 64."""
+
+
+def live_tensor_peak(fn: Any) -> int:
+    """The most bytes of tensors alive at once while ``fn()`` runs, from the allocations and
+    frees torch's profiler records (``profile_memory``): on a CPU what
+    ``torch.cuda.max_memory_allocated`` reports on a GPU, without the allocator's caching or
+    the system's paging. A tensor made before the call and freed in it lowers the count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def status_bytes(field: str) -> int:
