@@ -70,7 +70,7 @@ def live_tensor_peak(fn: Any) -> int:
     """The most bytes of tensors alive at once while ``fn()`` runs, from the allocations and
     frees torch's profiler records (``profile_memory``): on a CPU what
     ``torch.cuda.max_memory_allocated`` reports on a GPU, without the allocator's caching or
-    the system's paging. A tensor made before the call and freed in it lowers the count."""
+    the system's paging. Tensors made before the call do not count, nor do their frees."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
