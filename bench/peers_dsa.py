@@ -516,7 +516,7 @@ def main() -> None:
         "one full indexer layer, two sharing its top-k), hidden 256, 8 heads, latent 64+16, "
         "4 indexer heads, top-k 64, fp32 eager, gloo CPU, one process per rank, "
         f"S={SEQ} (packed: documents {packed_documents(SEQ)}), median of {ROUNDS} "
-        f"interleaved rounds; memory: cp 4, ladder {LADDER}; "
+        f"interleaved rounds; memory: cp 4, ladder {LADDER} (each part's peaks name the S it ran); "
         "headline baseline: all-gather with hp_cp's indexer and attention code and chunk rules "
         "(latent); hf_ops: all-gather with HF's dense ops; ours_regather: hp_cp with "
         "regather_compressed_kv=True; ours_smallop: hp_cp with attention_kernel='smallop' "
