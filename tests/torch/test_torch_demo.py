@@ -102,3 +102,29 @@ def test_refusal_exit_status_from_the_command_line():
     )
     assert out.returncode == 2, out
     assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def _late_group(rank: int, world: int) -> int:
+    """Rank 0 returns at once; rank 1 makes a group of its own two seconds later, which needs
+    the store rank 0's process hosts."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0:
+        return 0
+    time.sleep(2)
+    group = dist.new_group([1], use_local_synchronization=True)
+    one = torch.ones(1)
+    dist.all_reduce(one, group=group)
+    return int(one.item())
+
+
+def test_a_rank_that_returns_early_keeps_the_store_up_for_the_rest():
+    from hp_cp_torch.cli.launch import run_ranks
+
+    assert run_ranks(2, _late_group, timeout=120) == [0, 1]

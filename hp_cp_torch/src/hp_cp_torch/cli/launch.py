@@ -36,14 +36,37 @@ def _worker(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    kwargs = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
-    dist.init_process_group("gloo", rank=rank, world_size=world, **kwargs)
+    timeout = (
+        dist.constants.default_pg_timeout
+        if pg_timeout is None
+        else datetime.timedelta(seconds=pg_timeout)
+    )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch.manual_seed(0)
     try:
         result: Any = ("ok", fn(rank, world, *args))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave(store, rank, world)
+
+
+FINISH_WAIT_S = 300.0
+"""How long rank 0, the store's host, waits at the end for the other ranks to finish."""
+
+
+def _leave(store: Any, rank: int, world: int) -> None:
+    """Tear down this rank's process group, rank 0 last. Rank 0's process hosts the store, and a
+    rank still making a group (a device mesh's, say) when a peer has already returned or raised
+    needs it: without the wait it fails with "Broken pipe" instead of its own result."""
+    try:
+        store.set(f"hp_cp_finished_{rank}", "1")
+        if rank == 0:
+            keys = [f"hp_cp_finished_{k}" for k in range(world)]
+            store.wait(keys, datetime.timedelta(seconds=FINISH_WAIT_S))
+    except Exception:  # noqa: BLE001 - a rank that died is reported by the parent
+        pass
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
