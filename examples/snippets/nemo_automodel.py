@@ -1,4 +1,6 @@
 # PYTHONSAFEPATH=1 TORCHDYNAMO_DISABLE=1 torchrun --nproc-per-node 2 <this file>
+import gc
+
 import torch
 import torch.distributed as dist
 from nemo_automodel.components.models.common import BackendConfig
@@ -35,4 +37,6 @@ cp_sum_gradients(model.parameters(), dist.group.WORLD)
 dist.all_reduce(total := loss.detach().clone())
 print(f"rank {dist.get_rank()}: loss {total.item():.4f}")
 dist.barrier()  # every rank done before any tears its process group down
+del model, handle, batch, loss  # all that holds the process group (CP state, graph),
+gc.collect()  # cycles too: its threads end in destroy_process_group, not at exit
 dist.destroy_process_group()
