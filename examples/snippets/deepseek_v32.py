@@ -1,4 +1,6 @@
 # OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 <this file>
+import gc
+
 import torch
 import torch.distributed as dist
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
@@ -41,4 +43,6 @@ assert abs(float(total) - ref) <= 1e-5 * abs(ref), (float(total), ref)
 if dist.get_rank() == 0:
     print(f"loss under CP {float(total):.6f} == one process {ref:.6f}")
 dist.barrier()  # every rank done before any tears its process group down
+del model, handle, batch, out, loss  # all that holds the process group (CP state, graph),
+gc.collect()  # cycles too: its threads end in destroy_process_group, not at exit
 dist.destroy_process_group()
