@@ -198,7 +198,7 @@ def _pick_chunk(
     ``[B, n_local, topk]`` of ``-1``, when ``None``): hp_cp's top-k, or, with ``rows_of`` (the
     one-process rows of its queries), ``torch.topk`` as one process does. Every temporary
     dies on return, before the next chunk is scored: a chunk's scoring is the busiest rank's
-    peak, and a previous chunk's scores alive through it would add a third to it."""
+    peak, and a previous chunk's masked scores alive through it add about a fifth."""
     scores = score_fn(chunk.lo, chunk.hi, chunk.slot_start, chunk.slot_stop).float()
     if out is None:
         shape = (scores.shape[0], n_local, topk)
