@@ -37,6 +37,8 @@ from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, row
 ADAPTER_ATTR = "_hp_cp_adapter"
 NEMO_LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
 NEMO_V41_ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
+NEMO_GLM_LAYERS = "nemo_automodel.components.models.glm_moe_dsa.layers"
+NEMO_V32_LAYERS = "nemo_automodel.components.models.deepseek_v32.layers"
 
 
 def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -426,6 +428,12 @@ def adapter_for(module: Any) -> Any:
         from hp_cp_torch.integrations.nemo_automodel_v41 import nemo_v41_adapter_for
 
         found = nemo_v41_adapter_for(module)
+        if found is not None:
+            return found
+    if NEMO_GLM_LAYERS in sys.modules or NEMO_V32_LAYERS in sys.modules:
+        from hp_cp_torch.integrations.nemo_automodel_dsa import nemo_dsa_adapter_for
+
+        found = nemo_dsa_adapter_for(module)
         if found is not None:
             return found
     if NEMO_LAYERS in sys.modules:

@@ -43,6 +43,7 @@ from hp_cp_core import (
 )
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.integrations.nemo_automodel_dsa import check_unpacked, enable_cp_dsa, is_dsa_model
 from hp_cp_torch.integrations.nemo_automodel_v41 import (
     enable_cp_v41,
     is_v41_model,
@@ -297,6 +298,8 @@ def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
     """
     if is_v41_model(model):  # DeepSeek V4.1 (CSA2): its own adapter, same one call
         return enable_cp_v41(model, mesh, config)
+    if is_dsa_model(model):  # GLM-5 (DSA): its own adapter, same one call
+        return enable_cp_dsa(model, mesh, config)
     layers = _attention_layers(model)
     if not layers:
         raise HpCpError(
@@ -407,6 +410,7 @@ def nemo_cp_batch(
         cu = _cu_from_seq_lens(seq_lens, total)
     elif packed_seq_ids is not None:
         cu = _cu_from_packed_ids(packed_seq_ids, total)
+    check_unpacked(handle.module, cu)
     if cu is not None and input_ids.shape[0] != 1:
         raise HpCpError(
             f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "

@@ -166,6 +166,27 @@ class DeepseekV4AttentionAdapter:
     """The indexer's top-k row of a packed document on one process (Note [The one-process
     top-k row] in :mod:`hp_cp_core.columns`): each document alone."""
 
+    NO_ROPE_HINT = (
+        "needs the position_embeddings the model computes; call the model, not the layer, "
+        "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
+    )
+    """The error when the layer is called without its RoPE tables."""
+
+    MASK_HINT = (
+        "got an attention mask that hides tokens (padding, or a custom mask); HF's "
+        "compressors ignore padding, so CP supports only unpadded sequences. Pass "
+        "attention_mask=None (or all ones) and equal-length sequences."
+    )
+    """The error for an attention mask that hides a token."""
+
+    POSITIONS_HINT = (
+        "got position_ids that are not the global row numbers of the local rows. Pass "
+        "position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with the same layout as "
+        "the inputs (packed: positions restarting per document, with the documents' "
+        "boundaries as hp_cp_cu_seqlens=...)."
+    )
+    """The error for position ids that are not this rank's global rows."""
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
@@ -341,6 +362,18 @@ class DeepseekV4AttentionAdapter:
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.o_b_proj(m.o_a_proj(grouped).flatten(2))
 
+    def layer_name(self) -> str:
+        """How errors name the layer: its class and ``layer_idx``."""
+        return f"{type(self.module).__name__} layer {self.module.layer_idx}"
+
+    def hidden_size(self) -> int:
+        """The model's hidden size (the width ``hidden_states`` must have)."""
+        return int(self.module.config.hidden_size)
+
+    def attention_dropout(self) -> float:
+        """The layer's attention dropout probability (refused in training)."""
+        return float(self.module.attention_dropout)
+
     def check_inputs(
         self,
         cp_forward: Any,
@@ -366,14 +399,13 @@ class DeepseekV4AttentionAdapter:
         Returns:
             The agreed context (its plan's ``positions`` are the expected global rows).
         """
-        m = self.module
-        where = f"{type(m).__name__} layer {m.layer_idx} under CP"
+        where = f"{self.layer_name()} under CP"
         checks = TensorChecks(getattr(group, "device", None), where)
         for message in problems:
             checks.fail(message)
         ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
         if ok:
-            hidden = int(m.config.hidden_size)
+            hidden = self.hidden_size()
             if hidden_states.shape[-1] != hidden:
                 checks.fail(
                     f"hidden_states has hidden size {hidden_states.shape[-1]} (shape "
@@ -383,19 +415,17 @@ class DeepseekV4AttentionAdapter:
             checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
             checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
         if position_embeddings is None:
-            checks.fail(
-                "needs the position_embeddings the model computes; call the model, not the "
-                "layer, or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
-            )
+            checks.fail(self.NO_ROPE_HINT)
         if past_key_values is not None:
             checks.fail(
                 "got a KV cache (past_key_values); caches and generation are not supported "
                 "under CP. Call the model with use_cache=False (config.use_cache defaults to "
                 "True) and without past_key_values."
             )
-        if m.training and m.attention_dropout > 0:
+        dropout = self.attention_dropout()
+        if self.module.training and dropout > 0:
             checks.fail(
-                f"attention dropout ({m.attention_dropout}) in training is not supported; set "
+                f"attention dropout ({dropout}) in training is not supported; set "
                 "config.attention_dropout=0.0 or call model.eval()."
             )
         if cu_seqlens is not None and ok and hidden_states.shape[0] != 1:
@@ -413,15 +443,7 @@ class DeepseekV4AttentionAdapter:
         # the mask and positions checks read tensor values: on the device, and read by the
         # agreement's one gather (LocalCheck.deferred) when this layer agrees across ranks
         across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
-        messages = (
-            f"{where}: got an attention mask that hides tokens (padding, or a custom "
-            "mask); HF's compressors ignore padding, so CP supports only unpadded "
-            "sequences. Pass attention_mask=None (or all ones) and equal-length sequences.",
-            f"{where}: got position_ids that are not the global row numbers of the local "
-            "rows. Pass position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with "
-            "the same layout as the inputs (packed: positions restarting per document, "
-            "with the documents' boundaries as hp_cp_cu_seqlens=...).",
-        )
+        messages = (f"{where}: {self.MASK_HINT}", f"{where}: {self.POSITIONS_HINT}")
         bad: list[Any] = [False, False]  # the same number of flags on every rank
         index = getattr(cp_forward, "index", 0)
         # a group of one never reuses an agreement (there is none); a later layer of the same

@@ -117,6 +117,11 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         return importlib.import_module(self.modeling)
 
     @property
+    def scaling(self) -> float:
+        """The attention's softmax scale (``qk_head_dim ** -0.5``, with YaRN's mscale)."""
+        return float(self.module.scaling)
+
+    @property
     def shared(self) -> bool:
         """A GLM-5 ``"shared"`` layer: no indexer of its own, the previous full layer's picks."""
         return self.module.indexer is None
@@ -162,28 +167,36 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
         return q, k
 
+    def index_scorer(
+        self, q: torch.Tensor, keys: torch.Tensor, hidden_states: torch.Tensor
+    ) -> Callable[[int, int, int, int], torch.Tensor]:
+        """``score(lo, hi, s0, s1)``: the indexer scores ``[B, hi - lo, s1 - s0]`` of local
+        queries ``lo:hi`` (``q`` ``[B, L, H_I, D_I]``) over tokens ``s0:s1`` (``keys``
+        ``[B, N, D_I]``), HF's op sequence; called under ``torch.no_grad``."""
+        ix = self.module.indexer
+        weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
+        weights = weights * (ix.n_heads**-0.5)  # [B, L, H_I]
+
+        def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+            k = keys[:, s0:s1]
+            s = torch.matmul(q[:, lo:hi].float(), k.transpose(-1, -2).float().unsqueeze(1))
+            s = s.mul_(ix.softmax_scale).relu_()  # [B, l, H_I, n]; HF's ops, in place
+            return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
+
+        return score
+
     def select(self, call: DeepSeekV4CPContext) -> torch.Tensor:
         """Indexer top-k ``[B, L, topk]`` (global token ids, ``-1`` = none) of the local
-        queries over the tokens each sees, HF's scores, the tokens HF's ``torch.topk`` keeps
-        on one process (the row of the whole sequence or packed stream)."""
-        ix = self.module.indexer
+        queries over the tokens each sees, the model's scores, the tokens its ``torch.topk``
+        keeps on one process (the row of the whole sequence or packed stream)."""
         local = call.extra["local"]
         q, hs = local["index_q"], local["hidden_states"]
         keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
         with torch.no_grad():
-            weights = ix.weights_proj(hs.to(ix.weights_proj.weight.dtype)).float()
-            weights = weights * (ix.n_heads**-0.5)  # [B, L, H_I]
-
-            def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
-                k = keys[:, s0:s1]
-                s = torch.matmul(q[:, lo:hi].float(), k.transpose(-1, -2).float().unsqueeze(1))
-                s = s.mul_(ix.softmax_scale).relu_()  # [B, l, H_I, n]; HF's ops, in place
-                return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
-
             return select_topk_chunked(
-                score,
+                self.index_scorer(q, keys, hs),
                 call.plan,
-                int(ix.index_topk),
+                int(self.module.indexer.index_topk),
                 call.config.query_chunk,
                 batch=q.shape[0],
                 one_process_row="stream",  # HF's packed mask: one row, block-diagonal
@@ -208,7 +221,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         else:
             q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
             dims = MLADims(
-                m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.scaling
+                m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, self.scaling
             )
             rows = chunk_rows(
                 call.config.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1]
@@ -227,13 +240,8 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         visible one, the unselected at ``finfo.min``. The closest to transformers' rounding
         (Note [DSA attention on the latents]); keeps the expanded keys and each chunk's
         weights for backward, ``O(S * S / cp)`` a rank."""
-        m = self.module
-        batch, n_slots = latent.shape[:2]
-        kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        key_states, value_states = m.expand_kv(
-            kv_pass.view(batch, 1, n_slots, m.kv_lora_rank),
-            k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
-        )  # [B, H, N, qk_head_dim], [B, H, N, v_head_dim]
+        batch = latent.shape[0]
+        key_states, value_states = self.expand_latents(latent)
         plan = call.plan
         stop = plan.cmp_start + plan.cmp_count
         neg = torch.finfo(q.dtype).min
@@ -245,10 +253,21 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
             bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
             k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
-            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * m.scaling + bias
+            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * self.scaling + bias
             w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
         return torch.cat(outs, dim=2)
+
+    def expand_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B, H, N, qk_head_dim]`` and values ``[B, H, N, v_head_dim]`` of the
+        gathered latents ``[B, N, kv_lora_rank + rope]``, through HF's ``expand_kv``."""
+        m = self.module
+        batch, n_slots = latent.shape[:2]
+        kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        return m.expand_kv(
+            kv_pass.view(batch, 1, n_slots, m.kv_lora_rank),
+            k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
+        )
 
     # ----------------------------------------------------------------------- the forward
 

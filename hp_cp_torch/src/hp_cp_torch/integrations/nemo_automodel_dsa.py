@@ -1,0 +1,305 @@
+"""NeMo Automodel's GLM-5 (``nemo_automodel.components.models.glm_moe_dsa``) under CP.
+
+``enable_cp(model, mesh)`` from :mod:`hp_cp_torch.integrations.nemo_automodel` on a NeMo
+``GlmMoeDsaForCausalLM`` / ``GlmMoeDsaModel`` (or one ``GlmMoeDsaMLA``) replaces the forward
+of every ``GlmMoeDsaMLA``; MoE, norms and the head are token-local and run unchanged on each
+rank's rows. Each rank then, as for NeMo's DeepSeek V4::
+
+    batch = nemo_cp_batch(handle, input_ids)          # any S; padded, shifted, sharded
+    labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
+    out = model(**batch)
+    loss = cp_causal_lm_loss(out.logits, labels, n_tokens)
+
+The layer is DSA, the core's ``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)``,
+exactly as transformers' GLM-5 (:mod:`hp_cp_torch.integrations.transformers_dsa`, whose
+adapter this one subclasses); only NeMo's ops differ: the complex ``freqs_cis`` RoPE
+(interleaved on the MLA, half-split or interleaved on the indexer as
+``indexer_rope_interleave`` says), the indexer's flattened score GEMM, the attention's
+``softmax_scale``. A ``"shared"`` layer (``config.indexer_types``) reuses the previous full
+layer's selection through the core's sharing plan: no indexer, no index keys moved. The
+forward returns ``(output, selection)`` as NeMo's block expects, the selection as global token
+ids ``[B, L, topk]`` (``-1``: none); the ``prev_topk_indices`` NeMo threads in are not read.
+
+The layers read positions only through the ``freqs_cis`` the model computes from
+``position_ids``; a forward pre-hook on each ``GlmMoeDsaModel`` hands the layers those
+``position_ids`` (as ``hp_cp_position_ids``) so that missing or unsharded positions are one
+:class:`~hp_cp_core.HpCpError` on every rank, not a silently wrong RoPE.
+
+Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every rank, before any
+exchange): packed input (NeMo's dense path scores a packed stream as one causal row across
+documents, and its kernels need a GPU), NeMo's own GLM DSA CP (``_glm_dsa_cp_group``), an
+``attention_mask`` that hides tokens, and NeMo's DeepSeek V3.2 ``DeepseekV32MLA`` (see
+:data:`V32_NOT_CAUSAL`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import hp_cp_core
+from hp_cp_core import CPHandle, HpCpError
+from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter
+
+__all__ = [
+    "V32_NOT_CAUSAL",
+    "NemoGlmDsaAttentionAdapter",
+    "enable_cp_dsa",
+    "is_dsa_model",
+    "nemo_dsa_adapter_for",
+]
+
+GLM_LAYERS = "nemo_automodel.components.models.glm_moe_dsa.layers"
+GLM_MODEL = "nemo_automodel.components.models.glm_moe_dsa.model"
+V32_LAYERS = "nemo_automodel.components.models.deepseek_v32.layers"
+NEMO_DSA_CP_KWARG = "_glm_dsa_cp_group"
+POSITIONS_KWARG = "hp_cp_position_ids"
+
+V32_NOT_CAUSAL = (
+    "NeMo Automodel 0.7.0's DeepSeek V3.2 (DeepseekV32MLA) cannot run under hp_cp: its "
+    "indexer scores every token of the row, later ones included (no causal mask before its "
+    "top-k), so on one process its dense SDPA path lets a token attend to later tokens and "
+    "its TE path spends top-k picks on tokens the causal mask then drops. No context "
+    "parallelism can equal that one-process run. Train DeepSeek V3.2 with transformers' "
+    "DeepseekV32ForCausalLM (hp_cp_torch.integrations.transformers_dsa), whose indexer is "
+    "causal, or NeMo's GlmMoeDsaForCausalLM."
+)
+"""Why NeMo's ``DeepseekV32MLA`` is refused (raised by :func:`enable_cp_dsa` and by the
+plugin's discovery, so by ``hp_cp_core.enable_cp`` too)."""
+
+
+def nemo_dsa_adapter_for(module: Any) -> Any:
+    """The adapter for a NeMo ``GlmMoeDsaMLA``, else ``None`` (never imports NeMo).
+
+    Raises:
+        HpCpError: ``module`` is NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`).
+    """
+    for path, name in ((GLM_LAYERS, "GlmMoeDsaMLA"), (V32_LAYERS, "DeepseekV32MLA")):
+        cls = getattr(sys.modules.get(path), name, None)
+        if cls is not None and isinstance(module, cls):
+            if path == V32_LAYERS:
+                raise HpCpError(V32_NOT_CAUSAL)
+            return NemoGlmDsaAttentionAdapter(module)
+    return None
+
+
+def is_dsa_model(model: Any) -> bool:
+    """Whether ``model`` is or holds NeMo's GLM-5 or DeepSeek V3.2 attention."""
+    if not isinstance(model, nn.Module):
+        return False
+    if sys.modules.get(GLM_LAYERS) is None and sys.modules.get(V32_LAYERS) is None:
+        return False
+    return any(nemo_dsa_adapter_for(m) is not None for m in model.modules())
+
+
+class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
+    """Hooks for NeMo's ``GlmMoeDsaMLA`` (batch-major ``[B, S, hidden]``, bshd only)."""
+
+    NO_ROPE_HINT = (
+        "needs the freqs_cis the model computes from position_ids; call the model "
+        "(GlmMoeDsaForCausalLM / GlmMoeDsaModel under enable_cp), not the layer."
+    )
+    MASK_HINT = (
+        "got an attention mask that hides tokens (padding, or a custom mask); under CP pass "
+        "no attention_mask: nemo_cp_batch pads at the end, where no real token sees the padding."
+    )
+    POSITIONS_HINT = (
+        "got position_ids that are not the global row numbers of this rank's rows; pass "
+        "position_ids=batch['position_ids'] from nemo_cp_batch(handle, input_ids)."
+    )
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module, GLM_LAYERS)
+        self.glm = True
+
+    @property
+    def scaling(self) -> float:
+        return float(self.module.softmax_scale)
+
+    def layer_name(self) -> str:
+        return type(self.module).__name__ + (" (shared)" if self.shared else "")
+
+    def hidden_size(self) -> int:
+        return int(self.module.q_a_proj.in_features)
+
+    def attention_dropout(self) -> float:
+        return 0.0  # NeMo's GLM-5 attention has no dropout
+
+    def rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """NeMo's interleaved complex RoPE (``apply_rotary_emb``, bshd)."""
+        return self._mod().apply_rotary_emb(x, freqs_cis, qkv_format="bshd")
+
+    def indexer_qk(
+        self, hidden_states: torch.Tensor, q_resid: torch.Tensor, freqs_cis: Any, _: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's roped queries ``[B, L, H_I, D_I]`` and keys ``[B, L, D_I]``, NeMo's
+        ops (rope slice first), without autograd (its top-k feeds integer ids only)."""
+        ix = self.module.indexer
+        with torch.no_grad():
+            batch, length, _ = hidden_states.shape
+            q = ix.wq_b(q_resid).view(batch, length, ix.num_heads, ix.head_dim)
+            split = [ix.qk_rope_head_dim, ix.qk_nope_head_dim]
+            q_pe, q_nope = torch.split(q, split, dim=-1)
+            k_pe, k_nope = torch.split(ix.k_norm(ix.wk(hidden_states)), split, dim=-1)
+            if ix.rope_interleave:
+                q_pe = self.rope(q_pe, freqs_cis)
+                k_pe = self.rope(k_pe.unsqueeze(-2), freqs_cis).squeeze(-2)
+            else:
+                half_split = self._mod()._apply_index_rope_half_split
+                q_pe = half_split(q_pe, freqs_cis, "bshd")
+                k_pe = half_split(k_pe, freqs_cis, "bshd")
+        return torch.cat([q_pe, q_nope], dim=-1), torch.cat([k_pe, k_nope], dim=-1)
+
+    def index_scorer(
+        self, q: torch.Tensor, keys: torch.Tensor, hidden_states: torch.Tensor
+    ) -> Callable[[int, int, int, int], torch.Tensor]:
+        """NeMo's dense indexer scores: one GEMM over (query, head) rows, ``softmax_scale``
+        then ReLU in place, the per-head weights as a matmul."""
+        ix = self.module.indexer
+        weights = ix.weights_proj(hidden_states).float() * (ix.num_heads**-0.5)  # [B, L, H_I]
+
+        def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+            rows = q[:, lo:hi]
+            s = torch.matmul(rows.float().flatten(-3, -2), keys[:, s0:s1].float().transpose(-1, -2))
+            s = s.unflatten(-2, (hi - lo, ix.num_heads)).mul_(ix.softmax_scale).relu_()
+            return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
+
+        return score
+
+    def expand_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeMo's dense path: ``kv_b_proj`` of every latent, ``k = [k_nope ; k_pe]``."""
+        m = self.module
+        batch, n_slots = latent.shape[:2]
+        kv, k_pe = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = m.kv_b_proj(kv).view(batch, n_slots, m.n_heads, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(2).expand(batch, n_slots, m.n_heads, m.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2), v.transpose(1, 2)
+
+    def nemo_problems(
+        self, hidden_states: Any, freqs_cis: Any, attention_mask: Any, kwargs: dict
+    ) -> list[str]:
+        """What hp_cp cannot take from NeMo's call (recorded, raised on all ranks)."""
+        problems = []
+        if kwargs.get(NEMO_DSA_CP_KWARG) is not None:
+            problems.append(
+                "NeMo Automodel's own GLM DSA CP is switched on as well (the batch carries "
+                f"{NEMO_DSA_CP_KWARG!r} from shard_glm_dsa_packed_cp_batch); hp_cp owns the "
+                "attention layers, so switch NeMo's CP off and shard the batch with "
+                "nemo_cp_batch(handle, ...) instead."
+            )
+        if kwargs.get("qkv_format") == "thd" or getattr(hidden_states, "dim", lambda: 3)() == 2:
+            problems.append(
+                "got packed (thd) input; NeMo's GLM-5 is supported under CP on padded [B, S] "
+                "batches only (its one-process dense path scores a packed stream as one causal "
+                "row across documents). Pass the batch from nemo_cp_batch(handle, input_ids)."
+            )
+        if POSITIONS_KWARG not in kwargs:
+            if freqs_cis is not None:  # (no freqs_cis at all fails with the same words)
+                problems.append(self.NO_ROPE_HINT)
+        elif kwargs[POSITIONS_KWARG] is None:
+            problems.append(
+                "the model was called without position_ids, so NeMo's RoPE would count this "
+                "rank's rows from 0; pass position_ids=batch['position_ids'] from "
+                "nemo_cp_batch(handle, input_ids)."
+            )
+        length = hidden_states.shape[-2] if isinstance(hidden_states, torch.Tensor) else None
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != length:
+            problems.append(
+                f"got an attention_mask of {attention_mask.shape[-1]} columns for {length} local "
+                "rows; under CP pass no attention_mask (nemo_cp_batch pads at the end, where no "
+                "real token sees the padding)."
+            )
+        return problems
+
+    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
+        m = self.module
+        adapter = self
+
+        def forward(
+            x,
+            freqs_cis=None,
+            attention_mask=None,
+            prev_topk_indices=None,
+            return_topk_indices=False,
+            **kwargs,
+        ):
+            position_ids = kwargs.get(POSITIONS_KWARG)
+            call = adapter.check_inputs(
+                cp_forward,
+                group,
+                x,
+                freqs_cis,
+                position_ids,
+                attention_mask,
+                None,
+                problems=adapter.nemo_problems(x, freqs_cis, attention_mask, kwargs),
+            )
+            batch, length = x.shape[:-1]
+            q_resid = m.q_a_layernorm(m.q_a_proj(x))
+            q = m.q_b_proj(q_resid).view(batch, length, m.n_heads, m.qk_head_dim)
+            q_nope, q_pe = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+            kv = m.kv_a_proj_with_mqa(x)
+            kv, k_pe = torch.split(kv, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+            kv = m.kv_a_layernorm(kv)
+            q_pe = adapter.rope(q_pe, freqs_cis)
+            k_pe = adapter.rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
+            latent = torch.cat([kv, k_pe], dim=-1)  # [B, L, rank + rope]
+            local: dict[str, Any] = {
+                "query": torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2),  # [B, H, L, D]
+                "latent": latent.transpose(0, 1),  # [L, B, ...]: the owned slots
+                "hidden_states": x,
+            }
+            if not adapter.shared:
+                index_q, index_k = adapter.indexer_qk(x, q_resid, freqs_cis)
+                local["index_q"], local["index_k"] = index_q, index_k.transpose(0, 1)
+            out = cp_forward(None, local["latent"], x.transpose(0, 1), None, call=call, local=local)
+            return (out, local["selection"]) if return_topk_indices else out
+
+        return forward
+
+
+def _pass_positions(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Forward pre-hook of a ``GlmMoeDsaModel``: its layers get the ``position_ids`` too."""
+    return args, {**kwargs, POSITIONS_KWARG: kwargs.get("position_ids")}
+
+
+def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
+    """Run NeMo's GLM-5 ``model`` (``GlmMoeDsaForCausalLM`` / ``GlmMoeDsaModel``, or one
+    ``GlmMoeDsaMLA``) under hp_cp CP over ``mesh`` (DeviceMesh or group).
+
+    Every ``GlmMoeDsaMLA`` forward is replaced and each ``GlmMoeDsaModel`` gets a pre-hook
+    handing its ``position_ids`` to the layers; ``disable_cp`` restores both.
+
+    Raises:
+        HpCpError: the model holds NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`), or no
+            ``GlmMoeDsaMLA``.
+    """
+    layers = [mod for mod in model.modules() if nemo_dsa_adapter_for(mod) is not None]
+    if not layers:
+        raise HpCpError(
+            f"found no NeMo Automodel GlmMoeDsaMLA in a `{type(model).__name__}`; pass "
+            "nemo_automodel's GlmMoeDsaForCausalLM, GlmMoeDsaModel or a GlmMoeDsaMLA."
+        )
+    handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
+    model_cls = getattr(sys.modules.get(GLM_MODEL), "GlmMoeDsaModel", None)
+    for mod in model.modules():
+        if model_cls is not None and isinstance(mod, model_cls):
+            hook = mod.register_forward_pre_hook(_pass_positions, with_kwargs=True)
+            handle.on_disable(hook.remove)
+    return handle
+
+
+def check_unpacked(model: nn.Module, cu_seqlens: Any) -> None:
+    """``nemo_cp_batch``'s refusal of packed input for NeMo's GLM-5 (before any shard)."""
+    if cu_seqlens is not None and is_dsa_model(model):
+        raise HpCpError(
+            "nemo_cp_batch: packed input (seq_lens / packed_seq_ids) is not supported for "
+            "NeMo's GLM-5 under CP: its one-process dense path scores the packed stream as one "
+            "causal row across documents, which per-document CP cannot equal. Pass padded "
+            "[B, S] batches (each row one sequence)."
+        )

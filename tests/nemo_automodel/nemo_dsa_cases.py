@@ -1,0 +1,202 @@
+"""Rank functions of tests/nemo_automodel/test_nemo_automodel_dsa.py: NeMo Automodel's own
+GLM-5 (``GlmMoeDsaForCausalLM``: DSA, full and shared indexer layers, MoE), tiny, fp32 on CPU,
+each CP step compared, in the same job, with the same model and weights on one process.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from nemo_cases import VOCAB, compare, make_ids, reference
+
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_torch.integrations.nemo_automodel import (
+    cp_causal_lm_loss,
+    cp_sum_gradients,
+    disable_cp,
+    enable_cp,
+    nemo_cp_batch,
+)
+
+INDEXER_TYPES = ["full", "shared", "full", "shared"]
+
+
+def build_glm(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """NeMo's GlmMoeDsaForCausalLM: 4 layers (full, shared, full, shared indexers; the first
+    MLP dense, the rest MoE), index top-k 4 (a real selection at any S here), fp32."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.glm_moe_dsa.config import GlmMoeDsaConfig
+    from nemo_automodel.components.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
+
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=4,
+        indexer_types=INDEXER_TYPES,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        max_position_embeddings=512,
+        torch_dtype="float32",
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    backend = BackendConfig(
+        attn="sdpa", linear="torch", rms_norm="torch", rope_fusion=False, experts="torch",
+        dispatcher="torch",
+    )  # fmt: skip
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**kw), backend=backend)
+    model.initialize_weights(buffer_device=torch.device("cpu"))
+    return model.float().train()
+
+
+def cp_step(model: torch.nn.Module, ids: torch.Tensor, group: Any, layout: str) -> dict:
+    """One training step under hp_cp; logits unsharded, loss and gradients summed."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    handle = enable_cp(model, group, DeepSeekV4CPConfig(layout=layout))
+    handle.use_cp_path()  # a group of one runs the CP path too
+    batch = nemo_cp_batch(handle, ids)
+    labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
+    calls0 = handle.group.calls.get("slot_exchange", 0)
+    out = model(**batch).logits
+    loss = cp_causal_lm_loss(out, labels, n_tokens)
+    loss.backward()
+    cp_sum_gradients(model.parameters(), group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    got = {
+        "logits": handle.unshard(out.detach().float(), 1, rows=ids.shape[1]),
+        "loss": total,
+        "grads": {
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()
+        },
+        "slot_exchanges": handle.group.calls.get("slot_exchange", 0) - calls0,
+        "sharing": handle.sharing.describe(),
+    }
+    disable_cp(handle)
+    return got
+
+
+CASES = (
+    # (name, cp, layout, S, batch, model overrides)
+    ("padded", 3, "contiguous", 97, 1, {}),
+    ("padded", 2, "load_balanced", 61, 2, {}),
+    ("padded", 4, "load_balanced", 97, 1, {}),
+    ("interleaved_indexer_rope", 3, "load_balanced", 83, 1, {"indexer_rope_interleave": True}),
+    ("all_full", 4, "contiguous", 50, 1, {"indexer_types": ["full"] * 4}),
+    ("padded", 1, "contiguous", 41, 1, {}),
+)
+"""S a multiple of nothing, cp 1-4 (odd 3), both layouts, batch 2 once; top-k 4 of up to 97
+visible tokens, so every layer's selection really selects."""
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except HpCpError as exc:
+        return str(exc)
+    return "no error"
+
+
+def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, str]:
+    """Unsupported input: the same HpCpError on every rank, before any collective."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v32.config import DeepseekV32Config
+    from nemo_automodel.components.models.deepseek_v32.layers import DeepseekV32MLA
+
+    import hp_cp_core
+
+    out: dict[str, str] = {}
+    model = copy.deepcopy(model)
+    handle = enable_cp(model, group)
+    try:
+        batch = nemo_cp_batch(handle, ids)
+        batch.pop("labels"), batch.pop("n_tokens")
+        out["no_positions"] = _error(lambda: model(input_ids=batch["input_ids"]))
+        wrong = {**batch, "position_ids": batch["position_ids"] * 0}
+        out["wrong_positions"] = _error(lambda: model(**wrong))
+        out["nemo_cp_kwarg"] = _error(lambda: model(**batch, _glm_dsa_cp_group=group))
+        mask = torch.ones_like(batch["input_ids"])
+        if dist.get_rank(group) == 0:
+            mask[:, -1] = 0  # padding on one rank only: every rank must still raise
+        out["padding_mask"] = _error(lambda: model(**batch, attention_mask=mask))
+        lens = [[20, ids.shape[1] - 20]]
+        out["packed"] = _error(lambda: nemo_cp_batch(handle, ids, seq_lens=lens))
+        out["layer_alone"] = _error(
+            lambda: model.model.layers["0"].self_attn(torch.zeros(1, 5, 32), None)
+        )
+        logits = model(**batch).logits
+        out["after_errors"] = "ok" if logits.shape[1] == batch["input_ids"].shape[1] else "bad"
+    finally:
+        disable_cp(handle)
+    config = DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, kv_lora_rank=16,
+        q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24,
+        v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=4,
+        torch_dtype="float32",
+    )  # fmt: skip
+    v32 = DeepseekV32MLA(config, BackendConfig(attn="sdpa", linear="torch", rms_norm="torch"))
+    out["v32_integration"] = _error(lambda: enable_cp(v32, group))
+    out["v32_core"] = _error(lambda: hp_cp_core.enable_cp(torch.nn.ModuleList([v32]), group))
+    return out
+
+
+def restore_check(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, Any]:
+    """disable_cp restores exactly: same forwards, attributes and hooks, same output."""
+    model = copy.deepcopy(model).eval()
+    before = model(ids).logits.detach()
+    attrs = {n: sorted(vars(m)) for n, m in model.named_modules()}
+    hooks = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
+    handle = enable_cp(model, group)
+    disable_cp(handle)
+    after = model(ids).logits.detach()
+    return {
+        "same_output": bool(torch.equal(before, after)),
+        "same_attrs": attrs == {n: sorted(vars(m)) for n, m in model.named_modules()},
+        "same_hooks": hooks == {n: len(m._forward_pre_hooks) for n, m in model.named_modules()},
+    }
+
+
+def suite(rank: int, world: int) -> dict[str, Any]:
+    """:data:`CASES` on sub-groups of one 4-rank job, then the error and restore checks."""
+    assert world == 4
+    groups = {
+        1: dist.new_group([0]),
+        2: dist.new_group([0, 1]),
+        3: dist.new_group([0, 1, 2]),
+        4: dist.group.WORLD,
+    }
+    results = []
+    for name, cp, layout, seq, batch, overrides in CASES:
+        if rank >= cp:
+            continue
+        model = build_glm(seq, **overrides)
+        ids = make_ids(seq, seed=seq, batch=batch)
+        got = cp_step(model, ids, groups[cp], layout)
+        res = compare(reference(model, ids), got)
+        res.update(case=name, cp=cp, layout=layout, seq=seq, batch=batch)
+        res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
+        results.append(res)
+    model = build_glm(0)
+    ids = make_ids(45, seed=3)
+    errors = error_checks(model, ids, dist.group.WORLD)
+    restore = restore_check(model, ids, dist.group.WORLD)
+    return {"rank": rank, "results": results, "errors": errors, "restore": restore}

@@ -1,0 +1,87 @@
+"""NeMo Automodel 0.7.0's own GLM-5 under hp_cp: the whole ``GlmMoeDsaForCausalLM`` (DSA,
+full and shared indexer layers, MoE), a training step at cp 1, 2, 3 and 4 (sub-groups of one
+4-rank job), contiguous and load-balanced, S a multiple of nothing, batch 1 and 2, half-split
+and interleaved indexer RoPE, index top-k 4 of up to 97 visible tokens, against NeMo's own
+forward of the same weights on one process: logits and loss within 1e-5, every parameter
+gradient within 1e-4, by name. Unsupported input (and NeMo's DeepSeek V3.2, whose indexer is
+not causal) raises HpCpError on every rank; disable_cp restores the model exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if "nemo_automodel" in os.environ.get("HP_CP_REQUIRE_BACKEND", ""):
+    import nemo_automodel.components.models.glm_moe_dsa.model  # noqa: F401 - fail, not skip
+else:
+    pytest.importorskip("nemo_automodel.components.models.glm_moe_dsa.model", exc_type=ImportError)
+
+import nemo_dsa_cases  # noqa: E402 - after the skip
+from dist_utils import run_ranks  # noqa: E402
+
+LOGITS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """One 4-rank job: cp 1, 2, 3 on sub-groups, cp 4 on the world."""
+    return run_ranks(4, nemo_dsa_cases.suite)
+
+
+def test_model_parity(ranks: list[dict]) -> None:
+    results = ranks[0]["results"]
+    want = {(c[0], c[1], c[2], c[3]) for c in nemo_dsa_cases.CASES}
+    assert {(r["case"], r["cp"], r["layout"], r["seq"]) for r in results} == want
+    for res in results:
+        name = f"{res['case']} cp={res['cp']} {res['layout']} S={res['seq']} B={res['batch']}"
+        assert res["n_grads"] > 40  # MLA, indexers, MoE, norms, head
+        assert res["logits"] < LOGITS_RTOL, (name, res["logits"], res["worst"])
+        assert res["loss"] < LOGITS_RTOL, (name, res["loss"])
+        bad = {n: e for n, e in res["per_param"].items() if e >= GRAD_RTOL}
+        assert not bad, (name, bad)
+        assert not res["missing"], (name, res["missing"])
+
+
+def test_shared_layers_reuse_the_selection(ranks: list[dict]) -> None:
+    """Full, shared, full, shared: each shared layer reads the selection of the full layer
+    before it (no indexer, no index keys moved); every layer moves only its own latents."""
+    for res in ranks[0]["results"]:
+        table = {row["layer"]: row for row in res["sharing"]}
+        assert res["slot_exchanges"] == 4, res["case"]
+        if res["case"] == "all_full":
+            assert all(table[i]["owners"]["selection"] == i for i in range(4))
+            continue
+        for full, shared in ((0, 1), (2, 3)):
+            assert table[full]["makes"] == ["compressed_kv", "index_keys", "selection"]
+            assert table[full]["readers"] == {"selection": [shared]}
+            assert table[shared]["makes"] == ["compressed_kv"]
+            assert table[shared]["owners"] == {"compressed_kv": shared, "selection": full}
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        ("no_positions", "called without position_ids"),
+        ("wrong_positions", "not the global row numbers"),
+        ("nemo_cp_kwarg", "own GLM DSA CP is switched on"),
+        ("padding_mask", "every rank raises this error"),
+        ("packed", "packed input (seq_lens / packed_seq_ids) is not supported"),
+        ("layer_alone", "call the model"),
+        ("v32_integration", "its indexer scores every token of the row, later ones included"),
+        ("v32_core", "its indexer scores every token of the row, later ones included"),
+    ],
+)
+def test_errors_on_every_rank(ranks: list[dict], key: str, words: str) -> None:
+    for report in ranks:
+        assert words in report["errors"][key], (report["rank"], report["errors"][key])
+
+
+def test_the_model_still_runs_after_the_errors(ranks: list[dict]) -> None:
+    assert all(report["errors"]["after_errors"] == "ok" for report in ranks)
+
+
+def test_disable_cp_restores_exactly(ranks: list[dict]) -> None:
+    assert ranks[0]["restore"] == {"same_output": True, "same_attrs": True, "same_hooks": True}
