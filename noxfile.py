@@ -375,8 +375,8 @@ def _install_nemo_automodel(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS)
 def nemo_automodel(session: nox.Session) -> None:
-    """NeMo Automodel 0.7.0's own DeepSeek V4 and V4.1 models under hp_cp on gloo ranks
-    (cp 2, 3, 4, 8) against one process, then the docs snippets under torchrun with 2 ranks."""
+    """NeMo Automodel 0.7.0's own DeepSeek V4, V4.1 and GLM-5 models under hp_cp on gloo ranks
+    (cp 1-4, 8) against one process, then the docs snippets under torchrun with 2 ranks."""
     _install_nemo_automodel(session)
     env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     session.run(
@@ -388,9 +388,8 @@ def nemo_automodel(session: nox.Session) -> None:
     snippet = ["torchrun", "--standalone", "--nproc-per-node", "2"]
     # PYTHONSAFEPATH: the snippet's folder must not shadow the nemo_automodel package
     session.run(*snippet, "examples/snippets/nemo_automodel.py", env={**env, "PYTHONSAFEPATH": "1"})
-    session.run(
-        *snippet, "examples/snippets/nemo_automodel_v41.py", env={**env, "PYTHONSAFEPATH": "1"}
-    )
+    for name in ("nemo_automodel_v41", "nemo_automodel_glm5"):
+        session.run(*snippet, f"examples/snippets/{name}.py", env={**env, "PYTHONSAFEPATH": "1"})
 
 
 @nox.session(venv_backend="none", default=False)

@@ -66,11 +66,14 @@ def build_glm(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     return model.float().train()
 
 
-def cp_step(model: torch.nn.Module, ids: torch.Tensor, group: Any, layout: str) -> dict:
-    """One training step under hp_cp; logits unsharded, loss and gradients summed."""
+def cp_step(
+    model: torch.nn.Module, ids: torch.Tensor, group: Any, layout: str, enable: Any = enable_cp
+) -> dict:
+    """One training step under hp_cp (``enable``: the integration's ``enable_cp`` or the
+    core's); logits unsharded, loss and gradients summed."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
-    handle = enable_cp(model, group, DeepSeekV4CPConfig(layout=layout))
+    handle = enable(model, group, DeepSeekV4CPConfig(layout=layout))
     handle.use_cp_path()  # a group of one runs the CP path too
     batch = nemo_cp_batch(handle, ids)
     labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
@@ -195,8 +198,39 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         res.update(case=name, cp=cp, layout=layout, seq=seq, batch=batch)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
+    results.extend(core_entry_cases(rank, groups))
     model = build_glm(0)
     ids = make_ids(45, seed=3)
     errors = error_checks(model, ids, dist.group.WORLD)
     restore = restore_check(model, ids, dist.group.WORLD)
     return {"rank": rank, "results": results, "errors": errors, "restore": restore}
+
+
+def core_entry_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
+    """``hp_cp_core.enable_cp`` (the README's entry point) on NeMo's GLM-5 and V4.1: the
+    model-level pieces (GLM-5's positions, V4.1's Engram hash under CP) come with it, so the
+    step equals one process as through the integration's ``enable_cp`` (before, V4.1's
+    logits were 0.75 off: each rank hashed its first rows without their history)."""
+    import nemo_v41_cases
+
+    import hp_cp_core
+
+    results = []
+    if rank < 3:
+        model = build_glm(7)
+        ids = make_ids(71, seed=7)
+        got = cp_step(model, ids, groups[3], "load_balanced", enable=hp_cp_core.enable_cp)
+        res = compare(reference(model, ids), got)
+        res.update(case="core_enable_cp", cp=3, layout="load_balanced", seq=71, batch=1)
+        res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
+        results.append(res)
+    if rank < 2:
+        model = nemo_v41_cases.build_model(0)
+        ids = nemo_v41_cases.make_ids(97)
+        got = nemo_v41_cases.cp_run(
+            model, ids, groups[2], "contiguous", enable=hp_cp_core.enable_cp
+        )
+        res = nemo_v41_cases.compare(nemo_v41_cases.reference(model, ids), got)
+        res.update(case="core_enable_cp_v41", cp=2, layout="contiguous", seq=97, batch=1)
+        results.append(res)
+    return results

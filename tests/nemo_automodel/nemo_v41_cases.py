@@ -150,11 +150,13 @@ def cp_run(
     layout: str,
     cu: list[int] | None = None,
     packed_as: str = "seq_lens",
+    enable: Any = enable_cp,
 ) -> dict:
-    """The same step under hp_cp: logits (unsharded), loss (summed), gradients (summed)."""
+    """The same step under hp_cp (``enable``: the integration's ``enable_cp`` or the core's):
+    logits (unsharded), loss (summed), gradients (summed)."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
-    handle = enable_cp(model, group, DeepSeekV4CPConfig(layout=layout))
+    handle = enable(model, group, DeepSeekV4CPConfig(layout=layout))
     packing: dict[str, Any] = {}
     if cu is not None and packed_as == "seq_lens":
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]

@@ -244,6 +244,9 @@ def enable_cp(
     hooks = host.hooks
     specs = [(layer, check_layer_spec(hooks.layer_spec(layer), layer)) for layer in layers]
     handle.sharing = plan_sharing([spec for _, spec in specs])  # HpCpError before installing
+    prepare = getattr(be, "prepare_module", None)  # optional: what a model needs beyond layers
+    if prepare is not None:
+        prepare(module, layers, handle)  # may raise (nothing installed yet); undo: on_disable
     for index, (layer, spec) in enumerate(specs):
         cp_forward = DeepSeekV4CPForward(
             layer,

@@ -119,6 +119,9 @@ class Backend(Protocol):
     def uninstall(self, layer: Any, token: Any) -> None:
         """Restore exactly the forward ``install`` replaced."""
 
+    # Optional, not part of the protocol's checks: ``prepare_module(module, layers, handle)``,
+    # what the model needs beyond its layers, called by ``enable_cp`` before any install.
+
     # Tensor ops the core's helpers use (dim 0 is always the row dimension).
     def cat(self, tensors: Sequence[Tensor]) -> Tensor: ...
     def narrow(self, tensor: Tensor, start: int, length: int) -> Tensor: ...

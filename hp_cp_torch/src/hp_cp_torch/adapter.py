@@ -413,6 +413,19 @@ def patch_torch_deepseek_v4_csa_forward(
     return handle
 
 
+def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> None:
+    """Run each adapter class's ``prepare_model(module, layers, handle)`` (if it has one) once,
+    with its own layers: the model-level pieces an integration needs under CP (NeMo's guards,
+    V4.1's Engram hash, GLM-5's positions), whichever ``enable_cp`` the user called."""
+    by_class: dict[type, list[nn.Module]] = {}
+    for layer in layers:
+        adapter = adapter_for(layer)
+        if adapter is not None and hasattr(adapter, "prepare_model"):
+            by_class.setdefault(type(adapter), []).append(layer)
+    for cls, own in by_class.items():
+        cls.prepare_model(module, own, handle)
+
+
 def adapter_for(module: Any) -> Any:
     """The adapter for ``module``, or ``None`` when the torch plugin does not own it."""
     if not isinstance(module, nn.Module):

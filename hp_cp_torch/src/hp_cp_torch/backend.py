@@ -821,6 +821,13 @@ class TorchBackend(InstallingBackend):
             group.log.publish()
         super().uninstall(layer, token)
 
+    def prepare_module(self, module: Any, layers: list[Any], handle: Any) -> None:
+        """What the model needs beyond its attention layers, per integration (the adapters'
+        ``prepare_model``; :func:`hp_cp_torch.adapter.prepare_module`)."""
+        from hp_cp_torch.adapter import prepare_module
+
+        prepare_module(module, layers, handle)
+
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
         """Install ``layer`` with a CP forward that names it (by its index among the
         handle's layers) in the collectives it enters: see :mod:`hp_cp_torch.desync`."""

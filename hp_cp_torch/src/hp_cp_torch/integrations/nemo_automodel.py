@@ -22,6 +22,11 @@ must stay off: both at once is one :class:`~hp_cp_core.HpCpError` on every rank,
 collective. Packed input in NeMo's format (``seq_lens`` rows padded with -1000, or
 ``packed_seq_ids``) becomes hp_cp's ``cu_seqlens`` in :func:`nemo_cp_batch`; documents are
 not re-padded, each is compressed from its own first row.
+
+The same ``enable_cp`` / ``nemo_cp_batch`` take NeMo's DeepSeek V4.1
+(:mod:`~hp_cp_torch.integrations.nemo_automodel_v41`) and GLM-5
+(:mod:`~hp_cp_torch.integrations.nemo_automodel_dsa`, padded input only); NeMo's DeepSeek
+V3.2 is refused there, with the reason.
 """
 
 from __future__ import annotations
@@ -207,6 +212,22 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
             problems.append("needs rotary_compress from the model; call the model, not the layer.")
         return problems
 
+    @staticmethod
+    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+        """Refuse NeMo's own CP at enable time, and install a forward pre-hook on ``model``
+        that refuses it per call, before the model runs (so before any collective)."""
+        if any(getattr(layer, "_cp_group", None) is not None for layer in layers):
+            raise HpCpError(_NEMO_CP_ON)
+
+        def guard(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            if kwargs.get(NEMO_CP_KWARG) is not None or any(
+                getattr(layer, "_cp_group", None) is not None for layer in layers
+            ):
+                raise HpCpError(_NEMO_CP_ON)
+
+        hook = model.register_forward_pre_hook(guard, with_kwargs=True)
+        handle.on_disable(hook.remove)
+
     def make_forward(self, cp_forward: Any, group: Any) -> Any:
         m = self.module
         adapter = self
@@ -287,14 +308,17 @@ def _attention_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Run NeMo's DeepSeek V4 ``model`` under hp_cp CP over ``mesh`` (DeviceMesh or group).
+    """Run NeMo's DeepSeek V4 ``model`` under hp_cp CP over ``mesh`` (DeviceMesh or group);
+    a DeepSeek V4.1 or GLM-5 model goes to its own integration (:func:`enable_cp_v41`,
+    :func:`enable_cp_dsa`). ``hp_cp_core.enable_cp`` does the same (the adapters'
+    ``prepare_model``); this one names what it found no layer of.
 
     Also installs a forward pre-hook on ``model`` that raises :class:`HpCpError` before the
     model runs (so before any collective) when NeMo's own CP is switched on for a call.
 
     Raises:
-        HpCpError: NeMo's CP is already set up on a layer (``setup_cp_attention``), or no
-            NeMo attention layer is in ``model``.
+        HpCpError: NeMo's CP is already set up on a layer (``setup_cp_attention``), no
+            NeMo attention layer is in ``model``, or ``model`` holds NeMo's DeepSeek V3.2.
     """
     if is_v41_model(model):  # DeepSeek V4.1 (CSA2): its own adapter, same one call
         return enable_cp_v41(model, mesh, config)
@@ -306,19 +330,7 @@ def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
             f"found no NeMo Automodel DeepseekV4Attention in a `{type(model).__name__}`; pass "
             "nemo_automodel's DeepseekV4ForCausalLM, DeepseekV4Model or a DeepseekV4Attention."
         )
-    if any(getattr(layer, "_cp_group", None) is not None for layer in layers):
-        raise HpCpError(_NEMO_CP_ON)
-    handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-
-    def guard(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if kwargs.get(NEMO_CP_KWARG) is not None or any(
-            getattr(layer, "_cp_group", None) is not None for layer in layers
-        ):
-            raise HpCpError(_NEMO_CP_ON)
-
-    hook = model.register_forward_pre_hook(guard, with_kwargs=True)
-    handle.on_disable(hook.remove)
-    return handle
+    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
 
 
 def disable_cp(handle: CPHandle) -> None:

@@ -116,6 +116,16 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         super().__init__(module, GLM_LAYERS)
         self.glm = True
 
+    @staticmethod
+    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+        """A forward pre-hook on each ``GlmMoeDsaModel`` in ``model`` hands its layers the
+        ``position_ids`` (whichever ``enable_cp`` was called); ``disable_cp`` removes it."""
+        model_cls = getattr(sys.modules.get(GLM_MODEL), "GlmMoeDsaModel", None)
+        for mod in model.modules():
+            if model_cls is not None and isinstance(mod, model_cls):
+                hook = mod.register_forward_pre_hook(_pass_positions, with_kwargs=True)
+                handle.on_disable(hook.remove)
+
     @property
     def scaling(self) -> float:
         return float(self.module.softmax_scale)
@@ -274,6 +284,7 @@ def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
 
     Every ``GlmMoeDsaMLA`` forward is replaced and each ``GlmMoeDsaModel`` gets a pre-hook
     handing its ``position_ids`` to the layers; ``disable_cp`` restores both.
+    ``hp_cp_core.enable_cp`` does the same (:meth:`NemoGlmDsaAttentionAdapter.prepare_model`).
 
     Raises:
         HpCpError: the model holds NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`), or no
@@ -285,13 +296,7 @@ def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
             f"found no NeMo Automodel GlmMoeDsaMLA in a `{type(model).__name__}`; pass "
             "nemo_automodel's GlmMoeDsaForCausalLM, GlmMoeDsaModel or a GlmMoeDsaMLA."
         )
-    handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-    model_cls = getattr(sys.modules.get(GLM_MODEL), "GlmMoeDsaModel", None)
-    for mod in model.modules():
-        if model_cls is not None and isinstance(mod, model_cls):
-            hook = mod.register_forward_pre_hook(_pass_positions, with_kwargs=True)
-            handle.on_disable(hook.remove)
-    return handle
+    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
 
 
 def check_unpacked(model: nn.Module, cu_seqlens: Any) -> None:

@@ -162,6 +162,11 @@ class NemoDeepseekV41AttentionAdapter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
+    @staticmethod
+    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+        """The model-level part (:func:`prepare_v41_model`)."""
+        prepare_v41_model(model, layers, handle)
+
     @property
     def role(self) -> str:
         return layer_role(self.module)
@@ -618,15 +623,21 @@ def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
             f"found no NeMo Automodel DeepseekV41Attention in a `{type(model).__name__}`; pass "
             "nemo_automodel's DeepseekV41ForCausalLM, DeepseekV41Model or a layer."
         )
+    # the core's plan_sharing checks the schedule (Note [Layers that share their indexer]):
+    # handle.sharing says which layer owns what; the adapter's prepare_model does the rest
+    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
+
+
+def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    """The model-level part of V4.1 under CP, whichever ``enable_cp`` was called: refuse
+    NeMo's own CP and a candidate schedule hp_cp cannot plan, run every Engram hash under CP
+    (:class:`EngramHashCP`), and guard each call against NeMo's CP."""
     holders = [mod for mod in model.modules() if hasattr(mod, "cp_mesh")]
     if any(layer.cp_group is not None for layer in layers) or any(
         getattr(h, "cp_mesh", None) is not None for h in holders
     ):
         raise HpCpError(_NEMO_CP_ON)
     _check_candidates(layers)
-    # the core's plan_sharing checks the rest of the schedule (Note [Layers that share their
-    # indexer]): handle.sharing says which layer owns what
-    handle = hp_cp_core.enable_cp(model, mesh, config, backend="torch")
     for hasher in [mod for mod in model.modules() if type(mod).__name__ == "DeepseekV41NgramHash"]:
         if handle.group.size == 1 and handle.config.single_rank_bypass:
             continue
@@ -650,7 +661,6 @@ def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
 
     hook = model.register_forward_pre_hook(guard, with_kwargs=True)
     handle.on_disable(hook.remove)
-    return handle
 
 
 def nemo_v41_cp_batch(
