@@ -173,3 +173,35 @@ def test_a_group_of_one_keeps_the_forward_until_the_cp_path_is_asked_for(
     more = enable_cp(layer, fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
     assert not more.bypassed
     disable_cp(more)
+
+
+def test_prepare_module_runs_once_before_any_install_and_its_error_leaves_nothing(
+    host: PluginHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend's optional ``prepare_module(module, layers, handle)``: called once per
+    ``enable_cp`` with the layers found, before any layer is installed; what it registers
+    with ``handle.on_disable`` runs in ``disable_cp``; an ``HpCpError`` it raises leaves
+    every forward as it was."""
+    layer = fb.ToyAttention(compress_ratio=4, window_size=5)
+    seen: list[tuple] = []
+
+    def prepare(self, module, layers, handle):  # noqa: ANN001, ANN202 - the backend's method
+        seen.append((module, list(layers), isinstance(layer.cp_forward, DeepSeekV4CPForward)))
+        handle.on_disable(lambda: seen.append("undone"))
+
+    monkeypatch.setattr(fb.FakeBackend, "prepare_module", prepare, raising=False)
+    before = dict(vars(layer))
+    handle = enable_cp(layer, fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
+    assert seen == [(layer, [layer], False)]  # once, with its layer, nothing installed yet
+    disable_cp(handle)
+    assert seen[-1] == "undone"
+
+    def refuse(self, module, layers, handle):  # noqa: ANN001, ANN202
+        raise HpCpError("this model needs something the backend cannot do")
+
+    monkeypatch.setattr(fb.FakeBackend, "prepare_module", refuse, raising=False)
+    with pytest.raises(HpCpError, match="cannot do"):
+        enable_cp(layer, fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
+    assert vars(layer).keys() == before.keys()
+    assert all(vars(layer)[k] is v for k, v in before.items())
+    assert getattr(layer, "_hp_cp_handle", None) is None
