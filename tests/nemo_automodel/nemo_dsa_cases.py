@@ -67,15 +67,24 @@ def build_glm(seed: int = 0, **overrides: Any) -> torch.nn.Module:
 
 
 def cp_step(
-    model: torch.nn.Module, ids: torch.Tensor, group: Any, layout: str, enable: Any = enable_cp
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    group: Any,
+    layout: str,
+    enable: Any = enable_cp,
+    cu: list[int] | None = None,
 ) -> dict:
     """One training step under hp_cp (``enable``: the integration's ``enable_cp`` or the
-    core's); logits unsharded, loss and gradients summed."""
+    core's; ``cu``: packed documents, given as NeMo's ``seq_lens``); logits unsharded, loss
+    and gradients summed."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
     handle = enable(model, group, DeepSeekV4CPConfig(layout=layout))
     handle.use_cp_path()  # a group of one runs the CP path too
-    batch = nemo_cp_batch(handle, ids)
+    packing = {}
+    if cu is not None:
+        packing["seq_lens"] = [[b - a for a, b in zip(cu[:-1], cu[1:])] + [-1000]]
+    batch = nemo_cp_batch(handle, ids, **packing)
     labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
     calls0 = handle.group.calls.get("slot_exchange", 0)
     out = model(**batch).logits
@@ -110,6 +119,15 @@ CASES = (
 """S a multiple of nothing, cp 1-4 (odd 3), both layouts, batch 2 once; top-k 4 of up to 97
 visible tokens, so every layer's selection really selects."""
 
+PACKED_CASES = (
+    # (cp, layout, S, documents)
+    (3, "load_balanced", 97, [0, 30, 61, 97]),
+    (2, "contiguous", 83, [0, 50, 83]),
+    (1, "contiguous", 61, [0, 2, 61]),  # a two-token document: fewer tokens than top-k
+)
+"""Packed documents, each compared with the document run alone on one process (what NeMo's
+GPU kernels compute with ``cu_seqlens``)."""
+
 
 def _error(fn: Any) -> str:
     try:
@@ -142,7 +160,9 @@ def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[
             mask[:, -1] = 0  # padding on one rank only: every rank must still raise
         out["padding_mask"] = _error(lambda: model(**batch, attention_mask=mask))
         lens = [[20, ids.shape[1] - 20]]
-        out["packed"] = _error(lambda: nemo_cp_batch(handle, ids, seq_lens=lens))
+        two = ids.repeat(2, 1)
+        out["packed"] = _error(lambda: nemo_cp_batch(handle, two, seq_lens=lens))
+        out["thd"] = _error(lambda: model.model(**batch, qkv_format="thd"))
         out["layer_alone"] = _error(
             lambda: model.model.layers["0"].self_attn(torch.zeros(1, 5, 32), None)
         )
@@ -196,6 +216,16 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         got = cp_step(model, ids, groups[cp], layout)
         res = compare(reference(model, ids), got)
         res.update(case=name, cp=cp, layout=layout, seq=seq, batch=batch)
+        res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
+        results.append(res)
+    for cp, layout, seq, docs in PACKED_CASES:
+        if rank >= cp:
+            continue
+        model = build_glm(seq + 1)
+        ids = make_ids(seq, seed=seq + 1)
+        got = cp_step(model, ids, groups[cp], layout, cu=docs)
+        res = compare(reference(model, ids, docs), got)
+        res.update(case="packed", cp=cp, layout=layout, seq=seq, batch=1)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
     results.extend(core_entry_cases(rank, groups))

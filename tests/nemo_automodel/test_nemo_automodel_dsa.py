@@ -1,6 +1,7 @@
 """NeMo Automodel 0.7.0's own GLM-5 under hp_cp: the whole ``GlmMoeDsaForCausalLM`` (DSA,
 full and shared indexer layers, MoE), a training step at cp 1, 2, 3 and 4 (sub-groups of one
-4-rank job), contiguous and load-balanced, S a multiple of nothing, batch 1 and 2, half-split
+4-rank job), contiguous and load-balanced, S a multiple of nothing, batch 1 and 2, padded and
+packed (each document against itself run alone, as NeMo's GPU kernels compute), half-split
 and interleaved indexer RoPE, index top-k 4 of up to 97 visible tokens, against NeMo's own
 forward of the same weights on one process: logits and loss within 1e-5, every parameter
 gradient within 1e-4, by name; also through ``hp_cp_core.enable_cp`` (GLM-5 and V4.1, whose
@@ -35,6 +36,7 @@ def ranks() -> list[dict]:
 def test_model_parity(ranks: list[dict]) -> None:
     results = ranks[0]["results"]
     want = {(c[0], c[1], c[2], c[3]) for c in nemo_dsa_cases.CASES}
+    want |= {("packed", c[0], c[1], c[2]) for c in nemo_dsa_cases.PACKED_CASES}
     want |= {("core_enable_cp", 3, "load_balanced", 71)}
     want |= {("core_enable_cp_v41", 2, "contiguous", 97)}
     assert {(r["case"], r["cp"], r["layout"], r["seq"]) for r in results} == want
@@ -73,7 +75,8 @@ def test_shared_layers_reuse_the_selection(ranks: list[dict]) -> None:
         ("wrong_positions", "not the global row numbers"),
         ("nemo_cp_kwarg", "own GLM DSA CP is switched on"),
         ("padding_mask", "every rank raises this error"),
-        ("packed", "packed input (seq_lens / packed_seq_ids) is not supported"),
+        ("packed", "pack the documents of a step into one row"),
+        ("thd", "NeMo's thd layout"),
         ("layer_alone", "call the model"),
         ("v32_integration", "its indexer scores every token of the row, later ones included"),
         ("v32_core", "its indexer scores every token of the row, later ones included"),

@@ -25,7 +25,7 @@ not re-padded, each is compressed from its own first row.
 
 The same ``enable_cp`` / ``nemo_cp_batch`` take NeMo's DeepSeek V4.1
 (:mod:`~hp_cp_torch.integrations.nemo_automodel_v41`) and GLM-5
-(:mod:`~hp_cp_torch.integrations.nemo_automodel_dsa`, padded input only); NeMo's DeepSeek
+(:mod:`~hp_cp_torch.integrations.nemo_automodel_dsa`); NeMo's DeepSeek
 V3.2 is refused there, with the reason.
 """
 
@@ -48,7 +48,7 @@ from hp_cp_core import (
 )
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.integrations.nemo_automodel_dsa import check_unpacked, enable_cp_dsa, is_dsa_model
+from hp_cp_torch.integrations.nemo_automodel_dsa import enable_cp_dsa, is_dsa_model
 from hp_cp_torch.integrations.nemo_automodel_v41 import (
     enable_cp_v41,
     is_v41_model,
@@ -422,7 +422,6 @@ def nemo_cp_batch(
         cu = _cu_from_seq_lens(seq_lens, total)
     elif packed_seq_ids is not None:
         cu = _cu_from_packed_ids(packed_seq_ids, total)
-    check_unpacked(handle.module, cu)
     if cu is not None and input_ids.shape[0] != 1:
         raise HpCpError(
             f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "

@@ -25,11 +25,13 @@ The layers read positions only through the ``freqs_cis`` the model computes from
 ``position_ids`` (as ``hp_cp_position_ids``) so that missing or unsharded positions are one
 :class:`~hp_cp_core.HpCpError` on every rank, not a silently wrong RoPE.
 
-Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every rank, before any
-exchange): packed input (NeMo's dense path scores a packed stream as one causal row across
-documents, and its kernels need a GPU), NeMo's own GLM DSA CP (``_glm_dsa_cp_group``), an
-``attention_mask`` that hides tokens, and NeMo's DeepSeek V3.2 ``DeepseekV32MLA`` (see
-:data:`V32_NOT_CAUSAL`).
+Packed documents (``nemo_cp_batch(..., seq_lens=...)``, batch 1) are each scored and attended
+alone, as NeMo's TileLang / cuDNN DSA kernels do with ``cu_seqlens`` on a GPU; NeMo's CPU
+dense path has no document mask in its indexer, so the tests compare with each document run
+alone on one process. Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every
+rank, before any exchange): NeMo's ``qkv_format="thd"`` batches, NeMo's own GLM DSA CP
+(``_glm_dsa_cp_group``), an ``attention_mask`` that hides tokens, and NeMo's DeepSeek V3.2
+``DeepseekV32MLA`` (see :data:`V32_NOT_CAUSAL`).
 """
 
 from __future__ import annotations
@@ -97,7 +99,11 @@ def is_dsa_model(model: Any) -> bool:
 
 
 class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
-    """Hooks for NeMo's ``GlmMoeDsaMLA`` (batch-major ``[B, S, hidden]``, bshd only)."""
+    """Hooks for NeMo's ``GlmMoeDsaMLA`` (batch-major ``[B, S, hidden]``)."""
+
+    packed_topk_row = "document"
+    """Packed, each document is scored alone, as NeMo's TileLang / cuDNN DSA kernels do with
+    ``cu_seqlens`` (its CPU dense path has no document mask: not what packing means)."""
 
     NO_ROPE_HINT = (
         "needs the freqs_cis the model computes from position_ids; call the model "
@@ -204,9 +210,9 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             )
         if kwargs.get("qkv_format") == "thd" or getattr(hidden_states, "dim", lambda: 3)() == 2:
             problems.append(
-                "got packed (thd) input; NeMo's GLM-5 is supported under CP on padded [B, S] "
-                "batches only (its one-process dense path scores a packed stream as one causal "
-                "row across documents). Pass the batch from nemo_cp_batch(handle, input_ids)."
+                "got NeMo's thd layout (qkv_format='thd'); under hp_cp pass the batch of "
+                "nemo_cp_batch(handle, input_ids, seq_lens=...): [1, L] rows with the documents "
+                "as cu_seqlens."
             )
         if POSITIONS_KWARG not in kwargs:
             if freqs_cis is not None:  # (no freqs_cis at all fails with the same words)
@@ -239,6 +245,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             **kwargs,
         ):
             position_ids = kwargs.get(POSITIONS_KWARG)
+            cu = kwargs.get("cu_seqlens")
             call = adapter.check_inputs(
                 cp_forward,
                 group,
@@ -247,6 +254,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 position_ids,
                 attention_mask,
                 None,
+                cu_seqlens=cu.detach().cpu().numpy() if isinstance(cu, torch.Tensor) else cu,
                 problems=adapter.nemo_problems(x, freqs_cis, attention_mask, kwargs),
             )
             batch, length = x.shape[:-1]
@@ -297,14 +305,3 @@ def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
             "nemo_automodel's GlmMoeDsaForCausalLM, GlmMoeDsaModel or a GlmMoeDsaMLA."
         )
     return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-
-
-def check_unpacked(model: nn.Module, cu_seqlens: Any) -> None:
-    """``nemo_cp_batch``'s refusal of packed input for NeMo's GLM-5 (before any shard)."""
-    if cu_seqlens is not None and is_dsa_model(model):
-        raise HpCpError(
-            "nemo_cp_batch: packed input (seq_lens / packed_seq_ids) is not supported for "
-            "NeMo's GLM-5 under CP: its one-process dense path scores the packed stream as one "
-            "causal row across documents, which per-document CP cannot equal. Pass padded "
-            "[B, S] batches (each row one sequence)."
-        )

@@ -108,6 +108,9 @@ def dsa_adapter_for(module: Any) -> Any:
 class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
     """Hooks for ``DeepseekV32Attention`` / ``GlmMoeDsaAttention`` (batch-major)."""
 
+    packed_topk_row = "stream"
+    """HF's one-process packed mask is block-diagonal over one row of the packed stream."""
+
     def __init__(self, module: nn.Module, modeling: str) -> None:
         super().__init__(module)
         self.modeling = modeling
@@ -199,7 +202,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
                 int(self.module.indexer.index_topk),
                 call.config.query_chunk,
                 batch=q.shape[0],
-                one_process_row="stream",  # HF's packed mask: one row, block-diagonal
+                one_process_row=self.packed_topk_row,  # the model's torch.topk row
                 sequence_rows=call.sequence_rows,
                 cu_seqlens=call.cu_seqlens,
             )
