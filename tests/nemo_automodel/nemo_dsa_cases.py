@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from nemo_cases import VOCAB, compare, make_ids, reference
+from nemo_cases import VOCAB, _error, compare, make_ids, reference, restore_check
 
-from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_core import DeepSeekV4CPConfig
 from hp_cp_torch.integrations.nemo_automodel import (
     cp_causal_lm_loss,
     cp_sum_gradients,
@@ -129,14 +129,6 @@ PACKED_CASES = (
 GPU kernels compute with ``cu_seqlens``)."""
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except HpCpError as exc:
-        return str(exc)
-    return "no error"
-
-
 def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, str]:
     """Unsupported input: the same HpCpError on every rank, before any collective."""
     from nemo_automodel.components.models.common import BackendConfig
@@ -180,22 +172,6 @@ def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[
     out["v32_integration"] = _error(lambda: enable_cp(v32, group))
     out["v32_core"] = _error(lambda: hp_cp_core.enable_cp(torch.nn.ModuleList([v32]), group))
     return out
-
-
-def restore_check(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[str, Any]:
-    """disable_cp restores exactly: same forwards, attributes and hooks, same output."""
-    model = copy.deepcopy(model).eval()
-    before = model(ids).logits.detach()
-    attrs = {n: sorted(vars(m)) for n, m in model.named_modules()}
-    hooks = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
-    handle = enable_cp(model, group)
-    disable_cp(handle)
-    after = model(ids).logits.detach()
-    return {
-        "same_output": bool(torch.equal(before, after)),
-        "same_attrs": attrs == {n: sorted(vars(m)) for n, m in model.named_modules()},
-        "same_hooks": hooks == {n: len(m._forward_pre_hooks) for n, m in model.named_modules()},
-    }
 
 
 def suite(rank: int, world: int) -> dict[str, Any]:
