@@ -204,6 +204,16 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         res.update(case="packed", cp=cp, layout=layout, seq=seq, batch=1)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
+    if rank < 3:  # activation checkpointing: a shared layer recomputed before its full one
+        from nemo_v41_cases import checkpointed
+
+        wrapped = checkpointed(build_glm(5))
+        ids, docs = make_ids(89, seed=5), [0, 40, 89]
+        got = cp_step(wrapped, ids, groups[3], "load_balanced", cu=docs)
+        res = compare(reference(wrapped, ids, docs), got)
+        res.update(case="checkpointed", cp=3, layout="load_balanced", seq=89, batch=1)
+        res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
+        results.append(res)
     results.extend(core_entry_cases(rank, groups))
     model = build_glm(0)
     ids = make_ids(45, seed=3)
