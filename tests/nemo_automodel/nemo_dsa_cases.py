@@ -73,13 +73,17 @@ def cp_step(
     layout: str,
     enable: Any = enable_cp,
     cu: list[int] | None = None,
+    kernel: str | None = None,
 ) -> dict:
     """One training step under hp_cp (``enable``: the integration's ``enable_cp`` or the
     core's; ``cu``: packed documents, given as NeMo's ``seq_lens``); logits unsharded, loss
     and gradients summed."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
-    handle = enable(model, group, DeepSeekV4CPConfig(layout=layout))
+    config = DeepSeekV4CPConfig(layout=layout)
+    if kernel is not None:
+        config = DeepSeekV4CPConfig(layout=layout, attention_kernel=kernel)
+    handle = enable(model, group, config)
     handle.use_cp_path()  # a group of one runs the CP path too
     packing = {}
     if cu is not None:
@@ -212,6 +216,14 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         got = cp_step(wrapped, ids, groups[3], "load_balanced", cu=docs)
         res = compare(reference(wrapped, ids, docs), got)
         res.update(case="checkpointed", cp=3, layout="load_balanced", seq=89, batch=1)
+        res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
+        results.append(res)
+    if rank < 2:  # NeMo's op order: every gathered latent through kv_b_proj, dense rows
+        model = build_glm(53)
+        ids = make_ids(53, seed=53)
+        got = cp_step(model, ids, groups[2], "load_balanced", cu=[0, 20, 53], kernel="smallop")
+        res = compare(reference(model, ids, [0, 20, 53]), got)
+        res.update(case="smallop", cp=2, layout="load_balanced", seq=53, batch=1)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
     results.extend(core_entry_cases(rank, groups))

@@ -2,12 +2,12 @@
 full and shared indexer layers, MoE), a training step at cp 1, 2, 3 and 4 (sub-groups of one
 4-rank job), contiguous and load-balanced, S a multiple of nothing, batch 1 and 2, padded and
 packed (each document against itself run alone, as NeMo's GPU kernels compute), half-split
-and interleaved indexer RoPE, activation checkpointing, index top-k 4 of up to 97 visible
-tokens, against NeMo's own forward of the same weights on one process: logits and loss within
-1e-5, every parameter gradient within 1e-4, by name; also through ``hp_cp_core.enable_cp``
-(GLM-5 and V4.1, whose model-level pieces come with it). Unsupported input (and NeMo's
-DeepSeek V3.2, whose indexer is not causal) raises HpCpError on every rank; disable_cp
-restores the model exactly.
+and interleaved indexer RoPE, activation checkpointing, the small-op kernel, index top-k 4 of
+up to 97 visible tokens, against NeMo's own forward of the same weights on one process:
+logits and loss within 1e-5, every parameter gradient within 1e-4, by name; also through
+``hp_cp_core.enable_cp`` (GLM-5 and V4.1, whose model-level pieces come with it).
+Unsupported input (and NeMo's DeepSeek V3.2, whose indexer is not causal) raises HpCpError
+on every rank; disable_cp restores the model exactly.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_model_parity(ranks: list[dict]) -> None:
     want = {(c[0], c[1], c[2], c[3]) for c in nemo_dsa_cases.CASES}
     want |= {("packed", c[0], c[1], c[2]) for c in nemo_dsa_cases.PACKED_CASES}
     want |= {("core_enable_cp", 3, "load_balanced", 71)}
-    want |= {("checkpointed", 3, "load_balanced", 89)}
+    want |= {("checkpointed", 3, "load_balanced", 89), ("smallop", 2, "load_balanced", 53)}
     want |= {("core_enable_cp_v41", 2, "contiguous", 97)}
     assert {(r["case"], r["cp"], r["layout"], r["seq"]) for r in results} == want
     for res in results:

@@ -90,7 +90,11 @@ def nemo_dsa_adapter_for(module: Any) -> Any:
 
 
 def is_dsa_model(model: Any) -> bool:
-    """Whether ``model`` is or holds NeMo's GLM-5 or DeepSeek V3.2 attention."""
+    """Whether ``model`` is or holds NeMo's GLM-5 attention.
+
+    Raises:
+        HpCpError: ``model`` holds NeMo's DeepSeek V3.2 attention (:data:`V32_NOT_CAUSAL`).
+    """
     if not isinstance(model, nn.Module):
         return False
     if sys.modules.get(GLM_LAYERS) is None and sys.modules.get(V32_LAYERS) is None:
@@ -114,8 +118,9 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         "no attention_mask: nemo_cp_batch pads at the end, where no real token sees the padding."
     )
     POSITIONS_HINT = (
-        "got position_ids that are not the global row numbers of this rank's rows; pass "
-        "position_ids=batch['position_ids'] from nemo_cp_batch(handle, input_ids)."
+        "got position_ids that are not the global row numbers of this rank's rows (packed: "
+        "restarting per document); pass position_ids=batch['position_ids'] from "
+        "nemo_cp_batch(handle, input_ids)."
     )
 
     def __init__(self, module: nn.Module) -> None:
