@@ -74,6 +74,7 @@ def cp_step(
     enable: Any = enable_cp,
     cu: list[int] | None = None,
     kernel: str | None = None,
+    cp_path: bool = True,
 ) -> dict:
     """One training step under hp_cp (``enable``: the integration's ``enable_cp`` or the
     core's; ``cu``: packed documents, given as NeMo's ``seq_lens``); logits unsharded, loss
@@ -84,7 +85,8 @@ def cp_step(
     if kernel is not None:
         config = DeepSeekV4CPConfig(layout=layout, attention_kernel=kernel)
     handle = enable(model, group, config)
-    handle.use_cp_path()  # a group of one runs the CP path too
+    if cp_path:
+        handle.use_cp_path()  # a group of one runs the CP path too
     packing = {}
     if cu is not None:
         packing["seq_lens"] = [[b - a for a, b in zip(cu[:-1], cu[1:])] + [-1000]]
@@ -216,6 +218,14 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         got = cp_step(wrapped, ids, groups[3], "load_balanced", cu=docs)
         res = compare(reference(wrapped, ids, docs), got)
         res.update(case="checkpointed", cp=3, layout="load_balanced", seq=89, batch=1)
+        res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
+        results.append(res)
+    if rank < 1:  # cp 1, the layout pads one row: nemo_cp_batch itself takes the CP path
+        model = build_glm(77)  # (NeMo's own forward on the padded row was 5e-3 off)
+        ids = make_ids(77, seed=77)
+        got = cp_step(model, ids, groups[1], "load_balanced", cp_path=False)
+        res = compare(reference(model, ids), got)
+        res.update(case="padded_by_the_layout", cp=1, layout="load_balanced", seq=77, batch=1)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
     if rank < 2:  # NeMo's op order: every gathered latent through kv_b_proj, dense rows

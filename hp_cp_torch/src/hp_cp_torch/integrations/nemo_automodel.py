@@ -394,8 +394,9 @@ def nemo_cp_batch(
     each document keeps its own rows (no re-padding), its positions restart at 0 and its
     last token has no target. On a CP group of one packed input switches the layers from
     NeMo's own forward (``single_rank_bypass``) to the CP path (``handle.use_cp_path()``):
-    NeMo's forward would let the documents attend to each other. The sequence is padded at
-    the end to what the layout needs (token 0, label ``ignore_index``).
+    NeMo's forward would let the documents attend to each other; so does a GLM-5 batch the
+    layout pads (NeMo's forward would score the padding in its top-k rows). The sequence is
+    padded at the end to what the layout needs (token 0, label ``ignore_index``).
 
     Returns:
         The model's keyword arguments, ``input_ids`` and ``position_ids`` (this rank's rows)
@@ -436,6 +437,8 @@ def nemo_cp_batch(
     if is_v41_model(handle.module):
         return nemo_v41_cp_batch(handle, input_ids, labels, cu, shifted, ignore_index)
     pad = handle.padding(total)
+    if pad.pad_rows and is_dsa_model(handle.module):  # GLM-5's own forward would score the
+        handle.use_cp_path()  # padding in its one-process top-k rows (5e-3 off at cp 1)
     if cu is None:
         positions = np.arange(pad.padded_rows)
     else:
