@@ -213,7 +213,8 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 "attention layers, so switch NeMo's CP off and shard the batch with "
                 "nemo_cp_batch(handle, ...) instead."
             )
-        if kwargs.get("qkv_format") == "thd" or getattr(hidden_states, "dim", lambda: 3)() == 2:
+        thd = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2
+        if kwargs.get("qkv_format") == "thd" or thd:
             problems.append(
                 "got NeMo's thd layout (qkv_format='thd'); under hp_cp pass the batch of "
                 "nemo_cp_batch(handle, input_ids, seq_lens=...): [1, L] rows with the documents "
