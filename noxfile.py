@@ -16,6 +16,7 @@ entry-point group `hp_cp.contract`.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import random
@@ -40,6 +41,38 @@ nox.options.sessions = [
     "veomni",
 ]
 nox.options.reuse_existing_virtualenvs = True
+
+
+DROP_VENVS = "HP_CP_NOX_DROP_VENVS"
+"""Set to 1 (``.ci/run`` does) to delete each session's virtualenv when the session ends: the
+default sessions' virtualenvs hold about 14 GB together, one of them at most 3 GB."""
+
+
+def _session(**kwargs):
+    """``nox.session(**kwargs)`` that deletes the session's virtualenv when it ends, pass or
+    fail, if ``HP_CP_NOX_DROP_VENVS=1``. Unset (the default), virtualenvs stay for ``-R``."""
+
+    def decorate(func):
+        @functools.wraps(func)
+        def run(session: nox.Session) -> None:
+            try:
+                func(session)
+            finally:
+                if os.environ.get(DROP_VENVS) == "1":
+                    _drop_virtualenv(session)
+
+        return nox.session(**kwargs)(run)
+
+    return decorate
+
+
+def _drop_virtualenv(session: nox.Session) -> None:
+    location = getattr(session.virtualenv, "location", None)
+    nox_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox")
+    if location and os.path.abspath(location).startswith(nox_dir + os.sep):
+        session.log(f"{DROP_VENVS}=1: deleting {location}")
+        shutil.rmtree(location, ignore_errors=True)
+
 
 PYTHONS = ["3.11"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
@@ -146,7 +179,7 @@ def _install_veomni(session: nox.Session) -> None:
     session.install("--no-deps", VEOMNI)
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def lint(session: nox.Session) -> None:
     """ruff check and format check over the three distributions and the tests."""
     session.install("ruff==0.17.6")  # format output differs between releases
@@ -154,7 +187,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def docs(session: nox.Session) -> None:
     """The MkDocs (Material) site of docs/ with its API reference (mkdocstrings), built with
     ``--strict`` so a broken link, nav entry or docstring reference fails."""
@@ -169,7 +202,7 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", site, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def core(session: nox.Session) -> None:
     """hp-cp-core alone (pluggy + numpy) with the numpy fake backend: no framework."""
     session.install(*_wheels(session, "hp-cp-core[testing]"), "./tests/fakes", *TEST_DEPS)
@@ -189,7 +222,7 @@ def core(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def torch(session: nox.Session) -> None:
     """hp-cp-torch on real gloo process groups, with transformers for the HF integration and
     Triton (its kernels run in Triton's CPU interpreter, tests/torch/conftest.py)."""
@@ -215,7 +248,7 @@ def torch(session: nox.Session) -> None:
     session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def dsa(session: nox.Session) -> None:
     """transformers' DSA models under hp_cp: DeepSeek V3.2 and GLM-5 (cp 1, 2, 3, 4, 8 in one
     8-rank gloo job against one process), then the two docs snippets under torchrun."""
@@ -260,7 +293,7 @@ def _install_mindformers(session: nox.Session) -> None:
     session.install("pyyaml", "regex", "deprecated")
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def mindformers(session: nox.Session) -> None:
     """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun.
 
@@ -284,7 +317,7 @@ def mindformers(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def example_mindformers(session: nox.Session) -> None:
     """examples/train_mindformers_cp.py (mindformers' PyNativeDeepseekV4ForCausalLM, CPU with the
     test stand-ins): 3 steps on one process; then 2 steps at cp 2 under msrun, saved, and
@@ -318,7 +351,7 @@ def example_mindformers(session: nox.Session) -> None:
     session.run(*msrun(4), *common, "--steps", "3", "--resume", ckpt, "--expect", one, env=env)
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def example_jax(session: nox.Session) -> None:
     """A third-party backend as a user would ship it: examples/hp-cp-jax (JAX on CPU, its own
     layer) and hp-cp-core[testing], installed (not editable) into a fresh virtualenv, pass the
@@ -338,7 +371,7 @@ def example_jax(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def example_train(session: nox.Session) -> None:
     """examples/train_deepseek_v4_cp.py on 4 gloo ranks (dp 2 x cp 2, FSDP2): 3 steps and a
     checkpoint, then resumed from it for 2 more steps; checks the loss-curve PNG. Then the
@@ -373,7 +406,7 @@ def _install_nemo_automodel(session: nox.Session) -> None:
     session.install("--no-deps", NEMO_AUTOMODEL, "pillow")
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def nemo_automodel(session: nox.Session) -> None:
     """NeMo Automodel 0.7.0's own DeepSeek V4, V4.1 and GLM-5 models under hp_cp on gloo ranks
     (cp 1-4, 8) against one process, then the docs snippets under torchrun with 2 ranks."""
@@ -392,7 +425,7 @@ def nemo_automodel(session: nox.Session) -> None:
         session.run(*snippet, f"examples/snippets/{name}.py", env={**env, "PYTHONSAFEPATH": "1"})
 
 
-@nox.session(venv_backend="none", default=False)
+@_session(venv_backend="none", default=False)
 def bench_peers(session: nox.Session) -> None:
     """hp_cp side by side with each peer stack's own CP inside its model: bench-peers.json
     (bench_peers_nemo, bench_peers_veomni and bench_peers_dsa, each in its own virtualenv)."""
@@ -401,7 +434,7 @@ def bench_peers(session: nox.Session) -> None:
     session.notify("bench_peers_dsa", session.posargs)
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def bench_peers_dsa(session: nox.Session) -> None:
     """hp_cp vs the all-gather CP of the public DSA code inside transformers' DeepSeek V3.2
     and GLM-5 (gloo, cp 2 and 4; memory at cp 4): the dsa_allgather_* keys of
@@ -414,7 +447,7 @@ def bench_peers_dsa(session: nox.Session) -> None:
     session.run("python", "bench/peers_dsa.py", *session.posargs, env=env)
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def bench_peers_nemo(session: nox.Session) -> None:
     """hp_cp vs NeMo Automodel's own DeepSeek V4 and V4.1 CP inside NeMo's models (gloo, cp 2
     and 4): updates the nemo_* and nemo_v41_* keys of bench-peers.json."""
@@ -424,7 +457,7 @@ def bench_peers_nemo(session: nox.Session) -> None:
     session.run("python", "bench/peers_nemo_v41.py", *session.posargs, env=env)
 
 
-@nox.session(python=PYTHONS)
+@_session(python=PYTHONS)
 def veomni(session: nox.Session) -> None:
     """hp_cp inside VeOmni's DeepSeek V4 on gloo ranks (tests/veomni: cp 2, 4, 8), and the
     snippet of docs/veomni.md on 2 torchrun ranks."""
@@ -443,7 +476,7 @@ def veomni(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def bench_peers_veomni(session: nox.Session) -> None:
     """VeOmni's own CP vs hp_cp inside VeOmni's model (cp 2, 4): the veomni_* keys of
     bench-peers.json."""
@@ -451,7 +484,7 @@ def bench_peers_veomni(session: nox.Session) -> None:
     session.run("python", "bench/peers_veomni.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def bench_mindformers(session: nox.Session) -> None:
     """hp_cp vs MindFormers' own CSA CP on the real cell (msrun, cp 4): bench-mindformers.json."""
     _install_mindformers(session)
@@ -463,7 +496,7 @@ def bench_mindformers(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def bench(session: nox.Session) -> None:
     """`hp-cp bench`: bench.json and bench.png (traffic, balance, memory, time)."""
     session.install(TORCH)
@@ -471,7 +504,7 @@ def bench(session: nox.Session) -> None:
     session.run("hp-cp", "bench", *session.posargs)
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def bench_long(session: nox.Session) -> None:
     """`hp-cp bench --long`: bench-long.json and docs/bench-long.png (one training step of the
     reference layers at cp 8 per S, 64K ... 1M, one process per rank; the scale on paper)."""
@@ -480,7 +513,7 @@ def bench_long(session: nox.Session) -> None:
     session.run("hp-cp", "bench", "--long", *session.posargs)
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def dist(session: nox.Session) -> None:
     """The three wheels the test sessions install (built once per nox run into ``dist/``),
     installed without their frameworks: the entry points and the core's CLI work from them."""
@@ -497,7 +530,7 @@ def dist(session: nox.Session) -> None:
         session.error(f"python -m hp_cp_core does not report the backends current:\n{out}")
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def fuzz(session: nox.Session) -> None:
     """Randomised CP-vs-single-device parity on gloo ranks, with a random seed (printed).
 
@@ -519,7 +552,7 @@ def fuzz(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHONS, default=False)
+@_session(python=PYTHONS, default=False)
 def device(session: nox.Session) -> None:
     """GPU checks: the Triton kernel's parity and benchmark (scripts/device_triton.py, JSON to
     ``$HP_CP_DEVICE_JSON`` or ./triton2.json), then multi-GPU torchrun (NCCL)."""
