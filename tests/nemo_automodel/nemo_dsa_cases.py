@@ -237,11 +237,33 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
     results.extend(core_entry_cases(rank, groups))
+    bf16 = bf16_case(groups[3]) if rank < 3 else None
     model = build_glm(0)
     ids = make_ids(45, seed=3)
     errors = error_checks(model, ids, dist.group.WORLD)
     restore = restore_check(model, ids, dist.group.WORLD)
-    return {"rank": rank, "results": results, "errors": errors, "restore": restore}
+    return {
+        "rank": rank, "results": results, "errors": errors, "restore": restore, "bf16": bf16,
+    }  # fmt: skip
+
+
+def bf16_case(group: Any) -> dict[str, dict[str, float]]:
+    """NeMo's default dtype: the model in bf16, a step at cp 3 (load-balanced, S = 83), and
+    the same bf16 model on one process, each measured against the fp32 model on one process
+    (``cp``, ``one_process``); ``cp_vs_one_process`` between the two bf16 runs."""
+
+    def as_fp32(run: dict) -> dict:
+        grads = {n: None if g is None else g.float() for n, g in run["grads"].items()}
+        return {**run, "logits": run["logits"].float(), "loss": run["loss"].float(), "grads": grads}
+
+    ids = make_ids(83, seed=83)
+    exact = reference(build_glm(83), ids)
+    model = build_glm(83).to(torch.bfloat16)
+    one = as_fp32(reference(model, ids))
+    cp = as_fp32(cp_step(model, ids, group, "load_balanced"))
+    runs = {"cp": compare(exact, cp), "one_process": compare(exact, one)}
+    runs["cp_vs_one_process"] = compare(one, cp)
+    return {k: {"logits": r["logits"], "grads": r["grads"]} for k, r in runs.items()}
 
 
 def core_entry_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
