@@ -250,7 +250,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 position_ids,
                 attention_mask,
                 None,
-                cu_seqlens=_as_numpy(kwargs.get("cu_seqlens")),
+                cu_seqlens=kwargs.get("cu_seqlens"),
                 problems=adapter.nemo_problems(kwargs, start_pos, rotary_compress),
             )
             if position_ids is None:

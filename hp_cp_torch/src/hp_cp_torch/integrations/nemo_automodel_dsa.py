@@ -251,7 +251,6 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             **kwargs,
         ):
             position_ids = kwargs.get(POSITIONS_KWARG)
-            cu = kwargs.get("cu_seqlens")
             call = adapter.check_inputs(
                 cp_forward,
                 group,
@@ -260,7 +259,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 position_ids,
                 attention_mask,
                 None,
-                cu_seqlens=cu.detach().cpu().numpy() if isinstance(cu, torch.Tensor) else cu,
+                cu_seqlens=kwargs.get("cu_seqlens"),
                 problems=adapter.nemo_problems(x, freqs_cis, attention_mask, kwargs),
             )
             batch, length = x.shape[:-1]

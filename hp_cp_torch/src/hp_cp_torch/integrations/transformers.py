@@ -433,7 +433,7 @@ class DeepseekV4AttentionAdapter:
                 f"packed input (cu_seqlens) needs batch size 1, got {hidden_states.shape[0]}; "
                 "pack the documents of a batch into one row."
             )
-        cu = cu_seqlens.detach().cpu().numpy() if torch.is_tensor(cu_seqlens) else cu_seqlens
+        cu = checks.host_cu_seqlens(cu_seqlens)
         check = cp_forward.inspect(
             rows_hint(hidden_states, 1), cu, problems=checks.problems, signature=checks.signature
         )
