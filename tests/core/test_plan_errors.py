@@ -166,9 +166,9 @@ def test_rank_and_cp_size_out_of_range() -> None:
             "('contiguous', 'load_balanced').",
         ),
         (
-            {"attention_kernel": "flash"},
-            "DeepSeekV4CPConfig.attention_kernel='flash' is not a kernel; expected one of "
-            "('smallop', 'efficient', 'triton', 'banded').",
+            {"attention_kernel": ""},
+            "DeepSeekV4CPConfig.attention_kernel='' is not a kernel name; pass the name of a "
+            "kernel the backend registers (a non-empty string).",
         ),
         ({"query_chunk": 0}, "DeepSeekV4CPConfig.query_chunk must be >= 1, got 0."),
     ],

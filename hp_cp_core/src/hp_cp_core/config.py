@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ARTIFACTS",
     "GRIDS",
-    "KERNELS",
     "LAYOUTS",
     "DeepSeekV4CPConfig",
     "DeepSeekV4CPContext",
@@ -28,7 +27,6 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "load_balanced")
-KERNELS = ("smallop", "efficient", "triton", "banded")
 
 
 @dataclass(frozen=True)
@@ -38,12 +36,16 @@ class DeepSeekV4CPConfig:
     Attributes:
         layout: ``"contiguous"`` (rank k holds rows ``[k*L, (k+1)*L)``) or ``"load_balanced"``
             (rank k holds chunks k and 2cp-1-k of 2cp equal chunks, so causal work is even).
-        attention_kernel: ``"banded"`` (the default: the window, and HCA's visible slots, as
-            dense masked bands, only the indexer's top-k gathered, recomputed in backward),
-            ``"smallop"`` (gather the selected rows; the exact reference), ``"efficient"``
-            (gathered in chunks, recomputes in backward; memory does not grow with the number
-            of selected keys) or ``"triton"`` (fused GPU kernels, torch backend with
-            ``hp-cp-torch[triton]``). Backends that have only one ignore the others.
+        attention_kernel: the name of an attention kernel the backend registers; the core
+            does not know the names, the backend checks the name when ``enable_cp`` installs
+            the layers (an ``HpCpError`` listing its kernels). The torch backend ships
+            ``"banded"`` (the default: the window, and HCA's visible slots, as dense masked
+            bands, only the indexer's top-k gathered, recomputed in backward), ``"smallop"``
+            (gather the selected rows; the exact reference), ``"efficient"`` (memory flat in
+            the number of selected keys), ``"triton"`` (fused GPU kernels, with
+            ``hp-cp-torch[triton]``) and ``"model_ops"`` (the model's own op order), and takes
+            third parties' (:mod:`hp_cp_torch.kernels.registry`). Backends that have only one
+            ignore the name.
         query_chunk: queries scored / attended per chunk by causal-aware kernels.
         check_inputs_across_ranks: all-gather a few integers (each rank's check verdict and
             digests of its rows, cu_seqlens, tensor shapes, layer spec and these options)
@@ -93,10 +95,10 @@ class DeepSeekV4CPConfig:
                 f"DeepSeekV4CPConfig.layout={self.layout!r} is not a layout; expected one of "
                 f"{LAYOUTS}."
             )
-        if self.attention_kernel not in KERNELS:
+        if not isinstance(self.attention_kernel, str) or not self.attention_kernel:
             raise HpCpError(
-                f"DeepSeekV4CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel; "
-                f"expected one of {KERNELS}."
+                f"DeepSeekV4CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel "
+                "name; pass the name of a kernel the backend registers (a non-empty string)."
             )
         if int(self.query_chunk) < 1:
             raise HpCpError(f"DeepSeekV4CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")

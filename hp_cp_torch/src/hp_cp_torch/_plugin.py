@@ -20,7 +20,7 @@ def _children(module: Any) -> Any:
 _HOOKS = AdapterHooks(
     framework="torch",
     adapter_for="hp_cp_torch.adapter:adapter_for",
-    make_backend="hp_cp_torch.backend:TorchBackend",
+    make_backend="hp_cp_torch.adapter:make_backend",
     children=_children,
     install_forward="hp_cp_torch.adapter:install_forward",
 )

@@ -1,12 +1,14 @@
-"""Adapters: how the torch plugin's hooks reach into each kind of module.
+"""The dispatch from a module to its adapter, and the install of a layer's CP forward.
+
+:func:`adapter_for` has no per-model code: a module's adapter class comes from the
+``hp_cp.torch_models`` entry points (:mod:`hp_cp_torch.model_registry`); hp_cp_torch's own
+integrations register there as any package would. Two adapters live here besides:
 
 * :class:`ReferenceLayerAdapter` for :class:`hp_cp_torch.reference.DeepSeekV4Attention`.
 * :class:`TorchDeepSeekV4CSAAdapter` for any module whose forward is
   ``module(query, key, x, qr[, cu_seqlens=])``, given its compressor(s) and attention
   function (the design note's torch adapter), installed with
   :func:`patch_torch_deepseek_v4_csa_forward`.
-* the Hugging Face ``DeepseekV4Attention`` adapter in
-  :mod:`hp_cp_torch.integrations.transformers`.
 
 An adapter never plans: it runs the plan in ``call`` (see :mod:`hp_cp_core.plan`).
 """
@@ -14,7 +16,6 @@ An adapter never plans: it runs the plan in ``call`` (see :mod:`hp_cp_core.plan`
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,14 +32,12 @@ from hp_cp_core import (
 )
 from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+from hp_cp_torch.backend import TorchBackend
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
+from hp_cp_torch.model_registry import adapter_class_for
 from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, rows_hint
 
 ADAPTER_ATTR = "_hp_cp_adapter"
-NEMO_LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
-NEMO_V41_ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
-NEMO_GLM_LAYERS = "nemo_automodel.components.models.glm_moe_dsa.layers"
-NEMO_V32_LAYERS = "nemo_automodel.components.models.deepseek_v32.layers"
 
 
 def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -85,7 +84,8 @@ def install_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[
 
 
 class ReferenceLayerAdapter:
-    """Hooks for :class:`hp_cp_torch.reference.DeepSeekV4Attention` (batch-major layer)."""
+    """Hooks for :class:`hp_cp_torch.reference.DeepSeekV4Attention` (batch-major layer),
+    registered by the entry point ``"hp_cp_torch.reference:DeepSeekV4Attention"``."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -427,46 +427,48 @@ def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> N
 
 
 def adapter_for(module: Any) -> Any:
-    """The adapter for ``module``, or ``None`` when the torch plugin does not own it."""
+    """The adapter of ``module``, or ``None`` when no model adapter claims it.
+
+    The one a layer got at install (kept until ``disable_cp``), one set explicitly (the
+    ``_hp_cp_adapter`` attribute, :func:`patch_torch_deepseek_v4_csa_forward`), else a new
+    one of the class the ``hp_cp.torch_models`` entry points register for the module's class
+    (:mod:`hp_cp_torch.model_registry`; no per-model code here).
+    """
     if not isinstance(module, nn.Module):
         return None
     explicit = module.__dict__.get(ADAPTER_ATTR)
     if explicit is not None:
         return explicit
-    from hp_cp_torch.reference import DeepSeekV4Attention
+    cls = adapter_class_for(module)
+    return None if cls is None else cls(module)
 
-    if isinstance(module, DeepSeekV4Attention):
-        return ReferenceLayerAdapter(module)
-    if NEMO_V41_ATTENTION in sys.modules:
-        from hp_cp_torch.integrations.nemo_automodel_v41 import nemo_v41_adapter_for
 
-        found = nemo_v41_adapter_for(module)
-        if found is not None:
-            return found
-    if NEMO_GLM_LAYERS in sys.modules or NEMO_V32_LAYERS in sys.modules:
-        from hp_cp_torch.integrations.nemo_automodel_dsa import nemo_dsa_adapter_for
+def pin_adapter(layer: nn.Module) -> Callable[[], None]:
+    """Build ``layer``'s adapter now and keep it on the layer (one adapter per layer, for
+    every hook call of every forward); the returned undo drops it."""
+    if layer.__dict__.get(ADAPTER_ATTR) is not None:
+        return lambda: None  # set explicitly: its owner removes it
+    layer.__dict__[ADAPTER_ATTR] = adapter_for(layer)
+    return lambda: layer.__dict__.pop(ADAPTER_ATTR, None)
 
-        found = nemo_dsa_adapter_for(module)
-        if found is not None:
-            return found
-    if NEMO_LAYERS in sys.modules:
-        from hp_cp_torch.integrations.nemo_automodel import nemo_adapter_for
 
-        found = nemo_adapter_for(module)
-        if found is not None:
-            return found
-    if "veomni" in sys.modules:
-        from hp_cp_torch.integrations.veomni import veomni_adapter_for
+def make_backend(find: Callable[..., Any], install: Callable[..., Any]) -> TorchBackend:
+    """The torch backend (:class:`hp_cp_torch.backend.TorchBackend`) whose install builds
+    each layer's adapter once (:func:`pin_adapter`) and whose ``prepare_module`` runs the
+    adapters' ``prepare_model``."""
 
-        found = veomni_adapter_for(module)
-        if found is not None:
-            return found
-    if "transformers" in sys.modules:
-        from hp_cp_torch.integrations.transformers import hf_adapter_for
-        from hp_cp_torch.integrations.transformers_dsa import dsa_adapter_for
+    def install_pinned(layer: nn.Module, cp_forward: Any, group: Any) -> Callable[[], None]:
+        unpin = pin_adapter(layer)
+        try:
+            undo = install(layer, cp_forward, group)
+        except BaseException:
+            unpin()
+            raise
 
-        found = dsa_adapter_for(module)
-        if found is not None:
-            return found
-        return hf_adapter_for(module)
-    return None
+        def restore() -> None:
+            undo()
+            unpin()
+
+        return restore
+
+    return TorchBackend(find, install_pinned, prepare=prepare_module)

@@ -1,8 +1,7 @@
 """Sparse attention of a rank's local queries: the kernel dispatch and the indexer's top-k.
 
-:func:`run_sparse_attention` turns the core's columns of a plan (window, then compressed
-slots) into index tensors and runs one of the kernels of :mod:`hp_cp_torch.kernels` on them
-(the small-op reference kernel, :mod:`hp_cp_torch.kernels.smallop`, by default);
+:func:`run_sparse_attention` hands one registered kernel (:mod:`hp_cp_torch.kernels.registry`)
+the local queries, the KV and the plan (the small-op reference kernel by default);
 :func:`select_topk_chunked` is the indexer's deterministic top-k over the visible slots.
 :func:`gather_rows` and :func:`sparse_attention_smallop` are re-exported from the small-op
 kernel.
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.kernels.registry import AttentionRequest, kernel_named
 from hp_cp_torch.kernels.smallop import gather_rows, sparse_attention_smallop
 
 __all__ = [
@@ -275,7 +275,7 @@ def run_sparse_attention(
     sink: torch.Tensor,
     scale: float,
     *,
-    kernel: str = "smallop",
+    kernel: Any = "smallop",
     query_chunk: int = 1024,
     banded_picks: str = "weights",
 ) -> torch.Tensor:
@@ -292,9 +292,10 @@ def run_sparse_attention(
         selected: indexer picks ``[B, L, k]`` (global slot ids, -1 = none), or ``None``.
         sink: per-head sink logits ``[H]``.
         scale: softmax scale.
-        kernel: ``"banded"`` (the window, and HCA's slots, as dense bands; only the top-k
-            is gathered: :mod:`hp_cp_torch.kernels.banded`), ``"efficient"``, ``"triton"`` or
-            ``"smallop"``.
+        kernel: a registered kernel's name (:mod:`hp_cp_torch.kernels.registry`: ``"banded"``,
+            ``"smallop"``, ``"efficient"``, ``"triton"``, ``"model_ops"`` or a third
+            party's) or a kernel object; it is called once with an
+            :class:`~hp_cp_torch.kernels.registry.AttentionRequest`.
         query_chunk: queries per chunk.
         banded_picks: how the banded kernel reads picks that lie in a block's slot band
             (:data:`hp_cp_torch.kernels.banded.PICK_READS`; the same result each way, the
@@ -303,41 +304,7 @@ def run_sparse_attention(
     Returns:
         ``[B, L, H, D]``.
     """
-    columns = PlanColumns(plan, ori_ext.shape[1])
-    if kernel == "banded":
-        from hp_cp_torch.kernels.banded import (
-            PICKS_BAND_FACTOR,
-            block_rows_for,
-            sparse_attention_banded,
-        )
-
-        width = 0 if selected is None else selected.shape[-1]
-        rows = block_rows_for(q.shape[0], width, q.shape[-1])
-        # HCA (slots, no picks): every visible slot, as a dense band per block; CSA: the
-        # picks as a masked band where the block's visible slots are few
-        hca = selected is None and cmp_kv is not None
-        blocks = columns.dense_blocks(
-            rows, with_slots=hca, picks_band_max=PICKS_BAND_FACTOR * width
-        )
-        return sparse_attention_banded(
-            q, ori_ext, cmp_kv, selected, sink, scale, blocks, picks=banded_picks
-        )
-    attend = sparse_attention_smallop
-    if kernel == "efficient":
-        from hp_cp_torch.kernels.efficient import sparse_attention_efficient as attend
-    elif kernel == "triton":
-        from hp_cp_torch.kernels.triton_attention import sparse_attention_triton as attend
-    pool = ori_ext if cmp_kv is None else torch.cat([ori_ext, cmp_kv], dim=1)
-    outs = []
-    for lo, hi in columns.chunks(query_chunk):
-        window, slots = chunk_columns(
-            columns, lo, hi, selected, cmp_kv is not None, q.shape[0], q.device
-        )
-        idx = window if slots is None else torch.cat([window, slots], dim=-1)
-        if kernel == "triton":  # the window and HCA columns' readers come from the plan
-            hca = selected is None and cmp_kv is not None
-            bands = columns.column_bands(lo, hi, pool.shape[1], with_slots=hca)
-            outs.append(attend(q[:, lo:hi], pool, idx, sink, scale, bands=bands))
-            continue
-        outs.append(attend(q[:, lo:hi], pool, idx, sink, scale))
-    return torch.cat(outs, dim=1)
+    request = AttentionRequest(
+        q, ori_ext, cmp_kv, plan, selected, sink, scale, query_chunk, {"picks": banded_picks}
+    )
+    return kernel_named(kernel)(request)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hp_cp_core import HpCpError
 from hp_cp_core.adapters import InstallingBackend
 from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
+from hp_cp_torch.kernels.registry import kernel_named
 
 __all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
 
@@ -821,12 +822,23 @@ class TorchBackend(InstallingBackend):
             group.log.publish()
         super().uninstall(layer, token)
 
-    def prepare_module(self, module: Any, layers: list[Any], handle: Any) -> None:
-        """What the model needs beyond its attention layers, per integration (the adapters'
-        ``prepare_model``; :func:`hp_cp_torch.adapter.prepare_module`)."""
-        from hp_cp_torch.adapter import prepare_module
+    def __init__(
+        self,
+        find: Any,
+        install: Any,
+        prepare: Any = None,
+    ) -> None:
+        super().__init__(find, install)
+        self._prepare = prepare
 
-        prepare_module(module, layers, handle)
+    def prepare_module(self, module: Any, layers: list[Any], handle: Any) -> None:
+        """Check the config's attention kernel is registered (an ``HpCpError`` listing the
+        registered ones, before anything is installed or exchanged), then what the model needs
+        beyond its attention layers (the ``prepare`` given at construction: the model
+        adapters' ``prepare_model``, :func:`hp_cp_torch.adapter.prepare_module`)."""
+        kernel_named(handle.config.attention_kernel)
+        if self._prepare is not None:
+            self._prepare(module, layers, handle)
 
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
         """Install ``layer`` with a CP forward that names it (by its index among the

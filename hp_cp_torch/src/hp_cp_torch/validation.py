@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hp_cp_core import HpCpError
+
 __all__ = ["TensorChecks", "check_csa_inputs", "check_reference_inputs", "is_dtensor", "rows_hint"]
 
 
@@ -100,15 +102,19 @@ class TensorChecks:
         return cu_seqlens.detach().cpu().numpy()
 
     def kernel(self, name: str, device: torch.device) -> None:
-        """The attention kernel ``name`` (``DeepSeekV4CPConfig.attention_kernel``) can run on
-        ``device`` (the Triton kernel needs Triton and a GPU, or its CPU interpreter)."""
-        if name != "triton":
-            return
-        from hp_cp_torch.kernels.triton_attention import triton_problem
+        """The attention kernel ``name`` (``DeepSeekV4CPConfig.attention_kernel``) is
+        registered and can run on ``device`` (its ``problem(device)``: the Triton kernel
+        needs Triton and a GPU, or its CPU interpreter)."""
+        from hp_cp_torch.kernels.registry import kernel_named
 
-        problem = triton_problem(device)
-        if problem is not None:
-            self.fail(problem)
+        try:
+            problem = getattr(kernel_named(name), "problem", None)
+        except HpCpError as exc:
+            self.fail(str(exc))
+            return
+        why = None if problem is None else problem(device)
+        if why is not None:
+            self.fail(why)
 
     def same(self, what: str, dim_of: dict[str, tuple[torch.Tensor, int]], fix: str = "") -> bool:
         """The named tensors have equal sizes at their given dims (``what`` names the size)."""
@@ -168,8 +174,12 @@ def check_reference_inputs(
     position_ids: Any,
     loss_mask: Any,
     packed: bool,
+    *,
+    hidden_size: int | None = None,
 ) -> TensorChecks:
-    """Inputs of :class:`hp_cp_torch.reference.DeepSeekV4Attention`'s CP forward.
+    """Inputs of a batch-major layer's CP forward (the reference layer's, a
+    :class:`hp_cp_torch.model_adapter.ModelAdapter`'s): ``hidden_size`` (default
+    ``module.config.hidden_size``) is the width ``x`` must have.
 
     ``x`` is ``[B, L, hidden]`` (padded) or ``[L, hidden]`` / ``[B, L, hidden]`` with
     ``cu_seqlens`` (packed); ``position_ids`` and ``loss_mask`` hold one value per local row
@@ -183,7 +193,7 @@ def check_reference_inputs(
     )
     if not checks.tensor("x", x, (2, 3) if packed else (3,), layout):
         return checks
-    hidden = int(module.config.hidden_size)
+    hidden = int(module.config.hidden_size if hidden_size is None else hidden_size)
     if x.shape[-1] != hidden:
         checks.fail(
             f"x has hidden size {x.shape[-1]} (last dim of {list(x.shape)}) but the layer's "

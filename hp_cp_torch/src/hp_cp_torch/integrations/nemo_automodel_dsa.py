@@ -74,6 +74,13 @@ V32_NOT_CAUSAL = (
 plugin's discovery, so by ``hp_cp_core.enable_cp`` too)."""
 
 
+class NemoDeepseekV32Refusal:
+    """Registered for NeMo's ``DeepseekV32MLA``: refuses it (:data:`V32_NOT_CAUSAL`)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        raise HpCpError(V32_NOT_CAUSAL)
+
+
 def nemo_dsa_adapter_for(module: Any) -> Any:
     """The adapter for a NeMo ``GlmMoeDsaMLA``, else ``None`` (never imports NeMo).
 

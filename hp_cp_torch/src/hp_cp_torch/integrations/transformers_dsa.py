@@ -111,8 +111,11 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
     packed_topk_row = "stream"
     """HF's one-process packed mask is block-diagonal over one row of the packed stream."""
 
-    def __init__(self, module: nn.Module, modeling: str) -> None:
+    def __init__(self, module: nn.Module, modeling: str | None = None) -> None:
         super().__init__(module)
+        if modeling is None:  # the modeling file of the claimed class (the registry's match)
+            found = (MODELINGS.get(c.__name__) for c in type(module).__mro__)
+            modeling = next((m for m in found if m is not None), type(module).__module__)
         self.modeling = modeling
         self.glm = modeling.endswith("glm_moe_dsa")
 

@@ -1,0 +1,189 @@
+"""Attention kernels by name: one calling convention, a registry a third party can add to.
+
+A kernel is any object called as ``kernel(request)`` with one :class:`AttentionRequest` (a
+rank's local queries, the window KV of its ext frame, the gathered compressed slots, the
+plan, the indexer's picks, the sink and the scale) that returns the attention output
+``[B, L, H, D]`` in the queries' dtype, with gradients to ``q``, ``ori_ext``, ``cmp_kv`` and
+``sink``. It may also have:
+
+* ``problem(device) -> str | None``: why it cannot run on ``device`` (``None``: it can),
+  checked on every rank before any collective, so one rank's missing GPU fails them all;
+* ``model_op_order = True``: a model adapter that has its model's own attention op order
+  (:meth:`hp_cp_torch.model_adapter.ModelAdapter.model_attention`) runs that instead.
+
+``DeepSeekV4CPConfig(attention_kernel=NAME)`` picks one by name. Names resolve, in order,
+from :func:`register_kernel` (this process), the entry points of group
+``hp_cp.torch_kernels`` (a third party's package: ``name = "package.module:KERNEL"``, the
+object or a class built without arguments), then the shipped kernels (:data:`SHIPPED`). An
+unknown name is an :class:`~hp_cp_core.HpCpError` listing every registered kernel, raised
+when ``enable_cp`` installs the layers (before any collective). A kernel that computes on
+column lists ``fn(q, kv_pool, idx, sink, scale)`` (``idx [B, l, K]`` rows of the pool, ``-1``
+empty) is registered as ``ColumnKernel(fn)`` (:mod:`hp_cp_torch.kernels.shipped`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hp_cp_core import HpCpError
+from hp_cp_core.columns import PlanColumns
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "SHIPPED",
+    "AttentionRequest",
+    "kernel_named",
+    "kernel_names",
+    "register_kernel",
+    "unregister_kernel",
+    "uses_model_op_order",
+]
+
+ENTRY_POINT_GROUP = "hp_cp.torch_kernels"
+
+SHIPPED: dict[str, str] = {
+    "banded": "hp_cp_torch.kernels.shipped:BANDED",
+    "smallop": "hp_cp_torch.kernels.shipped:SMALLOP",
+    "efficient": "hp_cp_torch.kernels.shipped:EFFICIENT",
+    "triton": "hp_cp_torch.kernels.shipped:TRITON",
+    "model_ops": "hp_cp_torch.kernels.shipped:MODEL_OPS",
+}
+"""The kernels hp_cp_torch ships (imported by name on first use): ``banded`` (the default),
+``smallop`` (gathers the columns; the exact reference), ``efficient`` (memory flat in the
+number of columns), ``triton`` (fused GPU kernels) and ``model_ops`` (the model's own op
+order where its adapter has one, else ``smallop``)."""
+
+_REGISTERED: dict[str, Any] = {}
+"""Kernels registered in this process by :func:`register_kernel` (the one mutable registry:
+like pluggy's plugin manager, it holds what the program registered; entry points and the
+shipped kernels are read at call time)."""
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """One attention call of a rank's local queries (the kernels' one calling convention).
+
+    Attributes:
+        q: local queries ``[B, L, H, D]``.
+        ori_ext: window KV rows of the ext frame ``[B, E, D]`` (keys and values are one).
+        cmp_kv: the compressed slots ``[B, N, D]`` in global slot order, or ``None`` (r = 0).
+        plan: this rank's :class:`hp_cp_core.plan.RankPlan`.
+        selected: the indexer's picks ``[B, L, k]`` (global slot ids, ``-1`` = none) for
+            CSA, ``None`` otherwise (HCA: every visible slot).
+        sink: per-head sink logits ``[H]`` (inside the softmax's max and denominator).
+        scale: the softmax scale.
+        query_chunk: queries per chunk for chunked kernels.
+        tuning: kernel-specific knobs (the banded kernel reads ``"picks"``).
+    """
+
+    q: torch.Tensor
+    ori_ext: torch.Tensor
+    cmp_kv: torch.Tensor | None
+    plan: Any
+    selected: torch.Tensor | None
+    sink: torch.Tensor
+    scale: float
+    query_chunk: int = 1024
+    tuning: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> PlanColumns:
+        """The core's columns of the plan (window, then slots) in this request's ext frame."""
+        return PlanColumns(self.plan, self.ori_ext.shape[1])
+
+    def pool(self) -> torch.Tensor:
+        """The KV pool ``[B, E + N, D]``: the ext frame's rows, then the compressed slots."""
+        return self.ori_ext if self.cmp_kv is None else torch.cat([self.ori_ext, self.cmp_kv], 1)
+
+    def column_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(lo, hi, idx)`` per chunk of ``query_chunk`` queries: ``idx [B, hi-lo, K]`` the
+        pool rows query ``lo + i`` attends to (window, then slots; ``-1`` = empty)."""
+        columns = self.columns
+        batch, device = self.q.shape[0], self.q.device
+        for lo, hi in columns.chunks(self.query_chunk):
+            window = torch.as_tensor(columns.window(lo, hi), device=device).expand(batch, -1, -1)
+            if self.selected is not None:
+                sel = self.selected[:, lo:hi].to(device)
+                slots = torch.where(sel >= 0, sel + columns.n_ext, -1)
+            elif self.cmp_kv is not None:  # HCA: every visible slot
+                hca = columns.pool_rows(columns.visible_slots(lo, hi))
+                slots = torch.as_tensor(hca, device=device).expand(batch, -1, -1)
+            else:
+                slots = None
+            yield lo, hi, window if slots is None else torch.cat([window, slots], dim=-1)
+
+
+def register_kernel(name: str, kernel: Any) -> None:
+    """Register ``kernel`` (see the module docstring) as ``attention_kernel=name`` in this
+    process; it shadows an entry point or shipped kernel of that name.
+
+    Raises:
+        HpCpError: ``name`` is not a non-empty string or ``kernel`` is not callable.
+    """
+    if not isinstance(name, str) or not name:
+        raise HpCpError(f"register_kernel: the name must be a non-empty string, got {name!r}.")
+    if not callable(kernel):
+        raise HpCpError(
+            f"register_kernel({name!r}, ...): the kernel must be callable as "
+            f"kernel(request: AttentionRequest), got a `{type(kernel).__name__}`."
+        )
+    _REGISTERED[name] = kernel
+
+
+def unregister_kernel(name: str) -> None:
+    """Remove a kernel :func:`register_kernel` registered (nothing if there is none)."""
+    _REGISTERED.pop(name, None)
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def kernel_names() -> list[str]:
+    """Every kernel name ``attention_kernel`` may take, sorted."""
+    return sorted({*SHIPPED, *_entry_points(), *_REGISTERED})
+
+
+def kernel_named(name: Any) -> Any:
+    """The kernel registered as ``name`` (a kernel object is returned as is).
+
+    Raises:
+        HpCpError: no kernel has that name (the message lists the registered ones), or its
+            entry point fails to load.
+    """
+    if not isinstance(name, str):
+        if callable(name):
+            return name
+        raise HpCpError(f"attention_kernel must be a kernel name (a string), got {name!r}.")
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    eps = _entry_points()
+    if name in eps:
+        try:
+            found = eps[name].load()
+        except Exception as exc:  # noqa: BLE001 - named in the error
+            raise HpCpError(
+                f"attention kernel {name!r}: its entry point {eps[name].value!r} (group "
+                f"{ENTRY_POINT_GROUP}) failed to load: {type(exc).__name__}: {exc}"
+            ) from exc
+        return found() if isinstance(found, type) else found
+    if name in SHIPPED:
+        module, _, attr = SHIPPED[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+    raise HpCpError(
+        f"DeepSeekV4CPConfig.attention_kernel={name!r} is not a registered torch kernel; "
+        f"registered: {kernel_names()}. Register one with "
+        "hp_cp_torch.kernels.registry.register_kernel(name, kernel) or an entry point in "
+        f"group {ENTRY_POINT_GROUP!r}."
+    )
+
+
+def uses_model_op_order(name: Any) -> bool:
+    """Whether kernel ``name`` asks for the model's own attention op order."""
+    return bool(getattr(kernel_named(name), "model_op_order", False))
