@@ -297,7 +297,7 @@ def _install(model: Any, side: str, group: Any) -> Any:
         config = DeepSeekV4CPConfig(
             layout="load_balanced",
             regather_compressed_kv=side == "ours_regather",
-            attention_kernel="smallop" if side == "ours_smallop" else "banded",
+            attention_kernel="model_ops" if side == "ours_smallop" else "banded",
         )
         return enable_cp(model, group, config)
     return AllGatherDSA(model, group, "hf_ops" if side.endswith("hf_ops") else "latent")

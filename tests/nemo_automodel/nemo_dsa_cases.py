@@ -231,9 +231,9 @@ def suite(rank: int, world: int) -> dict[str, Any]:
     if rank < 2:  # NeMo's op order: every gathered latent through kv_b_proj, dense rows
         model = build_glm(53)
         ids = make_ids(53, seed=53)
-        got = cp_step(model, ids, groups[2], "load_balanced", cu=[0, 20, 53], kernel="smallop")
+        got = cp_step(model, ids, groups[2], "load_balanced", cu=[0, 20, 53], kernel="model_ops")
         res = compare(reference(model, ids, [0, 20, 53]), got)
-        res.update(case="smallop", cp=2, layout="load_balanced", seq=53, batch=1)
+        res.update(case="model_ops", cp=2, layout="load_balanced", seq=53, batch=1)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
     results.extend(core_entry_cases(rank, groups))

@@ -40,7 +40,7 @@ def test_model_parity(ranks: list[dict]) -> None:
     want = {(c[0], c[1], c[2], c[3]) for c in nemo_dsa_cases.CASES}
     want |= {("packed", c[0], c[1], c[2]) for c in nemo_dsa_cases.PACKED_CASES}
     want |= {("core_enable_cp", 3, "load_balanced", 71)}
-    want |= {("checkpointed", 3, "load_balanced", 89), ("smallop", 2, "load_balanced", 53)}
+    want |= {("checkpointed", 3, "load_balanced", 89), ("model_ops", 2, "load_balanced", 53)}
     want |= {("padded_by_the_layout", 1, "load_balanced", 77)}
     want |= {("core_enable_cp_v41", 2, "contiguous", 97)}
     assert {(r["case"], r["cp"], r["layout"], r["seq"]) for r in results} == want

@@ -57,10 +57,10 @@ TINY = dict(
 )
 
 MODELS = ("deepseek_v32", "glm_moe_dsa")
-VARIANTS = {2: ("regather+checkpointing",), 3: ("regather", "smallop"), 4: ("checkpointing",)}
+VARIANTS = {2: ("regather+checkpointing",), 3: ("regather", "model_ops"), 4: ("checkpointing",)}
 """Extra load-balanced cases per cp: the gathered latents re-received in backward
 (``regather_compressed_kv``), transformers' activation checkpointing (GLM-5's shared layers
-recomputed too), both together, transformers' op order (``attention_kernel="smallop"``)."""
+recomputed too), both together, transformers' op order (``attention_kernel="model_ops"``)."""
 
 
 def build_dsa_model(kind: str, seed: int = 0, **overrides: Any) -> Any:
@@ -221,7 +221,7 @@ def cp_case(
         query_chunk=chunk,
         single_rank_bypass=False,
         regather_compressed_kv="regather" in variant,
-        attention_kernel="smallop" if variant == "smallop" else "banded",
+        attention_kernel="model_ops" if variant == "model_ops" else "banded",
     )
     handle = enable_cp(model, group, config)
     try:

@@ -206,7 +206,7 @@ def parity_suite(rank: int, world: int) -> dict[str, Any]:
                 # the blocking exchanges (overlap_exchanges=False; the others overlap)
                 for kernel, chunk, overlap in (
                     ("efficient", 1024, True),
-                    ("smallop", 40, True),
+                    ("model_ops", 40, True),
                     ("banded", 1024, False),
                 ):
                     config = DeepSeekV4CPConfig(

@@ -24,7 +24,7 @@ from dist_utils import run_ranks  # noqa: E402
 LOGITS_RTOL = 1e-5
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-4
-"""Gradients through HF's own eager op sequence (``attention_kernel="smallop"``)."""
+"""Gradients through HF's own eager op sequence (``attention_kernel="model_ops"``)."""
 GRAD_RTOL_KERNEL = 2e-4
 """Gradients through the banded (default) or efficient kernel: the same fp32 math summed in
 another order; the most sensitive parameter (``hc_head.hc_scale``) moves by ~1e-4."""
@@ -74,7 +74,7 @@ def test_logits_and_loss_match_single_device(suite: dict) -> None:
 def test_parameter_gradients_match_single_device(suite: dict) -> None:
     for res in suite["results"] + suite["variants"]:
         assert res["grad_presence_mismatch"] == [], _case_id(res)
-        tol = GRAD_RTOL if "smallop" in res["case"] else GRAD_RTOL_KERNEL
+        tol = GRAD_RTOL if "model_ops" in res["case"] else GRAD_RTOL_KERNEL
         assert res["grad_rel_err_max"] <= tol, (
             _case_id(res),
             res["grad_rel_err_worst_param"],

@@ -33,7 +33,7 @@ that rounding of each other at the k-th place, the pick can differ from the one 
 the outputs then differ by far more than rounding. Measured on tiny V3.2 / GLM-5 models,
 packed, S = 1000 ... 3000 (one process through the CP path against transformers): 1 of 10
 configurations flipped a pick (logits 1.9e-2 off), the other 9 matched to 1e-6. DeepSeek's
-and NeMo's sparse kernels compute this same absorbed form. ``attention_kernel="smallop"``
+and NeMo's sparse kernels compute this same absorbed form. ``attention_kernel="model_ops"``
 runs transformers' own op order instead (0 of the 10 flipped; logits 7e-7 or closer), at the
 memory of transformers' eager path.
 """

@@ -66,6 +66,7 @@ from hp_cp_core import (
 )
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
+from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.kernels.smallop import gather_rows
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
@@ -295,7 +296,7 @@ class DeepseekV4AttentionAdapter:
         ori = ori_ext.transpose(0, 1)  # [B, E, D]
         # attention dropout in training: only HF's own op sequence applies it
         dropout = m.training and m.attention_dropout > 0
-        if call.config.attention_kernel != "smallop" and not dropout:
+        if not uses_model_op_order(call.config.attention_kernel) and not dropout:
             o = run_sparse_attention(
                 q,
                 ori,

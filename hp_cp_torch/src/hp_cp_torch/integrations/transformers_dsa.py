@@ -68,6 +68,7 @@ from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec
 from hp_cp_core.columns import PlanColumns
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
@@ -222,7 +223,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         local["selection"] = selected
         latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
         q = local["query"]  # [B, H, L, qk_head_dim]
-        if call.config.attention_kernel == "smallop":
+        if uses_model_op_order(call.config.attention_kernel):
             o = self.expanded_attention(q, latent, selected.to(q.device), call)
         else:
             q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
@@ -241,7 +242,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
     def expanded_attention(
         self, q: torch.Tensor, latent: torch.Tensor, selected: torch.Tensor, call: Any
     ) -> torch.Tensor:
-        """transformers' op order (``attention_kernel="smallop"``): every gathered latent
+        """transformers' op order (``attention_kernel="model_ops"``): every gathered latent
         through ``expand_kv``, each query chunk's dense row over the tokens up to its last
         visible one, the unselected at ``finfo.min``. The closest to transformers' rounding
         (Note [DSA attention on the latents]); keeps the expanded keys and each chunk's
