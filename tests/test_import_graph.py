@@ -114,3 +114,19 @@ def test_type_checking_imports_are_edges(tmp_path: Path) -> None:
     graph = {name: imported_modules(name, path, known) for name, path in known.items()}
     assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a", "pkg.c"}, "pkg.c": set()}
     assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_torch_collectives_do_not_import_the_model_dispatch() -> None:
+    """``hp_cp_torch.backend`` (groups, collectives) reaches no model adapter: not the dispatch
+    (``hp_cp_torch.adapter``), the registry of models or any integration, even indirectly."""
+    known = product_modules()
+    graph = {name: imported_modules(name, path, known) for name, path in known.items()}
+    reached, todo = set(), ["hp_cp_torch.backend"]
+    while todo:
+        for dep in graph[todo.pop()] - reached:
+            reached.add(dep)
+            todo.append(dep)
+    assert "hp_cp_torch.adapter" in known and "hp_cp_torch.model_registry" in known
+    models = {"hp_cp_torch.adapter", "hp_cp_torch.model_registry", "hp_cp_torch.model_adapter"}
+    assert not reached & models, sorted(reached & models)
+    assert not {m for m in reached if m.startswith("hp_cp_torch.integrations")}
