@@ -121,6 +121,10 @@ def single_process(case: ExampleCase) -> dict:
     return {"out": out.detach(), "gx": x.grad, "grads": grads}
 
 
+def params(model: Any) -> list[tuple[str, Any]]:
+    return list(model.named_parameters())
+
+
 def example_suite(world: int) -> dict[str, tuple[Any, tuple]]:
     if world > 4:
         return {}

@@ -1,9 +1,7 @@
 """The hp_cp model adapter of :class:`hp_cp_model_example.model.PooledAttention`.
 
-Registered in this package's ``pyproject.toml``::
-
-    [project.entry-points."hp_cp.torch_models"]
-    "hp_cp_model_example.model:PooledAttention" = "hp_cp_model_example.adapter:PooledAttentionAdapter"
+Registered in this package's ``pyproject.toml`` (the entry point's name is the modeling
+class, its value this adapter class), group ``hp_cp.torch_models``.
 
 Only the model's math: everything else (checks, exchanges, selection, kernels, install) is
 :class:`hp_cp_torch.model_adapter.ModelAdapter`'s.

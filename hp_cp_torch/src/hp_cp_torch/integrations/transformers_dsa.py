@@ -68,13 +68,13 @@ from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec
 from hp_cp_core.columns import PlanColumns
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
 
 __all__ = [
