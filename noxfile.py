@@ -230,6 +230,7 @@ def torch(session: nox.Session) -> None:
     session.install(
         *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[triton,transformers]"),
         "./tests/fakes",
+        "./tests/model_example",  # a model adapter found only through its entry points
         TRANSFORMERS,
         *TEST_DEPS,
     )

@@ -2,8 +2,11 @@
 
 Public entry points: :class:`DeepSeekV4Attention` / :class:`DeepSeekV4AttentionConfig` (the
 single-device reference layer), :class:`TorchDeepSeekV4CSAAdapter` and
-:func:`patch_torch_deepseek_v4_csa_forward` (the design note's adapter API). Use
-``hp_cp_core.enable_cp(module, mesh)`` to run any of them under CP.
+:func:`patch_torch_deepseek_v4_csa_forward` (the design note's adapter API),
+:class:`ModelAdapter` (the base of a model adapter registered under the entry-point group
+``hp_cp.torch_models``) and :func:`register_kernel` (an attention kernel by name; or the group
+``hp_cp.torch_kernels``). Use ``hp_cp_core.enable_cp(module, mesh)`` to run any of them under
+CP.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ _LAZY = {
     "DeepSeekV4AttentionConfig": "hp_cp_torch.reference",
     "TorchDeepSeekV4CSAAdapter": "hp_cp_torch.adapter",
     "patch_torch_deepseek_v4_csa_forward": "hp_cp_torch.adapter",
+    "ModelAdapter": "hp_cp_torch.model_adapter",
+    "register_kernel": "hp_cp_torch.kernels.registry",
 }
 
 
@@ -32,6 +37,8 @@ __version__ = "0.2.0"
 __all__ = [
     "DeepSeekV4Attention",
     "DeepSeekV4AttentionConfig",
+    "ModelAdapter",
+    "register_kernel",
     "TorchDeepSeekV4CSAAdapter",
     "patch_torch_deepseek_v4_csa_forward",
 ]

@@ -56,6 +56,7 @@ from hp_cp_torch.integrations.nemo_automodel_v41 import (
 )
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
+    RopeForwardState,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
@@ -143,13 +144,13 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         )
 
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        comp, rotary = self.module.compressor, call.extra["rotary"]
+        comp, rotary = self.module.compressor, call.extra["state"].rotary
         return stage1_compress_with_halo(
             lambda rows, offset: _compress_rows(comp, rotary, rows, offset), x, halo_x, call
         )
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        ix, rotary = self.module.compressor.indexer, call.extra["rotary"]
+        ix, rotary = self.module.compressor.indexer, call.extra["state"].rotary
         with torch.no_grad():  # the indexer only feeds integer top-k ids (no gradient in NeMo)
             return stage1_compress_with_halo(
                 lambda rows, offset: _compress_rows(ix, rotary, rows, offset), x, halo_x, call
@@ -165,7 +166,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         """NeMo's indexer top-k (``indexer_scores_torch``) over the visible slots only."""
         ix = self.module.compressor.indexer
         scores_fn = sys.modules[OPTIMIZED].indexer_scores_torch
-        cos, sin = call.extra["cos"], call.extra["sin"]
+        cos, sin = call.extra["state"].cos, call.extra["state"].sin
         with torch.no_grad():
             batch, length = xb.shape[:2]
             q = ix.wq_b(qrb).view(batch, length, ix.n_heads, ix.head_dim).transpose(1, 2)
@@ -273,10 +274,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 hidden_states.transpose(0, 1),
                 q_residual.transpose(0, 1),
                 call=call,
-                cos=cos,
-                sin=sin,
-                position_ids=position_ids,
-                rotary=rotary_compress,
+                state=RopeForwardState(cos, sin, position_ids, rotary=rotary_compress),
             )
             return out, None  # NeMo returns (output, attn_weights)
 

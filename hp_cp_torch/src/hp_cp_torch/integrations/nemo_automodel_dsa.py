@@ -45,7 +45,7 @@ from torch import nn
 
 import hp_cp_core
 from hp_cp_core import CPHandle, HpCpError
-from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter
+from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter, DSAForwardState
 
 __all__ = [
     "V32_NOT_CAUSAL",
@@ -279,16 +279,16 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             q_pe = adapter.rope(q_pe, freqs_cis)
             k_pe = adapter.rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
             latent = torch.cat([kv, k_pe], dim=-1)  # [B, L, rank + rope]
-            local: dict[str, Any] = {
-                "query": torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2),  # [B, H, L, D]
-                "latent": latent.transpose(0, 1),  # [L, B, ...]: the owned slots
-                "hidden_states": x,
-            }
+            state = DSAForwardState(
+                torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2),  # [B, H, L, D]
+                latent.transpose(0, 1),  # [L, B, ...]: the owned slots
+                x,
+            )
             if not adapter.shared:
                 index_q, index_k = adapter.indexer_qk(x, q_resid, freqs_cis)
-                local["index_q"], local["index_k"] = index_q, index_k.transpose(0, 1)
-            out = cp_forward(None, local["latent"], x.transpose(0, 1), None, call=call, local=local)
-            return (out, local["selection"]) if return_topk_indices else out
+                state.index_q, state.index_k = index_q, index_k.transpose(0, 1)
+            out = cp_forward(None, state.latent, x.transpose(0, 1), None, call=call, state=state)
+            return (out, state.selection) if return_topk_indices else out
 
         return forward
 

@@ -68,6 +68,7 @@ layer returns it, but hp_cp reads nothing from it.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -156,6 +157,27 @@ def _chunked(rows: Any, query_chunk: int, heads: int) -> Any:
             yield row, lo, min(lo + step, row.hi)
 
 
+@dataclass
+class V41ForwardState:
+    """One forward of a V4.1 layer, from its forward to its stage hooks
+    (``call.extra["state"]``).
+
+    Attributes:
+        state: the ``DeepseekV41AttentionState`` NeMo's model passed in.
+        angles: the local rows' RoPE angles.
+        valid: ``[B, L]`` bool, the rows the attention mask keeps.
+        latents: each compressed segment's latent, by ``(offset, rows)`` (the main
+            compressor's, reused by the indexer's).
+        next_state: the state this layer returns (set by ``run_attention``).
+    """
+
+    state: Any
+    angles: Any
+    valid: Any
+    latents: dict[tuple[int, int], Any] = field(default_factory=dict)
+    next_state: Any = None
+
+
 class NemoDeepseekV41AttentionAdapter:
     """Hooks for NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
@@ -215,7 +237,7 @@ class NemoDeepseekV41AttentionAdapter:
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         """The owned slots: NeMo's latent, roped at each group's first position, nvfp4."""
         rope = _attn_mod()._apply_rope
-        cache = call.extra["local"].setdefault("latents", {})
+        cache = call.extra["state"].latents
 
         def compress(rows: torch.Tensor, offset: int) -> torch.Tensor:
             latent = self._latent(rows)
@@ -229,7 +251,7 @@ class NemoDeepseekV41AttentionAdapter:
         """The owned slots' index keys: ``mxfp4(rope(k_norm(wk(latent))))``, no gradient
         (NeMo's indexer is frozen and runs under ``no_grad``)."""
         ix, rope = self.module.indexer, _attn_mod()._apply_rope
-        cache = call.extra["local"].get("latents", {})
+        cache = call.extra["state"].latents
 
         def keys(rows: torch.Tensor, offset: int) -> torch.Tensor:
             latent = cache.get((int(offset), int(rows.shape[0])))
@@ -318,8 +340,8 @@ class NemoDeepseekV41AttentionAdapter:
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
         m = self.module
-        local = call.extra["local"]
-        state, angles, valid = local["state"], local["angles"], local["valid"]
+        forward_state: V41ForwardState = call.extra["state"]
+        state, angles, valid = forward_state.state, forward_state.angles, forward_state.valid
         role = self.role
         selected = cmp = None
         next_state = state
@@ -357,7 +379,7 @@ class NemoDeepseekV41AttentionAdapter:
             kernel=call.config.attention_kernel,
             query_chunk=call.config.query_chunk,
         )
-        local["next_state"] = next_state
+        forward_state.next_state = next_state
         return m._project_output(o.to(query.dtype), angles, valid)
 
     # ------------------------------------------------------------------ checks
@@ -402,16 +424,16 @@ class NemoDeepseekV41AttentionAdapter:
                 )
             else:
                 valid = attention_mask.bool()
-            local: dict[str, Any] = {"state": state, "angles": angles, "valid": valid}
+            forward_state = V41ForwardState(state, angles, valid)
             out = cp_forward(
                 query.transpose(0, 1),  # [L, B, H, D]
                 kv.transpose(0, 1),  # [L, B, D]
                 hidden_states.transpose(0, 1),
                 qr.transpose(0, 1),
                 call=call,
-                local=local,
+                state=forward_state,
             )
-            return nemo.DeepseekV41AttentionOutput(out, local["next_state"])
+            return nemo.DeepseekV41AttentionOutput(out, forward_state.next_state)
 
         return forward
 

@@ -160,6 +160,30 @@ def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
     return (~diag).any() if mask.dtype == torch.bool else (diag != 0).any()
 
 
+@dataclass
+class RopeForwardState:
+    """One forward of a V4 layer (HF's, NeMo's, VeOmni's), from its forward to its stage hooks
+    (``call.extra["state"]``).
+
+    Attributes:
+        cos, sin: the RoPE tables of the local rows.
+        position_ids: the local rows' positions ``[1 or B, L]``.
+        rotary: the compressors' rotary module (NeMo), else ``None``.
+        qr: the query's low-rank residual ``[L, B, q_lora]`` (computed while the halo
+            travels, or passed in).
+        indexer_q: the indexer's roped queries ``[B, L, H_I, D_I]`` (CSA), else ``None``.
+        query: the queries ``[L, B, H, D]`` (computed while the slots travel, or passed in).
+    """
+
+    cos: Any
+    sin: Any
+    position_ids: Any
+    rotary: Any = None
+    qr: Any = None
+    indexer_q: Any = None
+    query: Any = None
+
+
 class DeepseekV4AttentionAdapter:
     """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``)."""
 
@@ -267,7 +291,7 @@ class DeepseekV4AttentionAdapter:
     ) -> torch.Tensor:
         """Indexer top-k of the local queries over their visible slots (global slot ids)."""
         ix = self.module.compressor.indexer
-        prepared = call.extra.get("local", {}).get("indexer_q")
+        prepared = call.extra["state"].indexer_q
         with torch.no_grad():
             q = self.indexer_queries(xb, qrb, position_ids) if prepared is None else prepared
             keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
@@ -284,10 +308,10 @@ class DeepseekV4AttentionAdapter:
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
         m = self.module
-        local = call.extra.get("local")
-        if query is None and local is not None:  # computed while the exchanges travelled
-            query, qr = local["query"], local["qr"]
-        cos, sin, position_ids = call.extra["cos"], call.extra["sin"], call.extra["position_ids"]
+        state: RopeForwardState = call.extra["state"]
+        if query is None:  # computed while the exchanges travelled
+            query, qr = state.query, state.qr
+        cos, sin, position_ids = state.cos, state.sin, state.position_ids
         selected = None
         if call.cmp_idx_global is not None:
             selected = self.select(x.transpose(0, 1), qr.transpose(0, 1), position_ids, call)
@@ -511,34 +535,31 @@ class DeepseekV4AttentionAdapter:
             shape = (batch, length, -1, m.head_dim)
             kv = m.kv_norm(m.kv_proj(hidden_states)).view(shape).transpose(1, 2)
             kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
-            local: dict[str, Any] = {}  # filled while the exchanges travel
+            state = RopeForwardState(cos, sin, position_ids)  # filled while exchanges travel
 
             # Note [Overlapped exchanges] in hp_cp_core.collectives: the query residual and
             # the indexer's queries while the halo travels, the queries while the slots do.
             # Each window holds work with a gradient, so backward overlaps both exchanges too.
             def residual_and_indexer_queries() -> None:
                 q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
-                local["qr"] = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
+                state.qr = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
                 if adapter.is_csa:
-                    local["indexer_q"] = adapter.indexer_queries(
+                    state.indexer_q = adapter.indexer_queries(
                         hidden_states, q_residual, position_ids
                     )
 
             def queries() -> None:
-                q = m.q_b_norm(m.q_b_proj(local["qr"].transpose(0, 1)).view(shape).transpose(1, 2))
-                local["query"] = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
+                q = m.q_b_norm(m.q_b_proj(state.qr.transpose(0, 1)).view(shape).transpose(1, 2))
+                state.query = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
 
             out = cp_forward(
-                None,  # the queries: computed while the exchanges travel (`local`)
+                None,  # the queries: computed while the exchanges travel (`state`)
                 kv[:, 0].transpose(0, 1),  # [L, B, D]
                 hidden_states.transpose(0, 1),  # [L, B, hidden]
                 None,
                 call=call,
                 local_work=(residual_and_indexer_queries, queries),
-                cos=cos,
-                sin=sin,
-                position_ids=position_ids,
-                local=local,
+                state=state,
             )
             return out, None  # HF returns (output, attn_weights)
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,28 @@ def dsa_adapter_for(module: Any) -> Any:
     return None
 
 
+@dataclass
+class DSAForwardState:
+    """One forward of a DSA layer (transformers' V3.2 / GLM-5, NeMo's GLM-5), from its forward
+    to its stage hooks (``call.extra["state"]``).
+
+    Attributes:
+        query: the queries ``[B, H, L, qk_head_dim]``.
+        latent: the local rows' latents ``[L, B, kv_lora_rank + rope]`` (the owned slots).
+        hidden_states: the layer input ``[B, L, hidden]``.
+        index_q: the indexer's roped queries ``[B, L, H_I, D_I]`` (a layer that selects).
+        index_k: the indexer's keys ``[L, B, D_I]`` (its owned slots).
+        selection: the top-k this forward used ``[B, L, k]`` (set by ``run_attention``).
+    """
+
+    query: torch.Tensor
+    latent: torch.Tensor
+    hidden_states: torch.Tensor
+    index_q: Any = None
+    index_k: Any = None
+    selection: Any = None
+
+
 class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
     """Hooks for ``DeepseekV32Attention`` / ``GlmMoeDsaAttention`` (batch-major)."""
 
@@ -147,10 +170,10 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
 
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         # ratio 1: the slots a rank owns are its rows, ascending (= local order, any layout)
-        return call.extra["local"]["latent"]
+        return call.extra["state"].latent
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        return call.extra["local"]["index_k"]
+        return call.extra["state"].index_k
 
     # ------------------------------------------------------------------ local projections
 
@@ -196,8 +219,8 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         """Indexer top-k ``[B, L, topk]`` (global token ids, ``-1`` = none) of the local
         queries over the tokens each sees, the model's scores, the tokens its ``torch.topk``
         keeps on one process (the row of the whole sequence or packed stream)."""
-        local = call.extra["local"]
-        q, hs = local["index_q"], local["hidden_states"]
+        state: DSAForwardState = call.extra["state"]
+        q, hs = state.index_q, state.hidden_states
         keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
         with torch.no_grad():
             return select_topk_chunked(
@@ -213,16 +236,16 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
         m = self.module
-        local = call.extra["local"]
+        state: DSAForwardState = call.extra["state"]
         if "selection" in call.reused:
             selected = call.reused["selection"]
         else:
             selected = self.select(call)
         if call.roles is not None and call.roles.publishes("selection"):
             call.outputs["selection"] = selected
-        local["selection"] = selected
+        state.selection = selected
         latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
-        q = local["query"]  # [B, H, L, qk_head_dim]
+        q = state.query  # [B, H, L, qk_head_dim]
         if uses_model_op_order(call.config.attention_kernel):
             o = self.expanded_attention(q, latent, selected.to(q.device), call)
         else:
@@ -313,24 +336,19 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             k_rot = k_rot.view(batch, 1, length, m.qk_rope_head_dim)
             q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
             latent = torch.cat([k_pass, k_rot[:, 0]], dim=-1)  # [B, L, rank + rope]
-            local: dict[str, Any] = {
-                "query": torch.cat((q_pass, q_rot), dim=-1),  # [B, H, L, qk_head_dim]
-                "latent": latent.transpose(0, 1),  # [L, B, ...]: the owned slots
-                "hidden_states": hidden_states,
-            }
+            state = DSAForwardState(
+                torch.cat((q_pass, q_rot), dim=-1),  # [B, H, L, qk_head_dim]
+                latent.transpose(0, 1),  # [L, B, ...]: the owned slots
+                hidden_states,
+            )
             if not adapter.shared:
                 index_q, index_k = adapter.indexer_qk(hidden_states, q_resid, cos, sin)
-                local["index_q"], local["index_k"] = index_q, index_k.transpose(0, 1)
+                state.index_q, state.index_k = index_q, index_k.transpose(0, 1)
             out = cp_forward(
-                None,
-                local["latent"],
-                hidden_states.transpose(0, 1),
-                None,
-                call=call,
-                local=local,
+                None, state.latent, hidden_states.transpose(0, 1), None, call=call, state=state
             )
             if adapter.glm:
-                return out, None, local["selection"]
+                return out, None, state.selection
             return out, None
 
         return forward

@@ -7,6 +7,7 @@
 * :mod:`~hp_cp_torch.kernels.triton_attention`: fused Triton kernels, whose programs are
   :mod:`~hp_cp_torch.kernels.triton_kernels` (imports ``triton``).
 
-:func:`hp_cp_torch.attention.run_sparse_attention` picks one by name
-(``DeepSeekV4CPConfig.attention_kernel``).
+Each is registered by name in :mod:`~hp_cp_torch.kernels.registry` (one calling convention,
+:mod:`~hp_cp_torch.kernels.shipped`); :func:`hp_cp_torch.attention.run_sparse_attention`
+runs the one ``DeepSeekV4CPConfig.attention_kernel`` names, a third party's too.
 """
