@@ -202,7 +202,7 @@ def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor | None, torch.Te
 @contextlib.contextmanager
 def capture_selection() -> Iterator[list[torch.Tensor]]:
     """Record the indexer top-k the torch adapter computes on this rank (``[B, L, k]``)."""
-    import hp_cp_torch.adapter as adapter
+    import hp_cp_torch.model_adapter as adapter
 
     original = adapter.select_topk_chunked
     seen: list[torch.Tensor] = []

@@ -31,11 +31,10 @@ from hp_cp_core import (
     stage1_compress_with_halo,
 )
 from hp_cp_core.api import cp_state_not_copyable
-from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.backend import TorchBackend
-from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
+from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
 from hp_cp_torch.model_registry import adapter_class_for
-from hp_cp_torch.validation import check_csa_inputs, check_reference_inputs, rows_hint
+from hp_cp_torch.validation import check_csa_inputs, rows_hint
 
 ADAPTER_ATTR = "_hp_cp_adapter"
 
@@ -83,12 +82,11 @@ def install_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[
     return undo
 
 
-class ReferenceLayerAdapter:
-    """Hooks for :class:`hp_cp_torch.reference.DeepSeekV4Attention` (batch-major layer),
-    registered by the entry point ``"hp_cp_torch.reference:DeepSeekV4Attention"``."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+class ReferenceLayerAdapter(ModelAdapter):
+    """The model adapter of :class:`hp_cp_torch.reference.DeepSeekV4Attention` (batch-major),
+    registered by the entry point ``"hp_cp_torch.reference.DeepSeekV4Attention"``: its math
+    only, the machinery is :class:`~hp_cp_torch.model_adapter.ModelAdapter`'s. The layer is
+    called as ``layer(x, position_ids=None, cu_seqlens=None, loss_mask=None)``."""
 
     def layer_spec(self) -> LayerSpec:
         m = self.module
@@ -98,123 +96,45 @@ class ReferenceLayerAdapter:
             has_indexer=m.indexer is not None,
         )
 
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key
+    def read_inputs(
+        self, x: Any, position_ids: Any = None, cu_seqlens: Any = None, loss_mask: Any = None
+    ) -> LayerInputs:
+        return LayerInputs(x, position_ids, cu_seqlens, loss_mask)
 
-    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        return stage1_compress_with_halo(seq_major(self.module.compressor), x, halo_x, call)
+    def project(self, state: ForwardState) -> Projection:
+        q, kv, qr = self.module.project(state.hidden, state.positions)
+        return Projection(q, kv, index_input=qr)
 
-    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+    def compress(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+        return self.module.compressor(rows, start)
+
+    def compress_index_keys(self, rows: torch.Tensor, start: int) -> torch.Tensor:
         # Megatron semantics: the indexer sees detached inputs (its loss trains it).
-        halo = halo_x.detach() if halo_x is not None else None
-        compressor = seq_major(self.module.indexer.compressor)
-        return stage1_compress_with_halo(compressor, x.detach(), halo, call)
+        return self.module.indexer.compressor(rows, start)
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
+    def index_queries(self, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        ix, qr = self.module.indexer, state.projection.index_input
+        return ix.queries(qr.detach(), state.positions), ix.weights(state.hidden.detach())
+
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
+        q_idx, weights = state.index_queries
+        return self.module.indexer.scores(q_idx[:, lo:hi], weights[:, lo:hi], keys)
+
+    def index_topk(self) -> int:
+        return int(self.module.config.index_topk)
+
+    def sink(self) -> torch.Tensor:
+        return self.module.attn_sink
+
+    def scale(self) -> float:
+        return self.module.softmax_scale
+
+    def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        return self.module.output(o, state.positions)
+
+    def indexer_loss_coeff(self) -> float | None:
         m = self.module
-        positions = call.extra["positions"]  # [B, L]
-        q = query.transpose(0, 1)  # [B, L, H, D]
-        kv_ext = ori_ext.transpose(0, 1)  # [B, E, D]
-        cmp_kv = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
-        selected = student = None
-        if m.indexer is not None and call.cmp_idx_global is not None:
-            xd, qrd = x.transpose(0, 1).detach(), qr.transpose(0, 1).detach()
-            q_idx = m.indexer.queries(qrd, positions)
-            weights = m.indexer.weights(xd)
-            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
-            with torch.no_grad():  # the picks are discrete; the loss's student is recomputed
-                selected = select_topk_chunked(
-                    lambda lo, hi, s0, s1: m.indexer.scores(
-                        q_idx[:, lo:hi], weights[:, lo:hi], keys[:, s0:s1]
-                    ),
-                    call.plan,
-                    m.config.index_topk,
-                    call.config.query_chunk,
-                    batch=q.shape[0],
-                )
-            if m.computes_indexer_loss:
-                student = indexer_scores_at(q_idx, weights, keys, selected)
-        o = run_sparse_attention(
-            q,
-            kv_ext,
-            cmp_kv,
-            call.plan,
-            selected,
-            m.attn_sink,
-            m.softmax_scale,
-            kernel=call.config.attention_kernel,
-            query_chunk=call.config.query_chunk,
-        )
-        out = m.output(o, positions)
-        if student is None:
-            m.indexer_loss = None
-            return out
-        share = indexer_loss_share(
-            call,
-            q,
-            kv_ext,
-            cmp_kv,
-            selected,
-            student,
-            m.attn_sink,
-            m.softmax_scale,
-            call.extra.get("loss_mask"),
-        )
-        # the global mean, the same on every rank (Note [Indexer loss under CP]); no host sync
-        m.indexer_loss = call.group.sum_detached(share)
-        return attach_indexer_loss(out, share, m.config.indexer_loss_coeff)
-
-    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        m = self.module
-
-        def forward(x, position_ids=None, cu_seqlens=None, loss_mask=None):
-            packed = cu_seqlens is not None
-            # Nothing that can fail on one rank only runs before agree() has run on every
-            # rank: see Note [Validate, agree, then communicate] in hp_cp_core.validation.
-            checks = check_reference_inputs(
-                m, getattr(group, "device", None), x, position_ids, loss_mask, packed
-            )
-            if isinstance(x, torch.Tensor):
-                checks.kernel(cp_forward.config.attention_kernel, x.device)
-            check = cp_forward.inspect(
-                rows_hint(x, -2),
-                checks.host_cu_seqlens(cu_seqlens),
-                problems=checks.problems,
-                signature=checks.signature,
-            )
-            mask, loss_rows = None, None
-            if check.ok:
-                xb = x[None] if packed and x.dim() == 2 else x  # [B, L, hidden]
-                # the rows handle.shard(..., pad_value=) appended never count (None: none)
-                real = cp_forward.real_rows(xb.shape[1]) if m.computes_indexer_loss else None
-                real_t = None if real is None else torch.as_tensor(real, device=x.device)
-                if loss_mask is not None and m.computes_indexer_loss:
-                    keep = loss_mask.reshape(-1, xb.shape[1]) != 0
-                    keep = keep if real_t is None else keep & real_t
-                    mask = keep.expand(xb.shape[0], -1)
-                    loss_rows = int(mask.sum())
-                elif real_t is not None:  # N = batch x real rows, known on the host
-                    mask = real_t.reshape(1, -1).expand(xb.shape[0], -1)
-                    loss_rows = int(xb.shape[0]) * int(real.sum())
-                elif m.computes_indexer_loss:  # every row counts: N = batch x total rows
-                    loss_rows = int(xb.shape[0] * xb.shape[1])
-            call = cp_forward.agree(check, {"loss_rows": loss_rows})
-            if position_ids is None:
-                position_ids = torch.as_tensor(call.positions, device=x.device)
-            positions = position_ids.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
-            q, kv, qr = m.project(xb, positions)
-            out = cp_forward(
-                q.transpose(0, 1),
-                kv.transpose(0, 1),
-                xb.transpose(0, 1),
-                qr.transpose(0, 1),
-                call=call,
-                positions=positions,
-                loss_mask=mask,
-            )
-            return out[0] if packed and x.dim() == 2 else out
-
-        return forward
+        return m.config.indexer_loss_coeff if m.computes_indexer_loss else None
 
 
 class TorchDeepSeekV4CSAAdapter:

@@ -88,6 +88,7 @@ from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import run_sparse_attention
+from hp_cp_torch.model_adapter import ModelAdapter
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
@@ -178,7 +179,7 @@ class V41ForwardState:
     next_state: Any = None
 
 
-class NemoDeepseekV41AttentionAdapter:
+class NemoDeepseekV41AttentionAdapter(ModelAdapter):
     """Hooks for NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
     def __init__(self, module: nn.Module) -> None:

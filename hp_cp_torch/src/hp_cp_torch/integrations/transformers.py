@@ -68,6 +68,7 @@ from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
 from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.kernels.smallop import gather_rows
+from hp_cp_torch.model_adapter import ModelAdapter
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
@@ -184,8 +185,12 @@ class RopeForwardState:
     query: Any = None
 
 
-class DeepseekV4AttentionAdapter:
-    """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``)."""
+class DeepseekV4AttentionAdapter(ModelAdapter):
+    """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``).
+
+    A :class:`~hp_cp_torch.model_adapter.ModelAdapter` that still overrides the machinery
+    methods (its forward computes the queries while the exchanges travel, and its checks read
+    HF's masks and position ids); NeMo's, VeOmni's and the DSA adapters derive from it."""
 
     packed_topk_row = "document"
     """The indexer's top-k row of a packed document on one process (Note [The one-process
