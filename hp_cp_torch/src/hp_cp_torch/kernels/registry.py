@@ -23,8 +23,10 @@ empty) is registered as ``ColumnKernel(fn)`` (:mod:`hp_cp_torch.kernels.shipped`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata as md
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,8 +63,8 @@ order where its adapter has one, else ``smallop``)."""
 
 _REGISTERED: dict[str, Any] = {}
 """Kernels registered in this process by :func:`register_kernel` (the one mutable registry:
-like pluggy's plugin manager, it holds what the program registered; entry points and the
-shipped kernels are read at call time)."""
+like pluggy's plugin manager, it holds what the program registered; entry points are read on
+first use, once per ``sys.path``, and the shipped kernels imported by name)."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,15 @@ def unregister_kernel(name: str) -> None:
 
 
 def _entry_points() -> dict[str, Any]:
-    return {ep.name: ep for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
+    """The ``hp_cp.torch_kernels`` entry points by name, read once per ``sys.path`` (a name is
+    looked up on every forward; ``_entry_points_for.cache_clear()`` re-reads them)."""
+    return _entry_points_for(md.entry_points, tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=4)
+def _entry_points_for(source: Any, path: tuple[str, ...]) -> dict[str, Any]:
+    del path  # part of the cache key
+    return {ep.name: ep for ep in source(group=ENTRY_POINT_GROUP)}
 
 
 def kernel_names() -> list[str]:
