@@ -26,8 +26,10 @@ def test_enable_disable_keep_state_and_forward(name: str) -> None:
     instance attributes: unchanged while enabled, after a CP step and after disable; the
     forward is the class's again and the output equals a never-enabled layer bitwise."""
     for r in ranks(name):
-        # while enabled: the installed forward and the handle mark, nothing else
-        assert r["enabled_diff"] == ["attrs ['_hp_cp_handle', 'forward']"], r["enabled_diff"]
+        # while enabled: the installed forward, the handle mark and the layer's one adapter
+        # (built at install, dropped by disable_cp), nothing else
+        want = ["attrs ['_hp_cp_adapter', '_hp_cp_handle', 'forward']"]
+        assert r["enabled_diff"] == want, r["enabled_diff"]
         assert r["after_step_diff"] == r["enabled_diff"]
         assert r["disabled_diff"] == [], r["disabled_diff"]
         assert r["forward_is_class_forward"]

@@ -40,7 +40,7 @@ class TritonAttention:
             kernel="triton",
             query_chunk=call.config.query_chunk,
         )
-        return module.output(o, call.extra["positions"])
+        return module.output(o, call.extra["state"].positions)
 
 
 # the reference layer under CP with attention_kernel="triton" (CSA with the indexer, packed;
