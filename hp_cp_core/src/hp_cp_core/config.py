@@ -22,6 +22,8 @@ __all__ = [
     "GRIDS",
     "KERNELS",
     "LAYOUTS",
+    "CPConfig",
+    "CPContext",
     "DeepSeekV4CPConfig",
     "DeepSeekV4CPContext",
     "LayerSpec",
@@ -32,7 +34,7 @@ KERNELS = ("smallop", "efficient", "triton", "banded")
 
 
 @dataclass(frozen=True)
-class DeepSeekV4CPConfig:
+class CPConfig:
     """Options of one ``enable_cp`` call.
 
     Attributes:
@@ -107,7 +109,7 @@ class DeepSeekV4CPConfig:
 
 
 @dataclass(frozen=True)
-class DeepSeekV4CPContext:
+class CPContext:
     """Everything a stage hook needs for one CP forward, and nothing it must recompute.
 
     Attributes:
@@ -176,3 +178,9 @@ class DeepSeekV4CPContext:
     def replace(self, **changes: Any) -> DeepSeekV4CPContext:
         """A copy with some fields changed (the context is frozen)."""
         return dataclasses.replace(self, **changes)
+
+
+# The 0.2 names, kept as plain aliases: the config and context serve the whole family (V4,
+# V4.1, V3.2, GLM-5), not only DeepSeek V4.
+DeepSeekV4CPConfig = CPConfig
+DeepSeekV4CPContext = CPContext
