@@ -27,15 +27,13 @@ sys.path[:0] = [
     os.path.join(os.path.dirname(__file__), "..", "tests", "veomni"),
 ]
 
-from hp_cp_core import DeepSeekV4CPConfig  # noqa: E402
+from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp  # noqa: E402
 from hp_cp_torch.cli.launch import run_ranks  # noqa: E402
 from hp_cp_torch.integrations.veomni import (  # noqa: E402
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
     cp_veomni_batch,
-    disable_cp,
-    enable_cp,
 )
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

@@ -55,6 +55,7 @@ from hp_cp_torch.integrations.nemo_automodel_v41 import is_v41_model, v41_batch_
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
+    cp_shift_labels,
     cp_sum_gradients,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "NemoDeepseekV4AttentionAdapter",
     "cp_causal_lm_loss",
     "cp_nemo_batch",
+    "cp_shift_labels",
     "cp_sum_gradients",
     "disable_cp",
     "enable_cp",

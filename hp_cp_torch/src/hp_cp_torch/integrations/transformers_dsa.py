@@ -70,6 +70,7 @@ from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
+    cp_shift_labels,
     cp_sum_gradients,
 )
 from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
@@ -78,6 +79,7 @@ __all__ = [
     "DSAAttentionAdapter",
     "cp_causal_lm_loss",
     "cp_dsa_batch",
+    "cp_shift_labels",
     "cp_sum_gradients",
     "dsa_adapter_for",
 ]

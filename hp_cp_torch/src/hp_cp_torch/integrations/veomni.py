@@ -37,6 +37,7 @@ from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
+    cp_shift_labels,
     cp_sum_gradients,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "VeOmniBatch",
     "VeOmniDeepseekV4AttentionAdapter",
     "cp_causal_lm_loss",
+    "cp_shift_labels",
     "cp_sum_gradients",
     "cp_veomni_batch",
     "disable_cp",
