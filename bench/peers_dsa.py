@@ -286,10 +286,10 @@ def _full_logits(logits: torch.Tensor, side: str, state: Any, group: Any, seq: i
 
 
 def _install(model: Any, side: str, group: Any) -> Any:
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
 
     if side.startswith("ours"):
-        config = DeepSeekV4CPConfig(
+        config = CPConfig(
             layout="load_balanced",
             regather_compressed_kv=side == "ours_regather",
             attention_kernel="smallop" if side == "ours_smallop" else "banded",
