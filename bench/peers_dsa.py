@@ -15,7 +15,7 @@ shared GLM-5 layer reuses the previous layer's top-k. Its attention is a variant
   indexer's and the attention's ``[L, S]`` rows and mask), the one path the public code has
   that runs off GPU kernels.
 
-hp_cp runs load-balanced through ``enable_cp`` / ``cp_dsa_batch``. Same weights, inputs and
+hp_cp runs load-balanced through ``enable_cp`` / ``handle.batch``. Same weights, inputs and
 machine; interleaved rounds (median); bytes received per training step (forward + backward,
 gradient sums excluded) counted by the same wrappers around torch.distributed's collectives
 (bench/peers_nemo.py's Counter); errors against one process. Peak memory and the longest S
@@ -244,17 +244,12 @@ def step(
     returns this rank's logits."""
     import dsa_cases
 
-    from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_dsa_batch
+    from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss
 
     if side.startswith("ours"):
-        batch = cp_dsa_batch(state, ids, cu_seqlens=cu)
-        out = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-            **batch["model_kwargs"],
-        )
-        cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"]).backward()
+        batch = state.batch(ids, cu_seqlens=cu)
+        out = model(**batch.model_inputs(), use_cache=False)
+        cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens).backward()
         return out.logits
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     seq = ids.shape[1]
@@ -291,10 +286,10 @@ def _full_logits(logits: torch.Tensor, side: str, state: Any, group: Any, seq: i
 
 
 def _install(model: Any, side: str, group: Any) -> Any:
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
 
     if side.startswith("ours"):
-        config = DeepSeekV4CPConfig(
+        config = CPConfig(
             layout="load_balanced",
             regather_compressed_kv=side == "ours_regather",
             attention_kernel="model_ops" if side == "ours_smallop" else "banded",

@@ -96,9 +96,9 @@ def _step_nemo(model: Any, ids: torch.Tensor, group: Any) -> tuple[torch.Tensor,
 
 
 def _step_ours(model: Any, ids: torch.Tensor, handle: Any) -> tuple[torch.Tensor, Any]:
-    from hp_cp_torch.integrations.nemo_automodel import cp_causal_lm_loss, nemo_cp_batch
+    from hp_cp_torch.integrations.nemo_automodel import cp_causal_lm_loss, cp_nemo_batch
 
-    batch = nemo_cp_batch(handle, ids)
+    batch = cp_nemo_batch(handle, ids)
     labels, n = batch.pop("labels"), batch.pop("n_tokens")
     logits = model(**batch).logits
     cp_causal_lm_loss(logits, labels, n).backward()
@@ -117,7 +117,7 @@ def compare_job(rank: int, world: int) -> dict[str, Any]:
     """Bytes, step time (interleaved rounds) and error vs one process, both sides."""
     import nemo_v41_cases as cases
 
-    from hp_cp_torch.integrations.nemo_automodel import disable_cp, enable_cp
+    from hp_cp_core import disable_cp, enable_cp
 
     counter = Counter()
     counter.install()
@@ -172,7 +172,7 @@ def memory_job(rank: int, world: int, side: str, budget: int | None) -> dict[str
     import nemo_v41_cases as cases
     from peers_memory import ladder_peaks
 
-    from hp_cp_torch.integrations.nemo_automodel import enable_cp
+    from hp_cp_core import enable_cp
 
     group = dist.group.WORLD
     model = cases.build_model(0)

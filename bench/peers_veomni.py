@@ -27,15 +27,13 @@ sys.path[:0] = [
     os.path.join(os.path.dirname(__file__), "..", "tests", "veomni"),
 ]
 
-from hp_cp_core import DeepSeekV4CPConfig  # noqa: E402
+from hp_cp_core import CPConfig, disable_cp, enable_cp  # noqa: E402
 from hp_cp_torch.cli.launch import run_ranks  # noqa: E402
 from hp_cp_torch.integrations.veomni import (  # noqa: E402
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
     cp_veomni_batch,
-    disable_cp,
-    enable_cp,
 )
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -118,7 +116,7 @@ def rank_fn(rank: int, world: int, side: str, seq_len: int, rounds: int) -> dict
     pos = torch.arange(seq_len)[None]
     handle = None
     if side == "ours":
-        handle = enable_cp(model, dist.group.WORLD, DeepSeekV4CPConfig(layout="load_balanced"))
+        handle = enable_cp(model, dist.group.WORLD, CPConfig(layout="load_balanced"))
         batch = cp_veomni_batch(handle, ids)
         inputs, labels = batch.model_inputs(), batch.labels
     else:  # VeOmni's contract: contiguous equal shards with global positions
@@ -164,7 +162,7 @@ def memory_job(rank: int, world: int, side: str, ladder: list[int], budget: int 
     model = vc.build_model(0)
     handle = None
     if side == "ours":
-        handle = enable_cp(model, dist.group.WORLD, DeepSeekV4CPConfig(layout="load_balanced"))
+        handle = enable_cp(model, dist.group.WORLD, CPConfig(layout="load_balanced"))
 
     def step(seq: int) -> None:
         ids = torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(3))

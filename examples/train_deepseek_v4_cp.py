@@ -45,10 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from hp_cp_core import CPHandle, DeepSeekV4CPConfig, enable_cp
+from hp_cp_core import CPConfig, CPHandle, enable_cp
 from hp_cp_torch.integrations.transformers import (
     HFCPLayout,
-    cp_causal_lm_batch,
     cp_causal_lm_loss,
     cp_layout_from_hf_model,
     freeze_csa_indexer,
@@ -141,7 +140,7 @@ def parallelize(
     The gradient of every parameter must be reduced over the CP ranks too (each holds the
     gradient of its own tokens), so FSDP / DDP span the flattened (dp, cp) mesh.
     """
-    handle = enable_cp(model, mesh["cp"], DeepSeekV4CPConfig(layout=layout))
+    handle = enable_cp(model, mesh["cp"], CPConfig(layout=layout))
     freeze_csa_indexer(model)  # it gets no gradient: keep it out of the optimizer
     if checkpointing:  # HF's switch: torch's non-reentrant checkpoint per decoder layer
         model.gradient_checkpointing_enable({"use_reentrant": False})
@@ -199,7 +198,7 @@ def hf_parallelize(
     if model_dir is None and dist.get_rank() == 0:
         shutil.rmtree(path[0], ignore_errors=True)
     hf = cp_layout_from_hf_model(model, axis=cp_axis)
-    handle = hf.enable_cp(model, DeepSeekV4CPConfig(layout=layout))
+    handle = hf.enable_cp(model, CPConfig(layout=layout))
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     return model, handle, hf
@@ -250,11 +249,11 @@ def train_step(
     mean, so the summed gradients are its gradients. FSDP / DDP average over the dp x cp
     ranks, hence the backward of ``share * dp * cp``. Returns the global loss (all ranks).
     """
-    batch = cp_causal_lm_batch(handle, ids)
-    n_tokens = batch["n_tokens"].clone()
+    batch = handle.batch(ids)  # shifted, padded and sharded for this rank
+    n_tokens = batch.n_tokens.clone()
     dist.all_reduce(n_tokens, group=mesh["dp"].get_group())  # targets of the global batch
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    share = cp_causal_lm_loss(out.logits, batch["labels"], n_tokens)
+    out = model(**batch.model_inputs(), use_cache=False)
+    share = cp_causal_lm_loss(out.logits, batch.labels, n_tokens)
     (share * mesh.size()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -273,9 +272,9 @@ def hf_train_step(
     """:func:`train_step` under HF's parallelism: HF's FSDP2 divides the gradients by
     ``hf.grad_divide_factor`` (it counts the CP ranks), which ``hf.causal_lm_loss`` applies,
     with the targets summed over the real data-parallel ranks. Returns the global loss."""
-    batch = cp_causal_lm_batch(handle, ids)
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    loss = hf.causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+    batch = handle.batch(ids)
+    out = model(**batch.model_inputs(), use_cache=False)
+    loss = hf.causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -170,7 +170,7 @@ def main() -> None:
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
-    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_core import CPConfig, disable_cp, enable_cp
 
     model = build_model(args)
     params = model.trainable_params()
@@ -178,7 +178,7 @@ def main() -> None:
     start = resume(model, optimizer, args.resume) if args.resume else 0
     handle = None
     if group is not None:
-        handle = enable_cp(model, group, DeepSeekV4CPConfig(layout=args.layout))
+        handle = enable_cp(model, group, CPConfig(layout=args.layout))
     vocab = int(model.config.vocab_size)
     no_mask = Tensor(np.zeros((1, 1, 1, 1), np.uint8))  # the hybrid attention ignores it
     losses: dict[int, float] = {}

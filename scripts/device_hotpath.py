@@ -11,7 +11,7 @@ device-to-host sync raises:
 
 * ``hf``: the 4-layer HF ``DeepseekV4ForCausalLM`` of the benches (sliding, CSA, HCA, CSA;
   hidden 1024, ``hp_cp_torch.bench.memory.HF_MEM_CONFIG``), bf16, at cp = 1 on NCCL
-  through the CP path (``DeepSeekV4CPConfig(single_rank_bypass=False)``), default kernel;
+  through the CP path (``CPConfig(single_rank_bypass=False)``), default kernel;
 * ``csa_triton``: the reference CSA layer (``hp_cp_torch.reference.DeepSeekV4Attention``,
   the step bench's config) with ``attention_kernel="triton"``, same CP path.
 
@@ -81,7 +81,7 @@ def _hf_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
     """``(step, handle, tokens per step)`` of the HF model at cp = 1 through the CP path."""
     import torch
 
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
     from hp_cp_torch.bench.memory import HF_MEM_CONFIG
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
     from hp_cp_torch.integrations.transformers_demo import (
@@ -101,7 +101,7 @@ def _hf_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
     )
     model = model.to(device=device, dtype=dtype).train()
-    handle = enable_cp(model, None, DeepSeekV4CPConfig(single_rank_bypass=False))
+    handle = enable_cp(model, None, CPConfig(single_rank_bypass=False))
     ids = make_inputs(HF_MEM_CONFIG["vocab_size"], 1, args.seq).to(device)
     labels = cp_shift_labels(ids)
     n_tok = (labels != -100).sum()
@@ -121,7 +121,7 @@ def _csa_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
     """The reference CSA layer with the Triton kernel (banded on a dry run), CP path."""
     import torch
 
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
     from hp_cp_torch.bench.scaling import step_config
     from hp_cp_torch.reference import DeepSeekV4Attention
 
@@ -130,7 +130,7 @@ def _csa_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
     cfg = step_config()
     layer = DeepSeekV4Attention(cfg).to(device=device, dtype=dtype).train()
     kernel = "banded" if args.dry_run else "triton"
-    options = DeepSeekV4CPConfig(attention_kernel=kernel, single_rank_bypass=False)
+    options = CPConfig(attention_kernel=kernel, single_rank_bypass=False)
     handle = enable_cp(layer, None, options)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, args.seq, cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)

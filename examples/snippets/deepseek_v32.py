@@ -5,12 +5,8 @@ import torch
 import torch.distributed as dist
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
-from hp_cp_torch.integrations.transformers_dsa import (
-    cp_causal_lm_loss,
-    cp_dsa_batch,
-    cp_sum_gradients,
-)
+from hp_cp_core import CPConfig, disable_cp, enable_cp
+from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_sum_gradients
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)  # the same weights on every rank
@@ -29,10 +25,10 @@ ids = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(1)) 
 with torch.no_grad():  # one process, for comparison: HF's own loss on the full sequence
     ref = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
 
-handle = enable_cp(model, dist.group.WORLD, DeepSeekV4CPConfig(layout="load_balanced"))
-batch = cp_dsa_batch(handle, ids)  # shifted labels, padding to the layout, this rank's rows
-out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-loss = cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+handle = enable_cp(model, dist.group.WORLD, CPConfig(layout="load_balanced"))
+batch = handle.batch(ids)  # shifted labels, padding to the layout, this rank's rows
+out = model(**batch.model_inputs(), use_cache=False)
+loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
 loss.backward()
 cp_sum_gradients(model.parameters())  # or DDP / FSDP over a mesh that includes cp
 total = loss.detach().clone()

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DistributedConfig
 
-from hp_cp_torch.integrations.transformers import cp_causal_lm_batch, cp_layout_from_hf_model
+from hp_cp_torch.integrations.transformers import cp_layout_from_hf_model
 from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
 
 dist.init_process_group("gloo")  # NCCL with one GPU per rank
@@ -30,10 +30,10 @@ for step in range(2):
     # this data-parallel replica's sequences (the same on its CP and TP ranks), any length
     seed = 1000 * step + layout.dp_mesh.get_local_rank()
     ids = torch.randint(0, 128, (2, 100), generator=torch.Generator().manual_seed(seed))
-    batch = cp_causal_lm_batch(handle, ids)  # shifted, padded and sharded for this rank
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    batch = handle.batch(ids)  # shifted, padded and sharded for this rank
+    out = model(**batch.model_inputs(), use_cache=False)
     # the share of the global mean loss times HF's FSDP divide factor (dp x cp ranks)
-    loss = layout.causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+    loss = layout.causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -9,11 +9,11 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from nemo_automodel.components.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
 
+from hp_cp_core import enable_cp
 from hp_cp_torch.integrations.nemo_automodel import (
     cp_causal_lm_loss,
+    cp_nemo_batch,
     cp_sum_gradients,
-    enable_cp,
-    nemo_cp_batch,
 )
 
 dist.init_process_group("gloo")
@@ -37,7 +37,7 @@ with torch.no_grad():  # one process, for comparison: the same model on the full
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, 64), input_ids[:, 1:].reshape(-1))
 
 handle = enable_cp(model, dist.group.WORLD)  # hp_cp owns every GlmMoeDsaMLA
-batch = nemo_cp_batch(handle, input_ids)  # any length; padded, shifted, this rank's rows
+batch = cp_nemo_batch(handle, input_ids)  # any length; padded, shifted, this rank's rows
 labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
 loss = cp_causal_lm_loss(model(**batch).logits, labels, n_tokens)
 loss.backward()

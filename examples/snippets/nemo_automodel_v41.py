@@ -12,11 +12,11 @@ from nemo_automodel.components.models.qwen3_8_flash_next.engram import (
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
+from hp_cp_core import enable_cp
 from hp_cp_torch.integrations.nemo_automodel import (
     cp_causal_lm_loss,
+    cp_nemo_batch,
     cp_sum_gradients,
-    enable_cp,
-    nemo_cp_batch,
 )
 
 dist.init_process_group("gloo")
@@ -45,7 +45,7 @@ model = model.float().train()
 
 handle = enable_cp(model, dist.group.WORLD)  # hp_cp owns every attention layer and the hash
 input_ids = torch.randint(0, 64, (1, 301))  # any length; the full sequence on every rank
-batch = nemo_cp_batch(handle, input_ids, seq_lens=[[120, 181]])  # NeMo packing, optional
+batch = cp_nemo_batch(handle, input_ids, seq_lens=[[120, 181]])  # NeMo packing, optional
 labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
 loss = cp_causal_lm_loss(model(**batch).logits, labels, n_tokens)
 loss.backward()

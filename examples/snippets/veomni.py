@@ -10,13 +10,12 @@ from veomni.distributed.parallel_state import init_parallel_state
 from veomni.models.transformers.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 from veomni.models.transformers.deepseek_v4.generated import patched_modeling_deepseek_v4_gpu
 
+from hp_cp_core import disable_cp, enable_cp
 from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
 from hp_cp_torch.integrations.veomni import (
     cp_causal_lm_loss,
     cp_sum_gradients,
     cp_veomni_batch,
-    disable_cp,
-    enable_cp,
 )
 
 dist.init_process_group("gloo")

@@ -18,13 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch.integrations.nemo_automodel import (
     cp_causal_lm_loss,
+    cp_nemo_batch,
     cp_sum_gradients,
-    disable_cp,
-    enable_cp,
-    nemo_cp_batch,
 )
 
 VOCAB = 64
@@ -127,7 +125,7 @@ def cp_run(
         packing["packed_seq_ids"] = torch.cat(
             [torch.full((b - a,), k + 1) for k, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
         )[None]
-    batch = nemo_cp_batch(handle, ids, **packing)
+    batch = cp_nemo_batch(handle, ids, **packing)
     labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
     out = model(**batch).logits
     loss = cp_causal_lm_loss(out, labels, n_tokens)
@@ -240,16 +238,16 @@ def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[
     model = copy.deepcopy(model)
     handle = enable_cp(model, group)
     try:
-        batch = nemo_cp_batch(handle, ids)
+        batch = cp_nemo_batch(handle, ids)
         batch.pop("labels"), batch.pop("n_tokens")
         out["nemo_cp_kwarg"] = _error(lambda: model(**batch, _dsv4_cp_group=group))
         mask = torch.ones_like(batch["input_ids"])
         if dist.get_rank(group) == 0:
             mask[:, -1] = 0  # padding on one rank only: every rank must still raise
         out["padding_mask"] = _error(lambda: model(**batch, attention_mask=mask))
-        out["seq_lens_sum"] = _error(lambda: nemo_cp_batch(handle, ids, seq_lens=[[5, 7]]))
+        out["seq_lens_sum"] = _error(lambda: cp_nemo_batch(handle, ids, seq_lens=[[5, 7]]))
         out["packed_batch"] = _error(
-            lambda: nemo_cp_batch(handle, ids.repeat(2, 1), seq_lens=[[ids.shape[1]]])
+            lambda: cp_nemo_batch(handle, ids.repeat(2, 1), seq_lens=[[ids.shape[1]]])
         )
         model.model.layers["1"].self_attn.setup_cp_attention(
             type("M", (), {"get_group": lambda s: group})()
@@ -282,7 +280,7 @@ def restore_check(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict
     hooks = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
     handle = enable_cp(model, group)
     with torch.no_grad():
-        nemo_cp_batch(handle, ids)  # a plan, no forward needed
+        cp_nemo_batch(handle, ids)  # a plan, no forward needed
     disable_cp(handle)
     after = model(ids).logits.detach()
     return {

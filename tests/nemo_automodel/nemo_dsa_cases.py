@@ -12,13 +12,11 @@ import torch
 import torch.distributed as dist
 from nemo_cases import VOCAB, _error, compare, make_ids, reference, restore_check
 
-from hp_cp_core import DeepSeekV4CPConfig
+from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
 from hp_cp_torch.integrations.nemo_automodel import (
     cp_causal_lm_loss,
+    cp_nemo_batch,
     cp_sum_gradients,
-    disable_cp,
-    enable_cp,
-    nemo_cp_batch,
 )
 
 INDEXER_TYPES = ["full", "shared", "full", "shared"]
@@ -90,7 +88,7 @@ def cp_step(
     packing = {}
     if cu is not None:
         packing["seq_lens"] = [[b - a for a, b in zip(cu[:-1], cu[1:])] + [-1000]]
-    batch = nemo_cp_batch(handle, ids, **packing)
+    batch = cp_nemo_batch(handle, ids, **packing)
     labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
     calls0 = handle.group.calls.get("slot_exchange", 0)
     out = model(**batch).logits
@@ -147,7 +145,7 @@ def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[
     model = copy.deepcopy(model)
     handle = enable_cp(model, group)
     try:
-        batch = nemo_cp_batch(handle, ids)
+        batch = cp_nemo_batch(handle, ids)
         batch.pop("labels"), batch.pop("n_tokens")
         out["no_positions"] = _error(lambda: model(input_ids=batch["input_ids"]))
         wrong = {**batch, "position_ids": batch["position_ids"] * 0}
@@ -159,7 +157,7 @@ def error_checks(model: torch.nn.Module, ids: torch.Tensor, group: Any) -> dict[
         out["padding_mask"] = _error(lambda: model(**batch, attention_mask=mask))
         lens = [[20, ids.shape[1] - 20]]
         two = ids.repeat(2, 1)
-        out["packed"] = _error(lambda: nemo_cp_batch(handle, two, seq_lens=lens))
+        out["packed"] = _error(lambda: cp_nemo_batch(handle, two, seq_lens=lens))
         out["thd"] = _error(lambda: model.model(**batch, qkv_format="thd"))
         out["layer_alone"] = _error(
             lambda: model.model.layers["0"].self_attn(torch.zeros(1, 5, 32), None)
@@ -220,7 +218,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
         res.update(case="checkpointed", cp=3, layout="load_balanced", seq=89, batch=1)
         res.update(slot_exchanges=got["slot_exchanges"], sharing=got["sharing"])
         results.append(res)
-    if rank < 1:  # cp 1, the layout pads one row: nemo_cp_batch itself takes the CP path
+    if rank < 1:  # cp 1, the layout pads one row: cp_nemo_batch itself takes the CP path
         model = build_glm(77)  # (NeMo's own forward on the padded row was 5e-3 off)
         ids = make_ids(77, seed=77)
         got = cp_step(model, ids, groups[1], "load_balanced", cp_path=False)

@@ -14,15 +14,11 @@ import torch.distributed as dist
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch.integrations.transformers import cp_shift_labels
 from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
-from hp_cp_torch.integrations.transformers_dsa import (
-    cp_causal_lm_loss,
-    cp_dsa_batch,
-    cp_sum_gradients,
-)
+from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_sum_gradients
 
 LAYOUTS = ("contiguous", "load_balanced")
 SEQ = 37
-"""A prime: a multiple of no cp and no 2 * cp, so every case pads (cp_dsa_batch)."""
+"""A prime: a multiple of no cp and no 2 * cp, so every case pads (handle.batch)."""
 CU = [0, 11, 12, 30, 37]
 """Packed documents (batch 1): one of a single token, none a multiple of anything."""
 TOPK = 4
@@ -225,15 +221,10 @@ def cp_case(
     )
     handle = enable_cp(model, group, config)
     try:
-        batch = cp_dsa_batch(handle, ids, cu_seqlens=cu)
+        batch = handle.batch(ids, cu_seqlens=cu)
         t0 = time.perf_counter()
-        out = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-            **batch["model_kwargs"],
-        )
-        loss = cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+        out = model(**batch.model_inputs(), use_cache=False)
+        loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
         loss.backward()
         seconds = time.perf_counter() - t0
         stats = handle.stats()
@@ -251,13 +242,8 @@ def cp_case(
                 for p in model.parameters():
                     if p.grad is not None:
                         p -= 0.05 * p.grad
-                out2 = model(
-                    input_ids=batch["input_ids"],
-                    position_ids=batch["position_ids"],
-                    use_cache=False,
-                    **batch["model_kwargs"],
-                )
-                l2 = cp_causal_lm_loss(out2.logits, batch["labels"], batch["n_tokens"])
+                out2 = model(**batch.model_inputs(), use_cache=False)
+                l2 = cp_causal_lm_loss(out2.logits, batch.labels, batch.n_tokens)
                 dist.all_reduce(l2, group=group)
                 loss2 = float(l2)
                 for n, p in model.named_parameters():
@@ -315,23 +301,19 @@ def error_checks(model: Any, ids: torch.Tensor, group: Any) -> dict[str, Any]:
     handle = enable_cp(model, group, DeepSeekV4CPConfig(layout="load_balanced"))
     out: dict[str, Any] = {}
     try:
-        batch = cp_dsa_batch(handle, ids)
+        batch = handle.batch(ids)
         with torch.no_grad():
             out["use_cache"] = _expect_error(
-                lambda: model(
-                    input_ids=batch["input_ids"],
-                    position_ids=batch["position_ids"],
-                    use_cache=True,
-                ),
+                lambda: model(**batch.model_inputs(), use_cache=True),
                 "use_cache=False",
             )
         # packed input the batch helper refuses before sharding anything, on every rank
         two = torch.cat([ids[:1], ids[:1]])
         out["packed_batch_2"] = _expect_error(
-            lambda: cp_dsa_batch(handle, two, cu_seqlens=[0, 5, ids.shape[1]]), "batch size 1"
+            lambda: handle.batch(two, cu_seqlens=[0, 5, ids.shape[1]]), "batch size 1"
         )
         out["packed_cu_start"] = _expect_error(
-            lambda: cp_dsa_batch(handle, ids[:1], cu_seqlens=[3, 5, ids.shape[1]]), "start at 0"
+            lambda: handle.batch(ids[:1], cu_seqlens=[3, 5, ids.shape[1]]), "start at 0"
         )
     finally:
         disable_cp(handle)

@@ -10,11 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
-from hp_cp_torch.integrations.transformers import (
-    cp_causal_lm_batch,
-    cp_causal_lm_loss,
-    cp_sum_gradients,
-)
+from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_sum_gradients
 from hp_cp_torch.integrations.transformers_demo import (
     CSA,
     HCA,
@@ -54,13 +50,13 @@ SELECTIVE: dict[str, Any] = dict(
 """An indexer that really selects, with exact ties: top-k 6 of up to 152 visible slots and 4
 indexer heads (a slot no head scores above 0 scores exactly 0), CSA first, a window of 24."""
 SELECTIVE_CASES = ((3, "contiguous", 611), (2, "load_balanced", 533), (4, "load_balanced", 611))
-"""(cp, layout, S): odd cp, S a multiple of nothing (``cp_causal_lm_batch`` pads)."""
+"""(cp, layout, S): odd cp, S a multiple of nothing (``handle.batch`` pads)."""
 GRAD_FLOOR = 1e-3
 """Gradients compare relative to max(their own largest entry, 1e-3 x the largest of any)."""
 
 
 def selective_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
-    """:data:`SELECTIVE_CASES`: a training step through ``cp_causal_lm_batch`` (padding to
+    """:data:`SELECTIVE_CASES`: a training step through ``handle.batch`` (padding to
     fit) against HF's own loss on one process; every parameter's error by name."""
     model = build_tiny_model(1, **SELECTIVE)
     results = []
@@ -72,11 +68,9 @@ def selective_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
             continue
         handle = enable_cp(model, groups[cp], DeepSeekV4CPConfig(layout=layout))
         try:
-            batch = cp_causal_lm_batch(handle, ids)
-            out = model(
-                input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-            )
-            loss = cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+            batch = handle.batch(ids)
+            out = model(**batch.model_inputs(), use_cache=False)
+            loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
             loss.backward()
             cp_sum_gradients(model.parameters(), groups[cp])
             logits = handle.unshard(out.logits.detach(), 1, rows=seq)

@@ -104,7 +104,7 @@ def cp_run(
     load_from: str | None = None,
 ) -> dict[str, Any]:
     """HF's DistributedConfig layout, CP on ``axis``; results gathered to rank 0."""
-    from hp_cp_torch.integrations.transformers import cp_causal_lm_batch, cp_layout_from_hf_model
+    from hp_cp_torch.integrations.transformers import cp_layout_from_hf_model
 
     model = load(path, sizes)
     layout = cp_layout_from_hf_model(model, axis=axis)
@@ -119,9 +119,9 @@ def cp_run(
     first = layout.dp_mesh.get_local_rank() * per_replica
     losses, grads = [], {}
     for step in steps:
-        b = cp_causal_lm_batch(handle, batch(step, first, per_replica))
-        out = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
-        loss = layout.causal_lm_loss(out.logits, b["labels"], b["n_tokens"])
+        b = handle.batch(batch(step, first, per_replica))
+        out = model(**b.model_inputs(), use_cache=False)
+        loss = layout.causal_lm_loss(out.logits, b.labels, b.n_tokens)
         loss.backward()
         if step == 0:
             grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}

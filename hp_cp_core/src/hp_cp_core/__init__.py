@@ -1,11 +1,13 @@
 """hp_cp_core: backend-agnostic context parallelism for DeepSeek's sparse attention (V4, V4.1,
 V3.2 / GLM-5).
 
-Public entry points: :func:`enable_cp`, :func:`disable_cp`, :class:`DeepSeekV4CPConfig`,
+Public entry points: :func:`enable_cp` (every stack's one entry point), :func:`disable_cp`,
+:class:`CPConfig`, ``handle.batch`` (:class:`CPBatch`, planned by :func:`plan_batch`),
 :data:`hookimpl` and :data:`BACKEND_API` (for backend plugins), :class:`LayerSpec`,
-:class:`DeepSeekV4CPContext`, :class:`DeepSeekV4CPForward`, :func:`plan_sharing` (which
-layer owns each shared compressed KV, index-key set, selection and candidate-block set), and
-the errors under :class:`HpCpError`.
+:class:`CPContext`, :class:`CPForward`, :func:`plan_sharing` (which layer owns each shared
+compressed KV, index-key set, selection and candidate-block set), and the errors under
+:class:`HpCpError`. ``DeepSeekV4CPConfig``, ``DeepSeekV4CPContext`` and
+``DeepSeekV4CPForward`` are the 0.2 names of the same classes (plain aliases).
 """
 
 from __future__ import annotations
@@ -14,12 +16,19 @@ import pluggy
 
 from hp_cp_core.api import CPHandle, disable_cp, enable_cp
 from hp_cp_core.backend import Backend, Group
+from hp_cp_core.batch import BatchPlan, CPBatch, plan_batch
 from hp_cp_core.compression import (
     build_global_compressed_kv_for_cp,
     select_and_pad_smallop,
     stage1_compress_with_halo,
 )
-from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
+from hp_cp_core.config import (
+    CPConfig,
+    CPContext,
+    DeepSeekV4CPConfig,
+    DeepSeekV4CPContext,
+    LayerSpec,
+)
 from hp_cp_core.errors import (
     BackendConflictError,
     BackendLoadError,
@@ -27,7 +36,7 @@ from hp_cp_core.errors import (
     HpCpError,
     PlanError,
 )
-from hp_cp_core.forward import DeepSeekV4CPForward
+from hp_cp_core.forward import CPForward, DeepSeekV4CPForward
 from hp_cp_core.indices import build_cmp_cu_seqlens, build_select_pad_gather_index
 from hp_cp_core.padding import CPPadding, pad_for_cp
 from hp_cp_core.plan import RankPlan, build_rank_plan
@@ -36,7 +45,7 @@ from hp_cp_core.versions import BACKEND_API
 
 hookimpl = pluggy.HookimplMarker("hp_cp")
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BACKEND_API",
@@ -44,6 +53,11 @@ __all__ = [
     "BackendConflictError",
     "BackendLoadError",
     "BackendNotFoundError",
+    "BatchPlan",
+    "CPBatch",
+    "CPConfig",
+    "CPContext",
+    "CPForward",
     "CPHandle",
     "CPPadding",
     "DeepSeekV4CPConfig",
@@ -65,6 +79,7 @@ __all__ = [
     "enable_cp",
     "hookimpl",
     "pad_for_cp",
+    "plan_batch",
     "plan_sharing",
     "select_and_pad_smallop",
     "stage1_compress_with_halo",

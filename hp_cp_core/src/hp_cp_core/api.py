@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core.backend import Backend, Group
+from hp_cp_core.batch import CPBatch, plan_batch
 from hp_cp_core.collectives import slot_exchange_kind
 from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
 from hp_cp_core.errors import BackendNotFoundError, HpCpError
@@ -151,6 +152,89 @@ class CPHandle:
             self.sequence.forget_unless(total)
         index = self.layout(total).shard_index(self.cp_rank)
         return self.backend.take(tensor, index, seq_dim)
+
+    def batch(
+        self,
+        input_ids: Any,
+        *,
+        labels: Any = None,
+        cu_seqlens: Any = None,
+        ignore_index: int = -100,
+    ) -> CPBatch:
+        """This rank's part of a causal-LM batch of any length: padded, shifted, sharded.
+
+        Every stack's one batch path (Note [One batch path] in :mod:`hp_cp_core.batch`):
+        positions per document, the padding, the labels shifted on the full sequence, the
+        token count and the packed boundaries are planned once in numpy.
+
+        Args:
+            input_ids: the FULL token ids ``[B, S]`` (``[1, S]`` when packed).
+            labels: the FULL labels, unshifted, shaped as ``input_ids`` (default: the ids).
+            cu_seqlens: packed document boundaries ``[0, ..., S]`` (a sequence, array or
+                tensor), or ``None``; each document's positions restart at 0 and its last
+                token has no target.
+            ignore_index: the label value the loss skips (the padding and every row without
+                a target get it).
+
+        Returns:
+            A :class:`~hp_cp_core.batch.CPBatch`: ``input_ids``, ``position_ids``,
+            ``labels`` (this rank's rows), ``n_tokens`` (targets of the whole batch),
+            ``cu_seqlens`` (global, padding included, or ``None``); ``model_inputs()`` is
+            the model call's keyword arguments.
+
+        On a group of one with ``single_rank_bypass``, a packed batch or one the layout
+        pads runs the CP path (:meth:`use_cp_path`): a model's own forward reads neither
+        hp_cp's boundaries nor which rows are padding.
+
+        Raises:
+            HpCpError: ids that are not 2-D, labels of another shape, packed input of batch
+                above 1, bad boundaries (a :class:`~hp_cp_core.errors.PlanError`), or a
+                backend without the ``as_tensor`` / ``to_numpy`` ops.
+        """
+        shape = tuple(self.backend.shape(input_ids))
+        if len(shape) != 2:
+            raise HpCpError(
+                f"input_ids must be the full token ids [B, S] (2-D); got shape {list(shape)}."
+            )
+        labels = input_ids if labels is None else labels
+        if tuple(self.backend.shape(labels)) != shape:
+            raise HpCpError(
+                f"labels {list(self.backend.shape(labels))} must have the shape of input_ids "
+                f"{list(shape)} (unshifted: batch() shifts them)."
+            )
+        as_tensor = getattr(self.backend, "as_tensor", None)
+        to_numpy = getattr(self.backend, "to_numpy", None)
+        if as_tensor is None or to_numpy is None:
+            raise HpCpError(
+                f"backend {self.backend_name!r} has no as_tensor / to_numpy op, so "
+                "handle.batch cannot build the batch; shard the tensors with handle.shard "
+                "(docs/writing-a-backend.md lists the optional ops)."
+            )
+        if cu_seqlens is not None:
+            cu_seqlens = np.asarray(
+                cu_seqlens
+                if isinstance(cu_seqlens, list | tuple | np.ndarray)
+                else to_numpy(cu_seqlens)
+            )
+            if shape[0] != 1:
+                raise HpCpError(
+                    f"packed input (cu_seqlens) needs batch size 1, got {shape[0]}; pack the "
+                    "documents of the batch into one row, input_ids [1, S]."
+                )
+        plan = plan_batch(shape[1], self.cp_size, self.config.layout, cu_seqlens)
+        if plan.packed or plan.padding.pad_rows:
+            self.use_cp_path()
+        shifted = plan.shifted_labels(to_numpy(labels), ignore_index)
+        n_tokens = np.asarray(np.count_nonzero(shifted != ignore_index), dtype=np.int64)
+        positions = as_tensor(plan.positions[None, :], input_ids)
+        return CPBatch(
+            input_ids=self.shard(input_ids, 1, pad_value=0),
+            position_ids=self.shard(positions, 1),
+            labels=self.shard(as_tensor(shifted, labels), 1),
+            n_tokens=as_tensor(n_tokens, labels),
+            cu_seqlens=None if plan.cu_seqlens is None else as_tensor(plan.cu_seqlens, None),
+            plan=plan,
+        )
 
     def unshard(self, tensor: Any, seq_dim: int = 1, rows: int | None = None) -> Any:
         """The full sequence from every rank's local rows (all-gather, then original order).

@@ -137,3 +137,7 @@ class Backend(Protocol):
     def pad_dim(self, tensor: Tensor, dim: int, size: int, value: Any) -> Tensor:
         """``tensor`` extended along ``dim`` to ``size`` entries filled with ``value``
         (``handle.shard(..., pad_value=...)``)."""
+
+    # Optional, for ``handle.batch`` (Note [One batch path] in :mod:`hp_cp_core.batch`):
+    # ``as_tensor(values: np.ndarray, like: Tensor | None) -> Tensor`` (on ``like``'s device,
+    # the host for ``None``) and ``to_numpy(tensor) -> np.ndarray``.

@@ -21,6 +21,8 @@ __all__ = [
     "ARTIFACTS",
     "GRIDS",
     "LAYOUTS",
+    "CPConfig",
+    "CPContext",
     "DeepSeekV4CPConfig",
     "DeepSeekV4CPContext",
     "LayerSpec",
@@ -30,7 +32,7 @@ LAYOUTS = ("contiguous", "load_balanced")
 
 
 @dataclass(frozen=True)
-class DeepSeekV4CPConfig:
+class CPConfig:
     """Options of one ``enable_cp`` call.
 
     Attributes:
@@ -109,7 +111,7 @@ class DeepSeekV4CPConfig:
 
 
 @dataclass(frozen=True)
-class DeepSeekV4CPContext:
+class CPContext:
     """Everything a stage hook needs for one CP forward, and nothing it must recompute.
 
     Attributes:
@@ -178,3 +180,9 @@ class DeepSeekV4CPContext:
     def replace(self, **changes: Any) -> DeepSeekV4CPContext:
         """A copy with some fields changed (the context is frozen)."""
         return dataclasses.replace(self, **changes)
+
+
+# The 0.2 names, kept as plain aliases: the config and context serve the whole family (V4,
+# V4.1, V3.2, GLM-5), not only DeepSeek V4.
+DeepSeekV4CPConfig = CPConfig
+DeepSeekV4CPContext = CPContext

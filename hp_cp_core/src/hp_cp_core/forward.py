@@ -40,7 +40,7 @@ def _run_all(works: Sequence[Any]) -> Any:
     return lambda: [w() for w in works]
 
 
-class DeepSeekV4CPForward:
+class CPForward:
     """Runs one attention layer on local rows through the hooks and the group's exchanges.
 
     Args:
@@ -389,3 +389,7 @@ class DeepSeekV4CPForward:
     def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:
         """Check the local inputs (on every rank, before any exchange) and fetch the plan."""
         return self.agree(self.inspect(n_local, cu_seqlens), extra)
+
+
+DeepSeekV4CPForward = CPForward
+"""The 0.2 name of :class:`CPForward`, a plain alias (the forward serves the whole family)."""

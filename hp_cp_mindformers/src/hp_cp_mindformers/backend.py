@@ -660,6 +660,14 @@ class MindSporeBackend(InstallingBackend):
             return np.take(t, np.asarray(index), axis=dim)
         return ops.gather(t, Tensor(np.asarray(index, dtype=np.int64)), int(dim))
 
+    def as_tensor(self, values: np.ndarray, like: Any) -> Any:
+        if isinstance(like, np.ndarray):
+            return np.asarray(values)
+        return Tensor(np.ascontiguousarray(values))
+
+    def to_numpy(self, t: Any) -> np.ndarray:
+        return t.asnumpy() if isinstance(t, Tensor) else np.asarray(t)
+
     def pad_dim(self, t: Any, dim: int, size: int, value: Any) -> Any:
         if isinstance(t, np.ndarray):
             widths = [(0, 0)] * t.ndim

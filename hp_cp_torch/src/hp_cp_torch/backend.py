@@ -884,6 +884,14 @@ class TorchBackend(InstallingBackend):
     def take(self, t: torch.Tensor, index: np.ndarray, dim: int) -> torch.Tensor:
         return t.index_select(dim, _index(index, t.device))
 
+    def as_tensor(self, values: np.ndarray, like: torch.Tensor | None) -> torch.Tensor:
+        return torch.as_tensor(values, device=None if like is None else like.device)
+
+    def to_numpy(self, t: Any) -> np.ndarray:
+        if isinstance(t, torch.Tensor):
+            return t.detach().cpu().numpy()
+        return np.asarray(t)
+
     def pad_dim(self, t: torch.Tensor, dim: int, size: int, value: Any) -> torch.Tensor:
         dim = dim % t.dim()
         extra = int(size) - int(t.shape[dim])

@@ -366,6 +366,12 @@ class FakeBackend:
     def take(self, t, index, dim):
         return np.take(t, np.asarray(index), axis=dim)
 
+    def as_tensor(self, values, like):
+        return np.asarray(values)
+
+    def to_numpy(self, t):
+        return np.asarray(t)
+
     def pad_dim(self, t, dim, size, value):
         widths = [(0, 0)] * t.ndim
         widths[dim] = (0, max(int(size) - t.shape[dim], 0))

@@ -7,22 +7,4 @@
 * :mod:`~hp_cp_torch.bench.memory`: a Hugging Face model's training-step memory;
 * :mod:`~hp_cp_torch.bench.hotpath`: host work and collectives of a training step.
 
-The names of the 0.1 module ``hp_cp_torch.bench`` (now :mod:`~hp_cp_torch.bench.suite`) are
-still read here, with a ``DeprecationWarning``; removed in 0.3.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-from hp_cp_torch._moved import moved_attribute
-
-_MOVED_TO = {
-    "step_config": "hp_cp_torch.bench.scaling",
-    "_predicted_recv": "hp_cp_torch.bench.scaling",
-}
-
-
-def __getattr__(name: str) -> Any:
-    target = _MOVED_TO.get(name, "hp_cp_torch.bench.suite")
-    return moved_attribute(__name__, name, target)

@@ -1,11 +1,12 @@
 """NeMo Automodel's DeepSeek V4 (``nemo_automodel.components.models.deepseek_v4``) under CP.
 
-``enable_cp(model, mesh)`` on a NeMo ``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` (or one
-``DeepseekV4Attention``) replaces the forward of every attention layer (sliding window, CSA
-r = 4, HCA r = 128) with hp_cp's; hyper-connections, MoE (its single-process expert path),
-norms and the head are token-local and run unchanged on each rank's rows. Each rank then::
+``hp_cp_core.enable_cp(model, mesh)`` on a NeMo ``DeepseekV4ForCausalLM`` /
+``DeepseekV4Model`` (or one ``DeepseekV4Attention``) replaces the forward of every attention
+layer (sliding window, CSA r = 4, HCA r = 128) with hp_cp's; hyper-connections, MoE (its
+single-process expert path), norms and the head are token-local and run unchanged on each
+rank's rows. Each rank then::
 
-    batch = nemo_cp_batch(handle, input_ids)          # any S; padded, shifted, sharded
+    batch = cp_nemo_batch(handle, input_ids)          # any S; padded, shifted, sharded
     labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
     out = model(**batch)
     loss = cp_causal_lm_loss(out.logits, labels, n_tokens)
@@ -20,10 +21,11 @@ NeMo's own CP (``model.prepare_model_inputs_for_cp`` / ``make_dsv4_contiguous_sh
 batch_and_ctx``, which hands ``_dsv4_cp_group`` to the forward, or ``setup_cp_attention``)
 must stay off: both at once is one :class:`~hp_cp_core.HpCpError` on every rank, before any
 collective. Packed input in NeMo's format (``seq_lens`` rows padded with -1000, or
-``packed_seq_ids``) becomes hp_cp's ``cu_seqlens`` in :func:`nemo_cp_batch`; documents are
-not re-padded, each is compressed from its own first row.
+``packed_seq_ids``) becomes hp_cp's ``cu_seqlens`` in :func:`cp_nemo_batch`, which then
+takes the core's one batch path (``handle.batch``); documents are not re-padded, each is
+compressed from its own first row.
 
-The same ``enable_cp`` / ``nemo_cp_batch`` take NeMo's DeepSeek V4.1
+The same ``hp_cp_core.enable_cp`` / ``cp_nemo_batch`` take NeMo's DeepSeek V4.1
 (:mod:`~hp_cp_torch.integrations.nemo_automodel_v41`) and GLM-5
 (:mod:`~hp_cp_torch.integrations.nemo_automodel_dsa`); NeMo's DeepSeek
 V3.2 is refused there, with the reason.
@@ -46,14 +48,10 @@ from hp_cp_core import (
     LayerSpec,
     stage1_compress_with_halo,
 )
-from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.integrations.nemo_automodel_dsa import enable_cp_dsa, is_dsa_model
-from hp_cp_torch.integrations.nemo_automodel_v41 import (
-    enable_cp_v41,
-    is_v41_model,
-    nemo_v41_cp_batch,
-)
+from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_torch.integrations.nemo_automodel_dsa import is_dsa_model
+from hp_cp_torch.integrations.nemo_automodel_v41 import is_v41_model, v41_batch_inputs
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     RopeForwardState,
@@ -65,6 +63,8 @@ from hp_cp_torch.integrations.transformers import (
 __all__ = [
     "NemoDeepseekV4AttentionAdapter",
     "cp_causal_lm_loss",
+    "cp_nemo_batch",
+    "cp_shift_labels",
     "cp_sum_gradients",
     "disable_cp",
     "enable_cp",
@@ -286,7 +286,7 @@ _NEMO_CP_ON = (
     f"{NEMO_CP_KWARG!r} from make_dsv4_contiguous_shard_cp_batch_and_ctx / "
     "prepare_model_inputs_for_cp, or setup_cp_attention gave the layer a _cp_group); hp_cp "
     "owns the attention layers, so switch NeMo's CP off (cp_size 1 in its parallelizer, no "
-    "cp_sharder) and shard the batch with nemo_cp_batch(handle, ...) instead."
+    "cp_sharder) and shard the batch with cp_nemo_batch(handle, ...) instead."
 )
 
 
@@ -306,24 +306,14 @@ def _attention_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Run NeMo's DeepSeek V4 ``model`` under hp_cp CP over ``mesh`` (DeviceMesh or group);
-    a DeepSeek V4.1 or GLM-5 model goes to its own integration (:func:`enable_cp_v41`,
-    :func:`enable_cp_dsa`). ``hp_cp_core.enable_cp`` does the same (the adapters'
-    ``prepare_model``); this one names what it found no layer of.
+    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's
+    DeepSeek V4, V4.1 and GLM-5 (the adapters' ``prepare_model``: NeMo's own CP refused,
+    V4.1's Engram hash, GLM-5's positions, V3.2 refused with the reason).
 
-    Also installs a forward pre-hook on ``model`` that raises :class:`HpCpError` before the
-    model runs (so before any collective) when NeMo's own CP is switched on for a call.
-
-    Raises:
-        HpCpError: NeMo's CP is already set up on a layer (``setup_cp_attention``), no
-            NeMo attention layer is in ``model``, or ``model`` holds NeMo's DeepSeek V3.2.
+    This one still names the NeMo layer it found none of before calling it.
     """
-    if is_v41_model(model):  # DeepSeek V4.1 (CSA2): its own adapter, same one call
-        return enable_cp_v41(model, mesh, config)
-    if is_dsa_model(model):  # GLM-5 (DSA): its own adapter, same one call
-        return enable_cp_dsa(model, mesh, config)
-    layers = _attention_layers(model)
-    if not layers:
+    warn_deprecated("hp_cp_torch.integrations.nemo_automodel.enable_cp", "hp_cp_core.enable_cp")
+    if not (is_v41_model(model) or is_dsa_model(model)) and not _attention_layers(model):
         raise HpCpError(
             f"found no NeMo Automodel DeepseekV4Attention in a `{type(model).__name__}`; pass "
             "nemo_automodel's DeepseekV4ForCausalLM, DeepseekV4Model or a DeepseekV4Attention."
@@ -332,7 +322,8 @@ def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
 
 
 def disable_cp(handle: CPHandle) -> None:
-    """Undo :func:`enable_cp` exactly (forwards restored, the guard hook removed)."""
+    """Deprecated (0.3.0): ``hp_cp_core.disable_cp(handle)``, which this calls."""
+    warn_deprecated("hp_cp_torch.integrations.nemo_automodel.disable_cp", "hp_cp_core.disable_cp")
     hp_cp_core.disable_cp(handle)
 
 
@@ -375,7 +366,7 @@ def _cu_from_packed_ids(packed_seq_ids: Any, total: int) -> np.ndarray:
     return np.concatenate([[0], starts, [total]]).astype(np.int64)
 
 
-def nemo_cp_batch(
+def cp_nemo_batch(
     handle: CPHandle,
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
@@ -384,23 +375,24 @@ def nemo_cp_batch(
     packed_seq_ids: Any = None,
     ignore_index: int = -100,
 ) -> dict[str, Any]:
-    """This rank's part of a causal-LM batch of any length: padded, shifted and sharded.
+    """NeMo's batch format on the one batch path (:meth:`hp_cp_core.CPHandle.batch`):
+    this rank's part of a causal-LM batch of any length, padded, shifted and sharded.
 
     ``input_ids`` / ``labels`` are the FULL sequences ``[B, S]`` (labels default to the
     inputs). Packed input (``B == 1``) in NeMo's format, ``seq_lens`` (``[1, n_docs]``,
-    unused entries -1000) or ``packed_seq_ids`` (one id per token), becomes ``cu_seqlens``:
-    each document keeps its own rows (no re-padding), its positions restart at 0 and its
-    last token has no target. On a CP group of one packed input switches the layers from
-    NeMo's own forward (``single_rank_bypass``) to the CP path (``handle.use_cp_path()``):
-    NeMo's forward would let the documents attend to each other; so does a GLM-5 batch the
-    layout pads (NeMo's forward would score the padding in its top-k rows). The sequence is
-    padded at the end to what the layout needs (token 0, label ``ignore_index``).
+    unused entries -1000) or ``packed_seq_ids`` (one id per token), becomes ``cu_seqlens``
+    for ``handle.batch``: each document keeps its own rows (no re-padding), its positions
+    restart at 0 and its last token has no target. The sequence is padded at the end to
+    what the layout needs (token 0, label ``ignore_index``); a packed or padded batch runs
+    the CP path on a group of one too (NeMo's forward would let the documents attend to each
+    other, or score the padding in its top-k rows).
 
     Returns:
-        The model's keyword arguments, ``input_ids`` and ``position_ids`` (this rank's rows)
-        and, packed, ``cu_seqlens`` (global boundaries including the padding), plus
-        ``labels`` (this rank's shifted targets) and ``n_tokens`` (targets of the whole
-        batch): pop the last two before ``model(**batch)``.
+        The model's keyword arguments in NeMo's names, ``input_ids`` and ``position_ids``
+        (``[B, local rows]``) and, packed, ``cu_seqlens`` (global boundaries including the
+        padding; DeepSeek V4.1 instead: ``packed_seq_ids`` and ``attention_mask`` of this
+        rank's rows), plus ``labels`` (this rank's shifted targets) and ``n_tokens``
+        (targets of the whole batch): pop the last two before ``model(**batch)``.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise HpCpError(
@@ -411,7 +403,7 @@ def nemo_cp_batch(
     if tuple(labels.shape) != tuple(input_ids.shape):
         raise HpCpError(
             f"labels {list(labels.shape)} must have the shape of input_ids "
-            f"{list(input_ids.shape)} (unshifted; nemo_cp_batch shifts them)."
+            f"{list(input_ids.shape)} (unshifted; cp_nemo_batch shifts them)."
         )
     if seq_lens is not None and packed_seq_ids is not None:
         raise HpCpError("pass seq_lens or packed_seq_ids, not both.")
@@ -426,31 +418,41 @@ def nemo_cp_batch(
             f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "
             "one row, input_ids [1, S]."
         )
-    if cu is not None:  # NeMo's own forward reads no cu_seqlens: cp 1 runs the CP path too
-        handle.use_cp_path()
-    shifted = cp_shift_labels(labels, ignore_index)
-    if cu is not None:
-        ends = cu[1:][np.diff(cu) > 0] - 1  # each document's last token predicts nothing
-        shifted[:, torch.as_tensor(ends)] = ignore_index
-    if is_v41_model(handle.module):
-        return nemo_v41_cp_batch(handle, input_ids, labels, cu, shifted, ignore_index)
-    pad = handle.padding(total)
-    if pad.pad_rows and is_dsa_model(handle.module):  # GLM-5's own forward would score the
-        handle.use_cp_path()  # padding in its one-process top-k rows (5e-3 off at cp 1)
-    if cu is None:
-        positions = np.arange(pad.padded_rows)
+    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu, ignore_index=ignore_index)
+    if is_v41_model(handle.module):  # V4.1 reads per-row document ids, not cu_seqlens
+        out = v41_batch_inputs(handle, batch, input_ids)
     else:
-        cu = pad.cu_seqlens(cu)
-        rows = np.arange(pad.padded_rows)
-        positions = rows - Documents.packed(cu, pad.padded_rows).start_of(rows)
-    device = input_ids.device
-    positions_t = torch.as_tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
-    out: dict[str, Any] = {
-        "input_ids": handle.shard(input_ids, 1, pad_value=0),
-        "position_ids": handle.shard(positions_t.expand(input_ids.shape[0], -1), 1),
-    }
-    if cu is not None:
-        out["cu_seqlens"] = torch.as_tensor(cu, dtype=torch.long)
-    out["labels"] = handle.shard(shifted, 1, pad_value=ignore_index)
-    out["n_tokens"] = (shifted != ignore_index).sum()
+        out = {
+            "input_ids": batch.input_ids,
+            "position_ids": batch.position_ids.expand(int(input_ids.shape[0]), -1).contiguous(),
+        }
+        if batch.cu_seqlens is not None:
+            out["cu_seqlens"] = batch.cu_seqlens
+    out["labels"] = batch.labels
+    out["n_tokens"] = batch.n_tokens
     return out
+
+
+def nemo_cp_batch(
+    handle: CPHandle,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    seq_lens: Any = None,
+    packed_seq_ids: Any = None,
+    ignore_index: int = -100,
+) -> dict[str, Any]:
+    """Deprecated (0.3.0): :func:`cp_nemo_batch`, the same call under the name every
+    stack's batch helper now has (``cp_<stack>_batch``)."""
+    warn_deprecated(
+        "hp_cp_torch.integrations.nemo_automodel.nemo_cp_batch",
+        "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch",
+    )
+    return cp_nemo_batch(
+        handle,
+        input_ids,
+        labels,
+        seq_lens=seq_lens,
+        packed_seq_ids=packed_seq_ids,
+        ignore_index=ignore_index,
+    )

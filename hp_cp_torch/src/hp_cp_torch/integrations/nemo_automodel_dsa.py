@@ -1,11 +1,11 @@
 """NeMo Automodel's GLM-5 (``nemo_automodel.components.models.glm_moe_dsa``) under CP.
 
-``enable_cp(model, mesh)`` from :mod:`hp_cp_torch.integrations.nemo_automodel` on a NeMo
+``hp_cp_core.enable_cp(model, mesh)`` on a NeMo
 ``GlmMoeDsaForCausalLM`` / ``GlmMoeDsaModel`` (or one ``GlmMoeDsaMLA``) replaces the forward
 of every ``GlmMoeDsaMLA``; MoE, norms and the head are token-local and run unchanged on each
 rank's rows. Each rank then, as for NeMo's DeepSeek V4::
 
-    batch = nemo_cp_batch(handle, input_ids)          # any S; padded, shifted, sharded
+    batch = cp_nemo_batch(handle, input_ids)          # any S; padded, shifted, sharded
     labels, n_tokens = batch.pop("labels"), batch.pop("n_tokens")
     out = model(**batch)
     loss = cp_causal_lm_loss(out.logits, labels, n_tokens)
@@ -45,6 +45,7 @@ from torch import nn
 
 import hp_cp_core
 from hp_cp_core import CPHandle, HpCpError
+from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter, DSAForwardState
 
 __all__ = [
@@ -299,17 +300,14 @@ def _pass_positions(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any
 
 
 def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Run NeMo's GLM-5 ``model`` (``GlmMoeDsaForCausalLM`` / ``GlmMoeDsaModel``, or one
-    ``GlmMoeDsaMLA``) under hp_cp CP over ``mesh`` (DeviceMesh or group).
-
-    Every ``GlmMoeDsaMLA`` forward is replaced and each ``GlmMoeDsaModel`` gets a pre-hook
-    handing its ``position_ids`` to the layers; ``disable_cp`` restores both.
-    ``hp_cp_core.enable_cp`` does the same (:meth:`NemoGlmDsaAttentionAdapter.prepare_model`).
-
-    Raises:
-        HpCpError: the model holds NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`), or no
-            ``GlmMoeDsaMLA``.
+    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's GLM-5
+    the same way (:meth:`NemoGlmDsaAttentionAdapter.prepare_model`: the positions pre-hook,
+    V3.2 refused with :data:`V32_NOT_CAUSAL`); this one still names the GLM-5 layer it found
+    none of before calling it.
     """
+    warn_deprecated(
+        "hp_cp_torch.integrations.nemo_automodel_dsa.enable_cp_dsa", "hp_cp_core.enable_cp"
+    )
     layers = [mod for mod in model.modules() if nemo_dsa_adapter_for(mod) is not None]
     if not layers:
         raise HpCpError(

@@ -1,11 +1,12 @@
 """NeMo Automodel's DeepSeek V4.1 (``nemo_automodel.components.models.deepseek_v41``) under CP.
 
-``enable_cp(model, mesh)`` (:mod:`hp_cp_torch.integrations.nemo_automodel`, which hands a
-V4.1 model to :func:`enable_cp_v41`) on a NeMo ``DeepseekV41ForCausalLM`` replaces the forward
+``hp_cp_core.enable_cp(model, mesh)`` (:func:`prepare_v41_model` runs the model-level part)
+on a NeMo ``DeepseekV41ForCausalLM`` replaces the forward
 of every ``DeepseekV41Attention`` (CSA2: sliding-window, Full, Reindex and Reuse layers at
 ratios 0, 1 and >= 2) and of the Engram n-gram hash with hp_cp's; hyper-connections, MoE,
 the Engram lookups, norms and the head are token-local and run unchanged on each rank's
-rows. ``nemo_cp_batch(handle, input_ids, seq_lens=...)`` lays a batch out.
+rows. :func:`~hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch` ``(handle, input_ids,
+seq_lens=...)`` lays a batch out.
 
 Note [NeMo DeepSeek V4.1 under CP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -77,6 +78,7 @@ from torch import nn
 
 import hp_cp_core
 from hp_cp_core import (
+    CPBatch,
     CPHandle,
     DeepSeekV4CPContext,
     DeepSeekV4CPForward,
@@ -88,6 +90,7 @@ from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import run_sparse_attention
+from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.model_adapter import ModelAdapter
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
@@ -630,24 +633,20 @@ def _check_candidates(layers: list[nn.Module]) -> None:
 
 
 def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Run NeMo's DeepSeek V4.1 ``model`` (``DeepseekV41ForCausalLM`` / ``DeepseekV41Model``,
-    or one ``DeepseekV41Attention``) under hp_cp CP over ``mesh``.
-
-    Every attention layer's forward and the Engram hash's forward are replaced (restored by
-    ``disable_cp``); NeMo's own CP must be off.
-
-    Raises:
-        HpCpError: NeMo's CP is set up (``setup_cp_attention`` / ``cp_mesh``), the layer
-            schedule shares slots hp_cp cannot plan, or no V4.1 attention layer is found.
+    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's
+    DeepSeek V4.1 the same way (:func:`prepare_v41_model`: NeMo's own CP and an unplannable
+    candidate schedule refused, the Engram hash under CP, the guard); this one still names
+    the V4.1 layer it found none of before calling it.
     """
+    warn_deprecated(
+        "hp_cp_torch.integrations.nemo_automodel_v41.enable_cp_v41", "hp_cp_core.enable_cp"
+    )
     layers = [mod for mod in model.modules() if nemo_v41_adapter_for(mod) is not None]
     if not layers:
         raise HpCpError(
             f"found no NeMo Automodel DeepseekV41Attention in a `{type(model).__name__}`; pass "
             "nemo_automodel's DeepseekV41ForCausalLM, DeepseekV41Model or a layer."
         )
-    # the core's plan_sharing checks the schedule (Note [Layers that share their indexer]):
-    # handle.sharing says which layer owns what; the adapter's prepare_model does the rest
     return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
 
 
@@ -686,6 +685,25 @@ def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandl
     handle.on_disable(hook.remove)
 
 
+def v41_batch_inputs(handle: CPHandle, batch: CPBatch, input_ids: torch.Tensor) -> dict[str, Any]:
+    """NeMo V4.1's keyword arguments for one batch of the core's batch path: ``input_ids``,
+    ``position_ids`` (``[B, local rows]``) and, packed, ``packed_seq_ids`` (document
+    ``1 ..``, the padding 0) and ``attention_mask`` of this rank's rows, with the packed
+    boundaries recorded for the layers (V4.1 hands them per-row document ids only)."""
+    plan = batch.plan
+    out: dict[str, Any] = {
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids.expand(int(input_ids.shape[0]), -1).contiguous(),
+    }
+    if plan.packed:
+        ids = np.where(np.arange(plan.padded_rows) < plan.rows, plan.documents + 1, 0)
+        ids_t = torch.as_tensor(ids, dtype=torch.long, device=input_ids.device).unsqueeze(0)
+        out["packed_seq_ids"] = handle.shard(ids_t, 1)
+        out["attention_mask"] = out["packed_seq_ids"] > 0
+        handle.sequence.record_documents(plan.cu_seqlens)
+    return out
+
+
 def nemo_v41_cp_batch(
     handle: CPHandle,
     input_ids: torch.Tensor,
@@ -694,29 +712,14 @@ def nemo_v41_cp_batch(
     shifted: torch.Tensor,
     ignore_index: int,
 ) -> dict[str, Any]:
-    """The V4.1 part of :func:`~hp_cp_torch.integrations.nemo_automodel.nemo_cp_batch`:
-    ``cu`` (the documents, or ``None``) and the shifted labels are already checked."""
-    total = int(input_ids.shape[1])
-    pad = handle.padding(total)
-    if pad.pad_rows:  # NeMo's own forward would put the padding's slots in its top-k rows
-        handle.use_cp_path()
-    device = input_ids.device
-    out: dict[str, Any] = {"input_ids": handle.shard(input_ids, 1, pad_value=0)}
-    if cu is None:
-        positions = torch.arange(pad.padded_rows, device=device).unsqueeze(0)
-        out["position_ids"] = handle.shard(positions.expand(input_ids.shape[0], -1), 1)
-    else:
-        cu_pad = pad.cu_seqlens(cu)
-        rows = np.arange(pad.padded_rows)
-        docs = Documents.packed(cu_pad, pad.padded_rows)
-        positions = rows - docs.start_of(rows)
-        ids = np.where(rows < total, docs.doc_of(rows) + 1, 0)
-        pos_t = torch.as_tensor(positions, dtype=torch.long, device=device).unsqueeze(0)
-        ids_t = torch.as_tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
-        out["position_ids"] = handle.shard(pos_t, 1)
-        out["packed_seq_ids"] = handle.shard(ids_t, 1)
-        out["attention_mask"] = out["packed_seq_ids"] > 0
-        handle.sequence.record_documents(cu_pad)
-    out["labels"] = handle.shard(shifted, 1, pad_value=ignore_index)
-    out["n_tokens"] = (shifted != ignore_index).sum()
+    """Deprecated (0.3.0): :func:`~hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch`
+    lays out V4.1 batches too (``shifted`` is ignored: the one batch path shifts)."""
+    warn_deprecated(
+        "hp_cp_torch.integrations.nemo_automodel_v41.nemo_v41_cp_batch",
+        "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch",
+    )
+    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu, ignore_index=ignore_index)
+    out = v41_batch_inputs(handle, batch, input_ids)
+    out["labels"] = batch.labels
+    out["n_tokens"] = batch.n_tokens
     return out

@@ -35,8 +35,9 @@ numbers, attention dropout in training.
 Training: shift the labels on the full sequence *before* sharding (:func:`cp_shift_labels`),
 take :func:`cp_causal_lm_loss` per rank (sum over its tokens / global token count) and sum
 the gradients over the CP group (:func:`cp_sum_gradients`, or DDP/FSDP over a mesh that
-includes the CP dimension). :func:`cp_causal_lm_batch` shifts, pads (any sequence length)
-and shards a batch in one call; ``examples/train_deepseek_v4_cp.py`` is a whole recipe.
+includes the CP dimension). ``handle.batch(input_ids)`` (the core's one batch path,
+:meth:`hp_cp_core.CPHandle.batch`) shifts, pads (any sequence length) and shards a batch in
+one call; ``examples/train_deepseek_v4_cp.py`` is a whole recipe.
 
 Next to HF's own parallelism (``from_pretrained(path, distributed_config=DistributedConfig(
 ...))``: TP / EP on the experts, FSDP2 by HF), :func:`cp_layout_from_hf_model` takes CP from
@@ -66,6 +67,7 @@ from hp_cp_core import (
 )
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
+from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.kernels.smallop import gather_rows
 from hp_cp_torch.model_adapter import ModelAdapter
@@ -591,30 +593,23 @@ def cp_causal_lm_batch(
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> dict[str, torch.Tensor]:
-    """This rank's part of a causal-LM batch of any length: padded, shifted and sharded.
-
-    ``input_ids`` / ``labels`` are the FULL sequences ``[B, S]`` (``labels`` default to
-    ``input_ids``). The labels are shifted on the full sequence (:func:`cp_shift_labels`),
-    the sequence is padded at the end to what the layout needs (``handle.shard(...,
-    pad_value=...)``: token 0, label ``ignore_index``, so the loss skips the padding) and
-    sharded along dim 1; ``position_ids`` are the global row numbers.
+    """Deprecated (0.3.0): ``handle.batch(input_ids, labels=labels)``, the one batch path
+    (:meth:`hp_cp_core.CPHandle.batch`), gives the same tensors as a
+    :class:`~hp_cp_core.CPBatch`.
 
     Returns:
-        ``input_ids``, ``position_ids``, ``labels`` (this rank's rows) and ``n_tokens``: the
-        number of targets of this batch, the divisor of :func:`cp_causal_lm_loss` (sum it
-        over data-parallel ranks when the loss is the mean over the global batch).
+        ``input_ids``, ``position_ids``, ``labels`` (this rank's rows) and ``n_tokens``.
     """
-    labels = input_ids if labels is None else labels
-    shifted = cp_shift_labels(labels, ignore_index)
-    pad = handle.padding(int(input_ids.shape[1]))
-    if pad.pad_rows:  # HF's own forward (a group of one) would score the padding's slots
-        handle.use_cp_path()
-    positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
+    warn_deprecated(
+        "hp_cp_torch.integrations.transformers.cp_causal_lm_batch",
+        "handle.batch(input_ids, labels=labels)",
+    )
+    batch = handle.batch(input_ids, labels=labels, ignore_index=ignore_index)
     return {
-        "input_ids": handle.shard(input_ids, 1, pad_value=0),
-        "position_ids": handle.shard(positions, 1),
-        "labels": handle.shard(shifted, 1, pad_value=ignore_index),
-        "n_tokens": (shifted != ignore_index).sum(),
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "labels": batch.labels,
+        "n_tokens": batch.n_tokens,
     }
 
 
@@ -740,7 +735,7 @@ class HFCPLayout:
         return handle
 
     def global_tokens(self, n_tokens: torch.Tensor) -> torch.Tensor:
-        """Sum of the replicas' target counts (``cp_causal_lm_batch(...)["n_tokens"]``) over
+        """Sum of the replicas' target counts (``handle.batch(...).n_tokens``) over
         the data-parallel ranks only (a CP group counts its sequences once); a collective."""
         import torch.distributed as dist
 
@@ -835,10 +830,9 @@ def cp_layout_from_hf_model(model: nn.Module, axis: str = "fsdp") -> HFCPLayout:
 
         layout = cp_layout_from_hf_model(model, axis="fsdp")
         handle = layout.enable_cp(model)  # enable_cp(model, layout.cp_mesh), indexer frozen
-        batch = cp_causal_lm_batch(handle, input_ids)  # this replica's sequences
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                    use_cache=False)
-        loss = layout.causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+        batch = handle.batch(input_ids)  # this replica's sequences
+        out = model(**batch.model_inputs(), use_cache=False)
+        loss = layout.causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
         loss.backward()
 
     The batches differ across :attr:`HFCPLayout.dp_mesh` and are the same on the ranks of a

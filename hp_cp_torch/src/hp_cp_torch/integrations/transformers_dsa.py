@@ -4,11 +4,10 @@ and ``GlmMoeDsaForCausalLM`` (GLM-5), transformers 5.23.
 ``enable_cp(model, mesh)`` replaces the forward of every ``DeepseekV32Attention`` /
 ``GlmMoeDsaAttention``; the rest of the model (MoE, norms, head) is token-local. Each rank::
 
-    handle = enable_cp(model, cp_group, DeepSeekV4CPConfig(layout="load_balanced"))
-    batch = cp_dsa_batch(handle, input_ids)  # shifted labels, padding, shards, positions
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                use_cache=False, **batch["model_kwargs"])
-    cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"]).backward()
+    handle = enable_cp(model, cp_group, CPConfig(layout="load_balanced"))
+    batch = handle.batch(input_ids)  # shifted labels, padding, shards, positions
+    out = model(**batch.model_inputs(), use_cache=False)
+    cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens).backward()
 
 DSA is the core's ``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)`` (Note [The
 sparse-attention family] in :mod:`hp_cp_core.sharing`): every token is its own slot, the
@@ -37,17 +36,17 @@ The stages are HF's ops on the module's own parameters:
   every token of the sequence, the invisible ones masked; which of several equal scores it
   keeps depends on that whole row (ReLU scores tie at 0 for every token no head likes). So
   each query's scores are placed in the row one process scores and go through the same
-  ``torch.topk``: padded, the real tokens (not the padding ``cp_dsa_batch`` appends); packed,
+  ``torch.topk``: padded, the real tokens (not the padding ``handle.batch`` appends); packed,
   one row for the whole packed stream (HF's one-process packed mask is block-diagonal over
   one row: ``one_process_row="stream"``);
 * attention: each query's logits over the tokens it selected, ``scaling``, softmax in fp32
   (HF's dense row with the unselected at ``finfo.min`` gives them exactly 0), then ``o_proj``.
 
-Packed documents (batch 1): pass ``hp_cp_cu_seqlens=`` (``cp_dsa_batch(...,
-cu_seqlens=...)`` does) with positions restarting per document, as HF's one-process
+Packed documents (batch 1): pass ``hp_cp_cu_seqlens=`` (``handle.batch(...,
+cu_seqlens=...).model_inputs()`` does) with positions restarting per document, as HF's one-process
 packing detects them from ``position_ids``. Not supported under CP (an
 :class:`~hp_cp_core.HpCpError` on every rank, before any exchange): a KV cache, attention
-masks that hide tokens (padding; use ``cp_dsa_batch``'s trailing padding), attention
+masks that hide tokens (padding; use ``handle.batch``'s trailing padding), attention
 dropout in training.
 
 """
@@ -60,15 +59,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec
+from hp_cp_core import DeepSeekV4CPContext, LayerSpec
+from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_core.layout import Documents
 from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
@@ -82,6 +81,7 @@ __all__ = [
     "DSAAttentionAdapter",
     "cp_causal_lm_loss",
     "cp_dsa_batch",
+    "cp_shift_labels",
     "cp_sum_gradients",
     "dsa_adapter_for",
 ]
@@ -362,61 +362,24 @@ def cp_dsa_batch(
     cu_seqlens: Any = None,
     ignore_index: int = -100,
 ) -> dict[str, Any]:
-    """This rank's part of a DSA causal-LM batch of any length: padded, shifted, sharded.
-
-    Args:
-        handle: the ``enable_cp`` handle.
-        input_ids: the FULL sequences ``[B, S]`` (``[1, S]`` when packed).
-        labels: default ``input_ids``; shifted on the full sequence (each document's last
-            token gets ``ignore_index`` when packed).
-        cu_seqlens: packed document boundaries ``[0, ..., S]`` (batch 1), or ``None``.
-        ignore_index: the label that does not count.
+    """Deprecated (0.3.0): ``handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens)``,
+    the one batch path (:meth:`hp_cp_core.CPHandle.batch`); pass
+    ``**batch.model_inputs()`` to the model.
 
     Returns:
-        ``input_ids``, ``position_ids`` (global rows; per document when packed), ``labels``
-        (this rank's rows), ``n_tokens`` (the targets of the whole batch: the divisor of
-        :func:`cp_causal_lm_loss`) and ``model_kwargs`` (``{"hp_cp_cu_seqlens": ...}`` when
-        packed, else empty) to pass to the model. The padding (token 0, label
-        ``ignore_index``) is a trailing document of its own when packed. On a CP group of
-        one a batch with padding runs the CP path (``handle.use_cp_path()``): the model's own
-        forward would put the padding in its one-process top-k rows, where ties then pick
-        differently.
+        ``input_ids``, ``position_ids``, ``labels``, ``n_tokens`` and ``model_kwargs``
+        (``{"hp_cp_cu_seqlens": ...}`` when packed, else empty).
     """
-    labels = input_ids if labels is None else labels
-    shifted = cp_shift_labels(labels, ignore_index)
-    rows = int(input_ids.shape[1])
-    pad = handle.padding(rows)
-    if pad.pad_rows:  # on a group of one, HF's own top-k rows would hold the padding too
-        handle.use_cp_path()
-    kwargs: dict[str, Any] = {}
-    if cu_seqlens is None:
-        positions = torch.arange(pad.padded_rows, device=input_ids.device).unsqueeze(0)
-    else:
-        cu = np.asarray(torch.as_tensor(cu_seqlens).cpu(), dtype=np.int64).reshape(-1)
-        _check_packed(input_ids, cu, rows)
-        last = cu[1:] - 1
-        shifted = shifted.clone()
-        shifted[:, last[last >= 0]] = ignore_index
-        cu_pad = np.asarray(pad.cu_seqlens(cu), dtype=np.int64)
-        rows_all = np.arange(pad.padded_rows)
-        start = cu_pad[np.searchsorted(cu_pad, rows_all, side="right") - 1]
-        positions = torch.as_tensor(rows_all - start, device=input_ids.device).unsqueeze(0)
-        kwargs["hp_cp_cu_seqlens"] = torch.as_tensor(cu_pad)
+    warn_deprecated(
+        "hp_cp_torch.integrations.transformers_dsa.cp_dsa_batch",
+        "handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens)",
+    )
+    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
+    kwargs = {} if batch.cu_seqlens is None else {CU_SEQLENS_KWARG: batch.cu_seqlens}
     return {
-        "input_ids": handle.shard(input_ids, 1, pad_value=0),
-        "position_ids": handle.shard(positions, 1),
-        "labels": handle.shard(shifted, 1, pad_value=ignore_index),
-        "n_tokens": (shifted != ignore_index).sum(),
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "labels": batch.labels,
+        "n_tokens": batch.n_tokens,
         "model_kwargs": kwargs,
     }
-
-
-def _check_packed(input_ids: torch.Tensor, cu: np.ndarray, rows: int) -> None:
-    """Packed input as ``cp_dsa_batch`` takes it, checked before anything is sharded (the
-    same full batch on every rank, so every rank raises the same :class:`HpCpError`)."""
-    if int(input_ids.shape[0]) != 1:
-        raise HpCpError(
-            f"cp_dsa_batch: packed input (cu_seqlens) needs batch size 1, got "
-            f"{int(input_ids.shape[0])}; pack the documents of the batch into one row."
-        )
-    Documents.packed(cu, rows)  # the core's boundary check (a PlanError, an HpCpError)

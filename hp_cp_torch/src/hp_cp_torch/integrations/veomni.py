@@ -6,14 +6,15 @@ instead of ``indexer.scorer``), so the layers run through the HF integration's a
 (:class:`~hp_cp_torch.integrations.transformers.DeepseekV4AttentionAdapter`) with VeOmni's
 own ``apply_rotary_pos_emb`` and eager indexer score. Each rank then calls::
 
-    handle = enable_cp(model, mesh)  # this module's enable_cp
+    handle = hp_cp_core.enable_cp(model, mesh)
     batch = cp_veomni_batch(handle, input_ids)  # or position_ids=/cu_seq_lens= when packed
     out = model(**batch.model_inputs(), use_cache=False)
     loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
 
 VeOmni's own sequence parallelism (``init_parallel_state(cp_size>1)`` or Ulysses) must be
-off: ``enable_cp`` and every CP forward raise one :class:`~hp_cp_core.HpCpError` on every
-rank (the parallel state is the same on every rank, so no collective runs first).
+off: ``enable_cp`` (:func:`prepare_veomni_model`) and every CP forward raise one
+:class:`~hp_cp_core.HpCpError` on every rank (the parallel state is the same on every rank,
+so no collective runs first).
 
 Packed input in VeOmni's format (one row, ``position_ids`` restarting at each document,
 ``cu_seq_lens_q`` spanning the row) becomes hp_cp's ``cu_seqlens``: the documents are not
@@ -23,16 +24,16 @@ re-padded; only the row's end is padded to what the layout needs, as its own doc
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_core import CPBatch, DeepSeekV4CPConfig, HpCpError
 from hp_cp_core import disable_cp as _core_disable_cp
 from hp_cp_core import enable_cp as _core_enable_cp
+from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     cp_causal_lm_loss,
@@ -45,10 +46,12 @@ __all__ = [
     "VeOmniBatch",
     "VeOmniDeepseekV4AttentionAdapter",
     "cp_causal_lm_loss",
+    "cp_shift_labels",
     "cp_sum_gradients",
     "cp_veomni_batch",
     "disable_cp",
     "enable_cp",
+    "prepare_veomni_model",
     "veomni_adapter_for",
 ]
 
@@ -78,6 +81,15 @@ def _veomni_sp_problem() -> str | None:
     return None
 
 
+def prepare_veomni_model(model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
+    """The model-level part of VeOmni under CP, whichever ``enable_cp`` was called: refuse
+    VeOmni's own CP / Ulysses (an :class:`~hp_cp_core.HpCpError` on every rank, before
+    anything is installed; each CP forward checks it again)."""
+    problem = _veomni_sp_problem()
+    if problem is not None:
+        raise HpCpError(f"enable_cp on {type(model).__name__}: {problem}")
+
+
 def veomni_adapter_for(module: Any) -> Any:
     """The adapter for a VeOmni ``DeepseekV4Attention``, else ``None`` (never imports VeOmni)."""
     modeling = sys.modules.get(VEOMNI_MODELING)
@@ -93,6 +105,8 @@ class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
     packed_topk_row = "stream"
     """VeOmni's packed indexer scores one row of every slot of the packed stream, the
     query's own document visible (``packed_compressed_causal_ranges``)."""
+
+    prepare_model = staticmethod(prepare_veomni_model)
 
     def apply_rope(self, *args: Any) -> Any:
         return sys.modules[type(self.module).__module__].apply_rotary_pos_emb(*args)
@@ -123,12 +137,11 @@ class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
 
 
 def enable_cp(model: Any, mesh: Any, config: DeepSeekV4CPConfig | None = None) -> Any:
-    """hp_cp on every attention layer of a VeOmni ``DeepseekV4ForCausalLM`` / ``Model``.
-
-    Raises :class:`~hp_cp_core.HpCpError` (every rank, before any collective) when VeOmni's
-    own CP / Ulysses is on. Returns the core's handle (``shard``, ``padding``, ``unshard``,
-    ``stats``); :func:`disable_cp` restores the model exactly.
+    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs VeOmni's
+    DeepSeek V4 the same way (:func:`prepare_veomni_model` refuses VeOmni's own CP /
+    Ulysses); this one also refuses a model built without VeOmni's modeling imported.
     """
+    warn_deprecated("hp_cp_torch.integrations.veomni.enable_cp", "hp_cp_core.enable_cp")
     problem = _veomni_sp_problem()
     if problem is not None:
         raise HpCpError(f"enable_cp on {type(model).__name__}: {problem}")
@@ -141,26 +154,14 @@ def enable_cp(model: Any, mesh: Any, config: DeepSeekV4CPConfig | None = None) -
 
 
 def disable_cp(handle: Any) -> None:
-    """Restore every layer's own forward (the core's ``disable_cp``)."""
+    """Deprecated (0.3.0): ``hp_cp_core.disable_cp(handle)``, which this calls."""
+    warn_deprecated("hp_cp_torch.integrations.veomni.disable_cp", "hp_cp_core.disable_cp")
     _core_disable_cp(handle)
 
 
-@dataclass
-class VeOmniBatch:
-    """This rank's rows of a batch (see :func:`cp_veomni_batch`)."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    n_tokens: torch.Tensor
-    cu_seqlens: torch.Tensor | None
-
-    def model_inputs(self) -> dict[str, Any]:
-        """The keyword arguments of the model call (add ``use_cache=False``)."""
-        out: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
-        if self.cu_seqlens is not None:
-            out["hp_cp_cu_seqlens"] = self.cu_seqlens
-        return out
+VeOmniBatch = CPBatch
+"""The 0.2 name of what :func:`cp_veomni_batch` returns: the core's :class:`~hp_cp_core.CPBatch`
+(a plain alias)."""
 
 
 def _packed_bounds(
@@ -207,16 +208,14 @@ def cp_veomni_batch(
     position_ids: torch.Tensor | None = None,
     cu_seq_lens: torch.Tensor | None = None,
     ignore_index: int = -100,
-) -> VeOmniBatch:
-    """This rank's part of a causal-LM batch of any length: shifted, padded, sharded.
+) -> CPBatch:
+    """VeOmni's batch format on the one batch path (:meth:`hp_cp_core.CPHandle.batch`).
 
     ``input_ids`` / ``labels`` are FULL ``[B, S]``. Padded batches: omit ``position_ids``.
     Packed (VeOmni's format, ``B == 1``): per-document ``position_ids`` and / or
-    ``cu_seq_lens`` (VeOmni's ``cu_seq_lens_q``); each document's last token gets no target,
-    the row end is padded as its own document, the documents are not re-padded. On a CP
-    group of one, packed input switches the layers from VeOmni's own forward
-    (``single_rank_bypass``) to the CP path (``handle.use_cp_path()``), which reads the
-    documents' boundaries.
+    ``cu_seq_lens`` (VeOmni's ``cu_seq_lens_q``) become ``cu_seqlens``; each document's last
+    token gets no target, the row end is padded as its own document, the documents are not
+    re-padded. ``batch.model_inputs()`` is the model call's keyword arguments.
     """
     if input_ids.dim() != 2:
         raise HpCpError(f"input_ids must be [B, S], got shape {list(input_ids.shape)}.")
@@ -229,26 +228,4 @@ def cp_veomni_batch(
     bounds = _packed_bounds(seq_len, position_ids, cu_seq_lens)
     if bounds is not None and batch != 1:
         raise HpCpError(f"packed input needs batch size 1, got {batch}; pack into one row.")
-    if bounds is not None:  # hp_cp's cu_seqlens reach only the CP path: cp 1 runs it too
-        handle.use_cp_path()
-    shifted = cp_shift_labels(labels, ignore_index)
-    pad = handle.padding(int(seq_len))
-    cu = None
-    if bounds is None:
-        positions = torch.arange(pad.padded_rows).unsqueeze(0)
-    else:
-        for end in bounds[1:-1]:
-            shifted[:, end - 1] = ignore_index  # no target across documents
-        cu_np = pad.cu_seqlens(bounds)
-        cu = torch.as_tensor(cu_np, dtype=torch.int64)
-        positions = torch.cat(
-            [torch.arange(int(b) - int(a)) for a, b in zip(cu_np[:-1], cu_np[1:])]
-        ).unsqueeze(0)
-    positions = positions.to(input_ids.device)
-    return VeOmniBatch(
-        input_ids=handle.shard(input_ids, 1, pad_value=0),
-        position_ids=handle.shard(positions, 1),
-        labels=handle.shard(shifted, 1, pad_value=ignore_index),
-        n_tokens=(shifted != ignore_index).sum(),
-        cu_seqlens=cu,
-    )
+    return handle.batch(input_ids, labels=labels, cu_seqlens=bounds, ignore_index=ignore_index)
