@@ -131,6 +131,7 @@ class ReferenceLayerAdapter:
                     m.config.index_topk,
                     call.config.query_chunk,
                     batch=q.shape[0],
+                    score_heads=m.config.index_n_heads,
                 )
             if m.computes_indexer_loss:
                 student = indexer_scores_at(q_idx, weights, keys, selected)

@@ -275,9 +275,7 @@ def _profiled_step(name: str, model: Any, step: Any, fresh: Any, positions: Any)
     top = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
     total_self = sum(a.self_cpu_time_total for a in averages) or 1.0
     attn_us = sum(
-        a.cpu_time_total
-        for a in averages
-        if a.key.removesuffix("Backward") in ATTENTION_NODES
+        a.cpu_time_total for a in averages if a.key.removesuffix("Backward") in ATTENTION_NODES
     )
     useful = _useful_attention_flops(name, model, positions)
     matmul = _bf16_matmul_flops()
@@ -370,13 +368,18 @@ def real_measures(
             for cp, regather in points:
                 sfx = _suffix(cp, seq, regather)
                 done = {
-                    s: (res[f"real_{name}_peak_bytes_{_suffix(cp, s, regather)}"],
-                        res[f"real_{name}_rss_before_step_bytes_{_suffix(cp, s, regather)}"])
+                    s: (
+                        res[f"real_{name}_peak_bytes_{_suffix(cp, s, regather)}"],
+                        res[f"real_{name}_rss_before_step_bytes_{_suffix(cp, s, regather)}"],
+                    )
                     for s in seqs
                     if f"real_{name}_peak_bytes_{_suffix(cp, s, regather)}" in res
                 }
-                if any(x.startswith(f"{name}_{'single' if cp == 1 else f'cp{cp}'}_") and
-                       x.endswith("_regather") == (regather and cp > 1) for x in skipped + failed):
+                if any(
+                    x.startswith(f"{name}_{'single' if cp == 1 else f'cp{cp}'}_")
+                    and x.endswith("_regather") == (regather and cp > 1)
+                    for x in skipped + failed
+                ):
                     skipped.append(f"{name}_{sfx}")  # a shorter S of this kind did not fit
                     continue
                 predicted = _predicted_total(done, seq, cp)
@@ -385,8 +388,10 @@ def real_measures(
                     log(f"real: {name} {sfx} skipped, predicted {predicted / 2**30:.1f} GiB")
                     continue
                 # the profiled step (live peak, top ops, FLOP/s): each model's first CP point
-                profiled = profile and cp > 1 and not any(
-                    k.startswith(f"real_{name}_live_peak_bytes_cp") for k in res
+                profiled = (
+                    profile
+                    and cp > 1
+                    and not any(k.startswith(f"real_{name}_live_peak_bytes_cp") for k in res)
                 )
                 t0 = time.perf_counter()
                 try:
@@ -516,8 +521,9 @@ def main_real(args: Any) -> int:
     for name in REAL_MODELS:
         res.update(fitted_bytes_per_row(res, name))
         # the headline: the largest S's ratio, default regather, at the largest cp measured
-        ratios = {k: v for k, v in res.items()
-                  if k.startswith(f"real_{name}_attn_flops_over_matmul_cp")}
+        ratios = {
+            k: v for k, v in res.items() if k.startswith(f"real_{name}_attn_flops_over_matmul_cp")
+        }
         if ratios:
             res[f"real_{name}_attn_flops_over_matmul"] = ratios[max(ratios, key=_size_of)]
     numbers, notes = flatten_numbers(res)
