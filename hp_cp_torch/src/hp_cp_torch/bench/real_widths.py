@@ -100,18 +100,21 @@ def build_real_model(name: str, seed: int = 0, dtype: Any = None, **overrides: A
     from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
 
     config_cls, model_cls = (getattr(transformers, n) for n in _CLASSES[name])
+    dtype = torch.bfloat16 if dtype is None else dtype
     torch.manual_seed(seed)
     cfg = config_cls(**{**REDUCED, **REAL_MODELS[name], **overrides})
     cfg._attn_implementation = "eager"
-    model = model_cls(cfg).float()
+    # made in ``dtype`` (no fp32 copy of every weight: a rank's build would peak at twice
+    # its weights), then the modules HF keeps in fp32 go back to fp32
+    model = model_cls._from_config(cfg, dtype=dtype)
     randomise_attention_weights(model, cfg.n_routed_experts, seed)
     keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    pattern = re.compile(r"(^|\.)(" + "|".join(map(re.escape, keep)) + r")(\.|$)") if keep else None
-    dtype = torch.bfloat16 if dtype is None else dtype
-    with torch.no_grad():
-        for pname, p in [*model.named_parameters(), *model.named_buffers()]:
-            if p.is_floating_point() and not (pattern and pattern.search(pname)):
-                p.data = p.data.to(dtype)
+    if keep:
+        pattern = re.compile(r"(^|\.)(" + "|".join(map(re.escape, keep)) + r")(\.|$)")
+        with torch.no_grad():
+            for pname, p in [*model.named_parameters(), *model.named_buffers()]:
+                if p.is_floating_point() and pattern.search(pname):
+                    p.data = p.data.float()
     return model
 
 
@@ -173,10 +176,16 @@ def _trim_heap() -> None:
 
 
 def real_point(
-    rank: int, world: int, name: str, seq: int, regather: bool, profile: bool
+    rank: int,
+    world: int,
+    name: str,
+    seq: int,
+    regather: bool,
+    profile: bool,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One rank of one measured point (module docstring); ``world == 1``: the model's own
-    forward on one process."""
+    forward on one process; ``overrides``: config changes (the tests' tiny widths)."""
     import gc
 
     import torch
@@ -188,7 +197,7 @@ def real_point(
 
     torch.set_num_threads(1)
     t_build = time.perf_counter()
-    model = build_real_model(name).train()
+    model = build_real_model(name, **(overrides or {})).train()
     ids = make_inputs(model.config.vocab_size, 1, seq)
     if world > 1:
         config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=regather)
