@@ -59,6 +59,7 @@ __all__ = [
     "build_real_model",
     "real_measures",
     "real_point",
+    "real_table",
     "write_real_png",
 ]
 
@@ -183,9 +184,12 @@ def real_point(
     regather: bool,
     profile: bool,
     overrides: dict[str, Any] | None = None,
+    side: str = "hp_cp",
 ) -> dict[str, Any]:
     """One rank of one measured point (module docstring); ``world == 1``: the model's own
-    forward on one process; ``overrides``: config changes (the tests' tiny widths)."""
+    forward on one process; ``overrides``: config changes (the tests' tiny widths);
+    ``side="allgather"``: the all-gather CP of the public DSA code instead of hp_cp
+    (V3.2 / GLM-5; :func:`_allgather_step`)."""
     import gc
 
     import torch
@@ -199,7 +203,9 @@ def real_point(
     t_build = time.perf_counter()
     model = build_real_model(name, **(overrides or {})).train()
     ids = make_inputs(model.config.vocab_size, 1, seq)
-    if world > 1:
+    if side == "allgather":
+        step, positions = _allgather_step(model, ids, world)
+    elif world > 1:
         config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=regather)
         handle = enable_cp(model, None, config)
         if name == "deepseek_v4":
@@ -265,6 +271,40 @@ def real_point(
     if profile:
         res.update(_profiled_step(name, model, step, fresh, positions))
     return res
+
+
+def _allgather_step(model: Any, ids: Any, world: int) -> tuple[Any, Any]:
+    """The all-gather baseline of ``bench/peers_dsa.py`` (:class:`AllGatherDSA`: contiguous
+    shards, every layer all-gathers the latents and index keys, hp_cp's latent attention
+    code): a checkout's ``bench/`` directory is needed (not part of the wheel)."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    bench_dir = os.path.join(os.path.dirname(root), "bench")
+    if not os.path.exists(os.path.join(bench_dir, "peers_dsa.py")):
+        raise FileNotFoundError(f"the all-gather baseline needs a checkout's {bench_dir}")
+    sys.path[:0] = [bench_dir, os.path.join(os.path.dirname(root), "tests", "torch")]
+    from peers_dsa import AllGatherDSA
+
+    AllGatherDSA(model, dist.group.WORLD, "latent")
+    rank, seq = dist.get_rank(), ids.shape[1]
+    own = slice(rank * (seq // world), (rank + 1) * (seq // world))
+    labels = cp_shift_labels(ids)
+    n_tokens = (labels != -100).sum()
+    positions = torch.arange(seq)[None]
+
+    def step() -> Any:
+        out = model(input_ids=ids[:, own], position_ids=positions[:, own], use_cache=False)
+        loss = cp_causal_lm_loss(out.logits, labels[:, own], n_tokens)
+        loss.backward()
+        return loss.detach()
+
+    return step, positions[:, own]
 
 
 def _profiled_step(name: str, model: Any, step: Any, fresh: Any, positions: Any) -> dict:
@@ -360,6 +400,7 @@ def real_measures(
     profile: bool = True,
     max_total_bytes: float = 20 * 2**30,
     time_limit: float = 3600,
+    allgather: bool = False,
     out: str | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
@@ -373,8 +414,18 @@ def real_measures(
     failed: list[str] = []
     for seq in sorted(seqs):
         for name in models:
-            points = [(cp, r) for cp in cps for r in regathers] + ([(1, False)] if single else [])
-            for cp, regather in points:
+            points = [(cp, r, "hp_cp") for cp in cps for r in regathers]
+            if allgather and name != "deepseek_v4":
+                points += [(cp, False, "allgather") for cp in cps]
+            points += [(1, False, "hp_cp")] if single else []
+            for cp, regather, side in points:
+                if side == "allgather":
+                    sfx = f"allgather_cp{cp}_s{seq}"
+                    keys = _baseline_point(name, cp, seq, sfx, time_limit, log)
+                    res.update(keys)
+                    if out:
+                        _merge(out, keys)
+                    continue
                 sfx = _suffix(cp, seq, regather)
                 done = {
                     s: (
@@ -431,6 +482,25 @@ def real_measures(
     return res
 
 
+def _baseline_point(name: str, cp: int, seq: int, sfx: str, time_limit: float, log: Any) -> dict:
+    """The all-gather baseline's keys at one point: ``real_<name>_peak_bytes_<sfx>``, ..."""
+    from hp_cp_torch.cli.launch import run_ranks
+
+    try:
+        ranks = run_ranks(
+            cp, real_point, name, seq, False, False, None, "allgather", timeout=time_limit
+        )
+    except Exception as exc:  # noqa: BLE001 - a point that fails is reported
+        log(f"real: {name} {sfx} failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return {f"real_{name}_failed_{sfx}": f"{type(exc).__name__}: {exc}"[:400]}
+    log(f"real: {name} {sfx}: peak {max(r['peak'] for r in ranks) / 2**30:.2f} GiB")
+    return {
+        f"real_{name}_peak_bytes_{sfx}": max(r["peak"] for r in ranks),
+        f"real_{name}_step_seconds_{sfx}": max(r["seconds"] for r in ranks),
+        f"real_{name}_loss_finite_{sfx}": all(r["loss_finite"] for r in ranks),
+    }
+
+
 def fitted_bytes_per_row(res: dict[str, Any], name: str) -> dict[str, float]:
     """``real_<name>_bytes_per_local_row`` (regather off) and ``..._regather`` (on): the
     slope of the busiest rank's resident peak over S / cp, every CP point of ``res``; with
@@ -476,7 +546,7 @@ def write_real_png(res: dict[str, Any], path: str) -> str:
     if not names:
         return "none"
     fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.8), squeeze=False)
-    pat = re.compile(r"^real_(\w+?)_peak_bytes_(cp\d+|single)_s(\d+)(_regather)?$")
+    pat = re.compile(r"^real_(\w+?)_peak_bytes_((?:allgather_)?cp\d+|single)_s(\d+)(_regather)?$")
     for ax, name in zip(axes[0], names, strict=True):
         series: dict[str, list[tuple[int, float]]] = {}
         for key, value in res.items():
@@ -518,6 +588,7 @@ def main_real(args: Any) -> int:
         profile=not args.real_no_profile,
         max_total_bytes=float(args.real_max_total_bytes),
         time_limit=float(args.real_time_limit),
+        allgather=args.real_allgather,
         out=out,
     )
     old: dict[str, Any] = {}
@@ -544,9 +615,45 @@ def main_real(args: Any) -> int:
     for key in sorted(numbers):
         if re.search(r"_(peak_bytes_(cp\d+|single)_s\d+(_regather)?|bytes_per_local_row)$", key):
             print(f"{key:<60} {numbers[key] / 2**30 if 'peak' in key else numbers[key]:.4g}")
+    print(real_table(res))
     print(f"wrote {out} and {png}")
     finite = all(math.isfinite(v) for v in numbers.values() if isinstance(v, float))
     return 0 if finite else 1
+
+
+def real_table(res: dict[str, Any]) -> str:
+    """The measured points as a markdown table: model, where (cp / one process / the
+    all-gather baseline), S, regather, busiest rank's resident and live peaks (GiB), step
+    seconds, loss finite."""
+    pat = re.compile(r"^real_(\w+?)_peak_bytes_((?:allgather_)?cp\d+|single)_s(\d+)(_regather)?$")
+    rows = []
+    for key, value in res.items():
+        m = pat.match(key)
+        if not m:
+            continue
+        name, where, seq, reg = m.group(1), m.group(2), int(m.group(3)), bool(m.group(4))
+        tail = key[len(f"real_{name}_peak_bytes_") :]
+        live = res.get(f"real_{name}_live_peak_bytes_{tail}")
+        secs = res.get(f"real_{name}_step_seconds_{tail}")
+        finite = res.get(f"real_{name}_loss_finite_{tail}")
+        rows.append(
+            (
+                name,
+                where,
+                seq,
+                "on" if reg else ("-" if where == "single" else "off"),
+                f"{value / 2**30:.2f}",
+                "-" if live is None else f"{live / 2**30:.2f}",
+                "-" if secs is None else f"{secs:.0f}",
+                "-" if finite is None else ("yes" if finite else "NO"),
+            )
+        )
+    rows.sort(key=lambda r: (r[0], r[2], r[1], r[3]))
+    head = (
+        "| model | where | S | regather | peak GiB (resident) | peak GiB (live) | step s | "
+        "loss finite |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    return head + "\n".join("| " + " | ".join(map(str, r)) + " |" for r in rows)
 
 
 def _size_of(key: str) -> tuple[int, int, int]:

@@ -764,6 +764,11 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument(
         "--real-out", default="bench-real.json", help="JSON the points are merged into"
     )
+    real.add_argument(
+        "--real-allgather",
+        action="store_true",
+        help="also the all-gather CP baseline of bench/peers_dsa.py (V3.2, GLM-5; a checkout)",
+    )
     args = parser.parse_args(argv)
     if args.real_widths:
         from hp_cp_torch.bench.real_widths import main_real
