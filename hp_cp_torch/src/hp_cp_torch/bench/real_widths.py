@@ -564,7 +564,9 @@ def write_real_png(res: dict[str, Any], path: str) -> str:
     if not names:
         return "none"
     fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.8), squeeze=False)
-    pat = re.compile(r"^real_(\w+?)_peak_bytes_((?:allgather_)?cp\d+|single)_s(\d+)(_regather)?$")
+    pat = re.compile(
+        rf"^real_({'|'.join(REAL_MODELS)})_peak_bytes_((?:allgather_)?cp\d+|single)_s(\d+)(_regather)?$"
+    )
     for ax, name in zip(axes[0], names, strict=True):
         series: dict[str, list[tuple[int, float]]] = {}
         for key, value in res.items():
@@ -643,7 +645,9 @@ def real_table(res: dict[str, Any]) -> str:
     """The measured points as a markdown table: model, where (cp / one process / the
     all-gather baseline), S, regather, busiest rank's resident and live peaks (GiB), step
     seconds, loss finite."""
-    pat = re.compile(r"^real_(\w+?)_peak_bytes_((?:allgather_)?cp\d+|single)_s(\d+)(_regather)?$")
+    pat = re.compile(
+        rf"^real_({'|'.join(REAL_MODELS)})_peak_bytes_((?:allgather_)?cp\d+|single)_s(\d+)(_regather)?$"
+    )
     rows = []
     for key, value in res.items():
         m = pat.match(key)
