@@ -78,7 +78,7 @@ def test_one_profiled_bf16_step_at_tiny_widths(name: str) -> None:
     if name == "deepseek_v4":  # HF keeps hyper-connections and sinks in fp32
         assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "hc" in n)
         assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "sinks" in n)
-    res = real_widths.real_point(0, 1, name, 64, False, True, TINY[name])
+    res = real_widths.real_point(0, 1, name, 64, False, True, TINY[name], oom_first=False)
     assert res["loss_finite"] and res["peak"] is not None
     assert res["live_peak"] > 0 and res["matmul_flops"] > 0
     assert res["attn_useful_flops"] > 0 and res["top_ops"]

@@ -199,11 +199,13 @@ def real_point(
     profile: bool,
     overrides: dict[str, Any] | None = None,
     side: str = "hp_cp",
+    oom_first: bool = True,
 ) -> dict[str, Any]:
     """One rank of one measured point (module docstring); ``world == 1``: the model's own
     forward on one process; ``overrides``: config changes (the tests' tiny widths);
     ``side="allgather"``: the all-gather CP of the public DSA code instead of hp_cp
-    (V3.2 / GLM-5; :func:`_allgather_step`)."""
+    (V3.2 / GLM-5; :func:`_allgather_step`); ``oom_first``: this process is the first the
+    kernel's out-of-memory killer stops (:func:`_first_to_go`)."""
     import gc
 
     import torch
@@ -214,7 +216,8 @@ def real_point(
     from hp_cp_torch.integrations.transformers_demo import make_inputs
 
     torch.set_num_threads(1)
-    _first_to_go()
+    if oom_first:
+        _first_to_go()
     t_build = time.perf_counter()
     model = build_real_model(name, **(overrides or {})).train()
     ids = make_inputs(model.config.vocab_size, 1, seq)
