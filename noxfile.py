@@ -515,6 +515,18 @@ def bench_long(session: nox.Session) -> None:
 
 
 @_session(python=PYTHONS, default=False)
+def bench_real(session: nox.Session) -> None:
+    """`hp-cp bench --real-widths`: bench-real.json and docs/bench-real.png (bf16 training
+    steps of V4-Flash, V3.2 and GLM-5 at their published attention widths, 2 layers, at cp 4
+    and 8 for S = 4096, 8192 ..., regather on and off, one gloo process per rank; hours on
+    a few cores). Pass one point at a time to stay inside a time window, e.g.
+    `nox -s bench_real -- --real-models deepseek_v4 --real-cps 4 --real-seqs 4096`."""
+    session.install(TORCH)
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[bench]"))
+    session.run("hp-cp", "bench", "--real-widths", *session.posargs)
+
+
+@_session(python=PYTHONS, default=False)
 def dist(session: nox.Session) -> None:
     """The three wheels the test sessions install (built once per nox run into ``dist/``),
     installed without their frameworks: the entry points and the core's CLI work from them."""

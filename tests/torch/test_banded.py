@@ -14,7 +14,19 @@ from hp_cp_torch.attention import run_sparse_attention
 
 
 def plan_case(
-    ratio, layout, *, rank=1, cp=2, seq=600, window=16, cu=None, batch=2, seed=3, distinct=False
+    ratio,
+    layout,
+    *,
+    rank=1,
+    cp=2,
+    seq=600,
+    window=16,
+    cu=None,
+    batch=2,
+    seed=3,
+    distinct=False,
+    heads=2,
+    dim=16,
 ):
     """A rank's plan and random inputs: queries, window KV, slots, picks (-1 included;
     duplicates too unless ``distinct``, as the indexer's top-k gives), sink."""
@@ -23,7 +35,7 @@ def plan_case(
         rank=rank, cp_size=cp, spec=spec, layout_kind=layout, total_rows=seq, cu_seqlens=cu
     )
     g = torch.Generator().manual_seed(seed)
-    heads, dim, topk = 2, 16, 5
+    topk = 5
     q = torch.randn(batch, plan.n_local, heads, dim, generator=g)
     ori_ext = torch.randn(batch, plan.window.ext_rows.size, dim, generator=g)
     cmp_kv = torch.randn(batch, plan.n_needed_slots, dim, generator=g) if ratio else None
@@ -81,6 +93,22 @@ def test_banded_matches_smallop(ratio, layout, packed, block, monkeypatch):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert torch.isfinite(a).all()
         assert_close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["banded", "efficient"])
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_kernels_at_v4_flash_head_dim(kernel, ratio):
+    """V4-Flash's head_dim 512 (and 16 heads, over a hundred and twenty-eight lanes of any
+    tile), bf16 inputs as the model gives them: the kernels against the small-op kernel on
+    the same bf16 inputs, outputs and every gradient."""
+    case = plan_case(ratio, "load_balanced", seq=264, window=16, batch=1, heads=16, dim=512)
+    half = [t.bfloat16() if t is not None and t.is_floating_point() else t for t in case[1:]]
+    ref = outputs_and_grads("smallop", case[0], *half)
+    got = outputs_and_grads(kernel, case[0], *half)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.isfinite(a.float()).all()
+        assert_close(a, b, 1e-2)  # bf16 outputs: one rounding of each side's fp32 sum
 
 
 @pytest.mark.parametrize("picks", banded.PICK_READS)

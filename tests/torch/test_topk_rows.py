@@ -132,3 +132,41 @@ def test_each_chunk_is_scored_with_no_earlier_chunk_alive() -> None:
     scoring = 5 * 4 * max(cells)  # the last chunk's four heads and their sum, fp32
     assert len(cells) == 8
     assert peak < scoring * 1.05, (peak, scoring)
+
+
+def test_chunks_bound_the_per_head_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every integration's score callable builds the per-head scores ``[rows, heads, slots]``
+    in fp32 before summing the heads; with ``score_heads`` a chunk keeps them under
+    ``SCORE_HEAD_CELLS`` (they were outside every budget: at V4-Flash's 64 index heads the
+    rows of ``SCORE_CHUNK_CELLS`` alone let them reach 1 GiB). The budgets are scaled down to
+    this tiny shape; the picks do not depend on the chunking."""
+    from hp_cp_torch import attention
+
+    heads, total = 64, 1024
+    monkeypatch.setattr(attention, "SCORE_CHUNK_CELLS", 1 << 14)
+    monkeypatch.setattr(attention, "SCORE_HEAD_CELLS", 1 << 16)
+    plan = build_rank_plan(
+        rank=0, cp_size=1, spec=SPECS[1], layout_kind="contiguous", total_rows=total
+    )
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, total, heads, 8, generator=g).bfloat16()
+    keys = torch.randn(1, total, 8, generator=g).bfloat16()
+    w = torch.randn(1, total, heads, generator=g)
+    cells: list[int] = []
+
+    def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+        per_head = torch.einsum("blhd,bnd->blhn", q[:, lo:hi].float(), keys[:, s0:s1].float())
+        cells.append(per_head.numel())
+        return torch.einsum("blhn,blh->bln", per_head.relu_(), w[:, lo:hi])
+
+    def select(score_heads: int) -> torch.Tensor:
+        return select_topk_chunked(score, plan, TOPK, total, batch=1, score_heads=score_heads)
+
+    by_heads = select(heads)
+    assert max(cells) <= 1 << 16
+    peak = live_tensor_peak(lambda: select(heads))
+    assert peak < 3 * 4 * (1 << 16), peak  # one chunk's fp32 per-head scores, and the rest
+    cells.clear()
+    unbounded = select(1)
+    assert max(cells) > 1 << 18  # what the budget ignored: 16 rows x 64 heads x 1024 slots
+    assert torch.equal(by_heads, unbounded)

@@ -123,6 +123,9 @@ class ReferenceLayerAdapter(ModelAdapter):
     def index_topk(self) -> int:
         return int(self.module.config.index_topk)
 
+    def index_heads(self) -> int:
+        return int(self.module.indexer.n_heads)
+
     def sink(self) -> torch.Tensor:
         return self.module.attn_sink
 

@@ -31,6 +31,12 @@ SCORE_CHUNK_CELLS = 1 << 22
 """Most (query, slot) scores of one indexer chunk: a chunk's fp32 scores, mask and top-k keys
 stay under ~100 MiB per head at any S (:meth:`~hp_cp_core.columns.PlanColumns.score_chunk_rows`)."""
 
+SCORE_HEAD_CELLS = 1 << 24
+"""Most (query, head, slot) cells of one indexer chunk's per-head scores: a score callable
+builds ``[B, rows, heads, slots]`` in fp32 (often two or three of them) before summing the
+heads, so with ``score_heads`` a chunk keeps that under ~64 MiB too (at V4-Flash's 64 index
+heads the rows of :data:`SCORE_CHUNK_CELLS` alone would let it reach 1 GiB)."""
+
 HOST_TOPK_MIN_SLOTS = 4096
 """Rows at least this long take :func:`_topk_cpu` on a CPU (Note [Top-k on the host]): it reads
 the host, which costs nothing there; shorter rows keep the path with no read at all."""
@@ -147,6 +153,7 @@ def select_topk_chunked(
     one_process_row: str | None = None,
     sequence_rows: int | None = None,
     cu_seqlens: Any = None,
+    score_heads: int = 1,
 ) -> torch.Tensor:
     """Indexer top-k of every local query over its visible slots only, chunk by chunk.
 
@@ -171,6 +178,8 @@ def select_topk_chunked(
             :func:`deterministic_topk`.
         sequence_rows, cu_seqlens: with ``one_process_row``, ``call.sequence_rows`` (the
             rows before ``handle.shard``'s padding) and ``call.cu_seqlens``.
+        score_heads: the indexer heads ``score_fn`` scores before summing them: a chunk's
+            ``rows * score_heads * slots`` stays under :data:`SCORE_HEAD_CELLS` as well.
 
     Returns:
         Global slot ids ``[B, L, topk]`` (``-1`` for empty picks): in descending-score order,
@@ -178,7 +187,8 @@ def select_topk_chunked(
     """
     columns = PlanColumns(plan, 0)
     out = None
-    rows = columns.score_chunk_rows(query_chunk, SCORE_CHUNK_CELLS)
+    cells = min(SCORE_CHUNK_CELLS, SCORE_HEAD_CELLS // max(int(score_heads), 1))
+    rows = columns.score_chunk_rows(query_chunk, cells)
     for chunk in columns.score_chunks(rows):
         rows_of = None
         if one_process_row is not None:

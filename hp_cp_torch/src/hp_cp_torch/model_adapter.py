@@ -303,10 +303,20 @@ class ModelAdapter:
                 self.index_topk(),
                 call.config.query_chunk,
                 batch=state.hidden.shape[0],
+                score_heads=self.index_heads(),
                 one_process_row=self.packed_topk_row,
                 sequence_rows=call.sequence_rows,
                 cu_seqlens=call.cu_seqlens,
             )
+
+    def index_heads(self) -> int:
+        """The indexer heads :meth:`index_scores` scores before summing them.
+
+        Called once per forward, before the top-k; it bounds each score chunk's
+        ``[rows, heads, slots]`` intermediate (``select_topk_chunked``'s ``score_heads``).
+        Returns 1 (the default) when the scores hold no per-head intermediate.
+        """
+        return 1
 
     def attend(self, request: AttentionRequest, state: ForwardState, kernel: Any) -> torch.Tensor:
         """Kernel ``kernel`` (a registered name) on ``request``; for one that asks for the

@@ -734,7 +734,46 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the keys to an existing --long-out file instead of replacing it",
     )
+    real = parser.add_argument_group(
+        "real widths",
+        "--real-widths: bf16 training steps of V4-Flash, V3.2 and GLM-5 at their published "
+        "attention widths under CP (hp_cp_torch.bench.real_widths)",
+    )
+    real.add_argument("--real-widths", action="store_true", help="run the real-widths bench only")
+    real.add_argument("--real-models", default="deepseek_v4,deepseek_v32,glm_moe_dsa")
+    real.add_argument("--real-seqs", default="4096,8192", help="S of the steps, smallest first")
+    real.add_argument("--real-cps", default="4,8", help="cp of the steps")
+    real.add_argument(
+        "--real-regather", default="off,on", help="regather_compressed_kv: off, on or both"
+    )
+    real.add_argument(
+        "--real-no-single", action="store_true", help="skip the one-process (HF eager) steps"
+    )
+    real.add_argument(
+        "--real-no-profile", action="store_true", help="skip the profiled step (live peak, ops)"
+    )
+    real.add_argument(
+        "--real-max-total-bytes",
+        type=float,
+        default=20 * 2**30,
+        help="skip a point whose predicted memory, all ranks together, is above this",
+    )
+    real.add_argument(
+        "--real-time-limit", type=float, default=3600, help="seconds one point's launch may run"
+    )
+    real.add_argument(
+        "--real-out", default="bench-real.json", help="JSON the points are merged into"
+    )
+    real.add_argument(
+        "--real-allgather",
+        action="store_true",
+        help="also the all-gather CP baseline of bench/peers_dsa.py (V3.2, GLM-5; a checkout)",
+    )
     args = parser.parse_args(argv)
+    if args.real_widths:
+        from hp_cp_torch.bench.real_widths import main_real
+
+        return main_real(args)
     if args.long:
         from hp_cp_torch.bench.long import main_long
 

@@ -184,6 +184,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 one_process_row="document",  # the model's torch.topk row, exact ties too
                 sequence_rows=call.sequence_rows,
                 cu_seqlens=call.cu_seqlens,
+                score_heads=int(ix.n_heads),
             )
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

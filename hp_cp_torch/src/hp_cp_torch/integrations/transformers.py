@@ -311,6 +311,7 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
                 one_process_row=self.packed_topk_row,  # the model's torch.topk row, exact ties too
                 sequence_rows=call.sequence_rows,
                 cu_seqlens=call.cu_seqlens,
+                score_heads=int(ix.num_heads),
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:

@@ -232,6 +232,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
                 one_process_row=self.packed_topk_row,  # the model's torch.topk row
                 sequence_rows=call.sequence_rows,
                 cu_seqlens=call.cu_seqlens,
+                score_heads=int(self.module.indexer.n_heads),
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
