@@ -33,7 +33,10 @@ index queries, top-k picks and router scores). Reported per model, dtype and kin
   loss; the worst gradient by the suites' rule, each parameter's max |diff| over max(its
   largest gradient, 1e-2 of the model's largest)); ``..._cost_logits_max`` the worst;
 * ``flips_<model>_none_<dtype>_*``: the same errors of runs without any flip (the
-  summation-order floor).
+  summation-order floor);
+* ``flips_<model>_picks_moved_<dtype>_*``: runs where a flip (of any kind) reached a top-k
+  or router pick, their rate and cost; ``..._picks_kept_<dtype>_cost_logits_max`` the worst
+  run that flipped only quantized values.
 
 The differences that move a choice arise upstream of it: at cp 1 every quantizer input and
 every router input is bitwise one process's given the same layer input (the test
@@ -170,14 +173,14 @@ def compare_logs(ref: ChoiceLog, ranks: list[ChoiceLog], total: int) -> dict[str
                 diff = (value[:, :n] != want[:, :n]).reshape(value.shape[0], n, -1)
                 for s, c in (diff.any(0)).nonzero().tolist():
                     flagged.add((s, c))
-            out[site] = (kind, len(flagged), int(want[0].numel()))
+            out[site] = [kind, len(flagged), int(want[0].numel())]
             continue
         value = _by_rows([(r, v) for _, r, v in got], total)
         if kind in ("topk", "router"):
             flipped, made = _set_diff(want, value)
         else:
             flipped, made = int((value != want).sum()), int(want.numel())
-        out[site] = (kind, flipped, made)
+        out[site] = [kind, flipped, made]
     return out
 
 
@@ -278,7 +281,107 @@ def v41_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> list[
     return out
 
 
-FAMILIES = {"nemo_v41": v41_job}
+# --------------------------------------------------------------------------- HF V4
+
+
+@contextlib.contextmanager
+def recording_hf_v4(model: Any, log: ChoiceLog) -> Any:
+    """Record transformers' DeepSeek V4's choices into ``log`` while inside: the CSA
+    indexer's top-k (HF's ``DeepseekV4Indexer`` on one process; under CP the picks hp_cp's
+    adapter makes, read where it calls ``select_topk_chunked``) and the score routers'
+    top-k (the hash router is a table: no choice)."""
+    from hp_cp_torch.integrations import transformers as integration
+
+    original = integration.select_topk_chunked
+    handles = []
+
+    def rows_of(mod: Any, args: Any, kwargs: dict) -> None:
+        log.rows = kwargs["position_ids"][0].reshape(-1)
+
+    handles.append(model.register_forward_pre_hook(rows_of, with_kwargs=True))
+    for name, mod in model.named_modules():
+        layer = name.replace("model.layers.", "L").split(".")[0]
+        kind = type(mod).__name__
+        if kind == "DeepseekV4Indexer":
+
+            def ix(mod: Any, args: Any, kwargs: dict, out: Any, layer: str = layer) -> None:
+                log.layer = layer
+                log.add("topk", out, log.rows)
+
+            handles.append(mod.register_forward_hook(ix, with_kwargs=True))
+        elif kind == "DeepseekV4Attention":
+
+            def at(mod: Any, args: Any, layer: str = layer) -> None:
+                log.layer = layer
+
+            handles.append(mod.register_forward_pre_hook(at))
+        elif kind == "DeepseekV4TopKRouter":
+
+            def router(mod: Any, args: Any, out: Any, layer: str = layer) -> None:
+                log.layer = layer
+                picks = out[2].reshape(args[0].shape[0], args[0].shape[1], -1)
+                log.add("router", picks, log.rows)
+
+            handles.append(mod.register_forward_hook(router))
+
+    def select(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        log.add("topk", out, log.rows)
+        return out
+
+    integration.select_topk_chunked = select
+    try:
+        yield log
+    finally:
+        integration.select_topk_chunked = original
+        for h in handles:
+            h.remove()
+
+
+def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> list[dict]:
+    """transformers' tiny DeepSeek V4 (:func:`~hp_cp_torch.integrations.transformers_demo.
+    build_tiny_model`: sliding, CSA r = 4 with top-k 4, HCA; a hash-routed and two
+    score-routed MoE layers), batch 2, S = 264, every (dtype, seed) at cp = ``world``."""
+    import torch
+    import torch.distributed as dist
+
+    from hp_cp_core import DeepSeekV4CPConfig
+    from hp_cp_torch.integrations import transformers_demo as demo
+
+    out = []
+    for dtype in dtypes:
+        for seed in seeds:
+            layout = "contiguous" if seed % 2 else "load_balanced"
+            model = demo.build_tiny_model(seed)
+            if dtype == "bf16":
+                model = model.to(torch.bfloat16)
+            ids = demo.make_inputs(model.config.vocab_size, 2, 264, seed)
+            ref_log, log = ChoiceLog(), ChoiceLog()
+            with recording_hf_v4(model, ref_log):
+                ref = demo.reference_run(model, ids)
+            config = DeepSeekV4CPConfig(layout=layout, single_rank_bypass=False)
+            with recording_hf_v4(model, log):
+                got = demo.cp_parity(model, ids, ref, dist.group.WORLD, layout, config=config)
+            logs: list[Any] = [None] * world
+            dist.all_gather_object(logs, log)
+            if rank == 0:
+                out.append(
+                    {
+                        "model": "hf_v4",
+                        "cp": world,
+                        "dtype": dtype,
+                        "seed": seed,
+                        "layout": layout,
+                        "logits": got["logits_rel_err"],
+                        "loss": got["loss_rel_err"],
+                        "grads": got["grad_rel_err_max"],
+                        "sites": compare_logs(ref_log, logs, ids.shape[1]),
+                    }
+                )
+    return out
+
+
+FAMILIES = {"nemo_v41": v41_job, "hf_v4": hf_v4_job}
 
 
 # --------------------------------------------------------------------------- summary
@@ -316,6 +419,23 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
                 for err in ("logits", "loss", "grads"):
                     res[f"{prefix}_cost_{err}"] = statistics.median(r[err] for r in caused)
                 res[f"{prefix}_cost_logits_max"] = max(r["logits"] for r in caused)
+        moved = [
+            r for r in group if any(f for k, f, _ in r["sites"].values() if k in ("topk", "router"))
+        ]
+        res[f"flips_{model}_picks_moved_{dtype}_rate"] = len(moved) / n
+        if moved:
+            for err in ("logits", "loss", "grads"):
+                res[f"flips_{model}_picks_moved_{dtype}_cost_{err}"] = statistics.median(
+                    r[err] for r in moved
+                )
+            res[f"flips_{model}_picks_moved_{dtype}_cost_logits_max"] = max(
+                r["logits"] for r in moved
+            )
+        quiet = [r for r, c in zip(group, causes) if c != "none" and r not in moved]
+        if quiet:  # flipped, but no pick moved
+            res[f"flips_{model}_picks_kept_{dtype}_cost_logits_max"] = max(
+                r["logits"] for r in quiet
+            )
         for cp in sorted({r["cp"] for r in group}):
             at = [c for r, c in zip(group, causes) if r["cp"] == cp]
             res[f"flips_{model}_{dtype}_cp{cp}_any_rate"] = sum(c != "none" for c in at) / len(at)
@@ -324,8 +444,8 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
 
 def flip_measures(
     families: list[str], seeds: list[int], cps: list[int], dtypes: list[str]
-) -> tuple[dict[str, Any], list[dict]]:
-    """Run every family at every cp (one gloo job each); the summary and the raw runs."""
+) -> list[dict]:
+    """Every family at every cp (one gloo job each): the runs (:func:`summarise` them)."""
     from hp_cp_torch.cli.launch import run_ranks
 
     runs: list[dict] = []
@@ -333,40 +453,51 @@ def flip_measures(
         for cp in cps:
             ranks = run_ranks(cp, FAMILIES[family], seeds, dtypes, timeout=3600)
             runs.extend(ranks[0])
-    return summarise(runs), runs
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hp_cp_torch.bench.flips", description=__doc__)
     p.add_argument("--families", default="nemo_v41", help=f"of {sorted(FAMILIES)}")
-    p.add_argument("--seeds", type=int, default=8, help="seeds 0 .. N-1 (weights and ids)")
+    p.add_argument("--seeds", type=int, default=8, help="how many seeds (weights and ids); 0: none")
+    p.add_argument("--first-seed", type=int, default=0, help="the seeds start here")
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--root", default=os.getcwd(), help="the checkout (its tests/ has the models)")
     p.add_argument("--out", default="bench-flips.json")
-    p.add_argument("--merge", action="store_true", help="keep the other keys of --out")
+    p.add_argument(
+        "--combine",
+        default="",
+        help="comma-separated JSON files of earlier runs (their flips_runs) to summarise with",
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     _cases_path(os.path.abspath(args.root))
     start = time.time()
-    res, runs = flip_measures(
-        args.families.split(","),
-        list(range(args.seeds)),
-        [int(c) for c in args.cps.split(",")],
-        args.dtypes.split(","),
-    )
-    res["flips_command"] = "TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 python -m " + " ".join(
-        ["hp_cp_torch.bench.flips", *(argv if argv is not None else sys.argv[1:])]
-    )
+    runs: list[dict] = []
+    commands = []
+    for path in [c for c in args.combine.split(",") if c]:
+        with open(path) as f:
+            old = json.load(f)
+        runs.extend(old["flips_runs"])
+        commands.append(old["flips_command"])
+    if args.seeds > 0:
+        runs.extend(
+            flip_measures(
+                args.families.split(","),
+                list(range(args.first_seed, args.first_seed + args.seeds)),
+                [int(c) for c in args.cps.split(",")],
+                args.dtypes.split(","),
+            )
+        )
+        commands.append(
+            "TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 python -m "
+            + " ".join(["hp_cp_torch.bench.flips", *(argv if argv is not None else sys.argv[1:])])
+        )
+    res = summarise(runs)
+    res["flips_command"] = " && ".join(commands)
     res["flips_seconds"] = round(time.time() - start, 1)
-    res["flips_runs"] = [
-        {k: v for k, v in r.items() if k != "sites"}
-        | {"flipped": {s: f for s, (_, f, _) in r["sites"].items() if f}}
-        for r in runs
-    ]
-    if args.merge and os.path.exists(args.out):
-        with open(args.out) as f:
-            res = {**json.load(f), **res}
+    res["flips_runs"] = runs
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
     for key, value in sorted(res.items()):
