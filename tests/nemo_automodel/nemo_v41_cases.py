@@ -9,12 +9,14 @@ compared, in the same job, with NeMo's own forward of the same model and weights
 process.
 
 NeMo's model quantizes its caches as the release does (fp8 window KV, nvfp4 compressed KV,
-mxfp4 indexer queries and keys): a value that lies on a rounding boundary of those formats
-moves by a whole quantization step when an fp32 sum upstream rounds differently (hp_cp's
-attention kernels sum the same terms in another order than NeMo's dense SDPA, ~1e-7). With
-the token ids of seed 1, one fp8 element of layer 5's window KV (row 115 at cp 2,
-contiguous) flips so, and the logits move by 3e-5; the ids of seeds 2 and 3 flip nothing.
-The selection itself is the one NeMo makes (the same rows through NeMo's own top-k).
+mxfp4 indexer queries and keys): a value within rounding of a boundary of those formats
+moves by a whole quantization step when an fp32 sum upstream rounds differently, and so
+can a top-k or router pick downstream of it. hp_cp's attention kernels sum the same terms
+in another order than NeMo's dense SDPA (about 1 ulp of a layer's output); everything else
+CP computes is bitwise one process's at cp 1 (``choice_inputs``). The token ids of seed 2
+with the weights of seed 0 move no pick (the suites' 1e-5 bar holds on them); how often
+other seeds flip, and what a flip costs, is ``python -m hp_cp_torch.bench.flips``
+(docs/semantics.md, "Discrete choices").
 """
 
 from __future__ import annotations
@@ -341,9 +343,12 @@ def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
 
 def cp1_suite(rank: int, world: int) -> dict:
     """A CP group of one (NeMo's own forward unless the batch needs the CP path: padding,
-    packing), both layouts, padded and packed."""
+    packing), both layouts, padded and packed; and the inputs of every discrete choice
+    through the CP path (:func:`choice_inputs`)."""
     assert world == 1
-    return {"rank": rank, "results": run_cases(rank, {1: dist.group.WORLD}, ("padded", "packed"))}
+    results = run_cases(rank, {1: dist.group.WORLD}, ("padded", "packed"))
+    choices = choice_inputs(build_model(0), make_ids(SEQ), dist.group.WORLD, "contiguous")
+    return {"rank": rank, "results": results, "choices": choices}
 
 
 def cp8_suite(rank: int, world: int) -> dict:
@@ -437,7 +442,7 @@ def _rows_differing(
 def choice_inputs(model: torch.nn.Module, ids: torch.Tensor, group: Any, layout: str) -> dict:
     """The inputs of NeMo V4.1's discrete choices under CP (the CP path, also at cp 1),
     against one process, with each attention layer's output replaced by one process's
-    (Note [Discrete choices under CP] in docs/semantics.md): what remains different can only
+    (docs/semantics.md, "Discrete choices"): what remains different can only
     come from elsewhere. Returns, per recorded site (quantizer inputs, router inputs and
     picks), the rows CP computed and how many differ bitwise from one process's
     (``site_rows`` / ``site_diff``; a row CP computed on other rows than one process, as the

@@ -62,6 +62,16 @@ KINDS = ("fp8", "nvfp4", "mxfp4_keys", "mxfp4_queries", "topk", "router")
 """The choices recorded (NeMo V4.1 has all; a model without quantization only the last two)."""
 
 
+def _log_run(run: dict) -> dict:
+    """``run``, also appended to the JSON-lines file ``$HP_CP_FLIPS_LOG`` names (if any), so
+    an interrupted bench keeps what it measured (``--combine`` reads such a file too)."""
+    path = os.environ.get("HP_CP_FLIPS_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(run) + "\n")
+    return run
+
+
 def _cases_path(root: str) -> None:
     for sub in ("tests/nemo_automodel", "tests/torch"):
         path = os.path.join(root, sub)
@@ -277,7 +287,7 @@ def v41_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> list[
             layout = "contiguous" if seed % 2 else "load_balanced"
             res = _v41_run(rank, dist.group.WORLD, seed, dtype, layout)
             if res is not None:
-                out.append({**res, "cp": world, "dtype": dtype, "model": "nemo_v41"})
+                out.append(_log_run({**res, "cp": world, "dtype": dtype, "model": "nemo_v41"}))
     return out
 
 
@@ -366,17 +376,19 @@ def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> lis
             dist.all_gather_object(logs, log)
             if rank == 0:
                 out.append(
-                    {
-                        "model": "hf_v4",
-                        "cp": world,
-                        "dtype": dtype,
-                        "seed": seed,
-                        "layout": layout,
-                        "logits": got["logits_rel_err"],
-                        "loss": got["loss_rel_err"],
-                        "grads": got["grad_rel_err_max"],
-                        "sites": compare_logs(ref_log, logs, ids.shape[1]),
-                    }
+                    _log_run(
+                        {
+                            "model": "hf_v4",
+                            "cp": world,
+                            "dtype": dtype,
+                            "seed": seed,
+                            "layout": layout,
+                            "logits": got["logits_rel_err"],
+                            "loss": got["loss_rel_err"],
+                            "grads": got["grad_rel_err_max"],
+                            "sites": compare_logs(ref_log, logs, ids.shape[1]),
+                        }
+                    )
                 )
     return out
 
@@ -468,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--combine",
         default="",
-        help="comma-separated JSON files of earlier runs (their flips_runs) to summarise with",
+        help="earlier runs to summarise with: JSON files this wrote (their flips_runs) or "
+        "$HP_CP_FLIPS_LOG's JSON lines (.jsonl), comma-separated",
     )
     args = p.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -478,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     for path in [c for c in args.combine.split(",") if c]:
         with open(path) as f:
+            if path.endswith(".jsonl"):
+                runs.extend(json.loads(line) for line in f if line.strip())
+                continue
             old = json.load(f)
         runs.extend(old["flips_runs"])
         commands.append(old["flips_command"])
