@@ -454,6 +454,44 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
     return res
 
 
+def markdown_table(res: dict[str, Any]) -> str:
+    """The summary as the table of docs/semantics.md ("Discrete choices")."""
+
+    def num(key: str) -> str:
+        v = res.get(key)
+        return "" if v is None else f"{v:.2g}"
+
+    lines = [
+        "| model, dtype (runs) | choice | share of runs it flipped in | share of runs it "
+        "flipped first in | flipped / made | cost when first: logits / loss / grads (median) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in sorted(k for k in res if k.endswith("_runs") and isinstance(res[k], int)):
+        model, dtype = key[len("flips_") : -len("_runs")].rsplit("_", 1)
+        base = f"flips_{model}"
+        label = f"{model} {dtype} ({res[key]})"
+        for kind in (*KINDS, "picks_moved", "none"):
+            p = f"{base}_{kind}_{dtype}"
+            if f"{p}_rate" not in res:
+                continue
+            cost = " / ".join(num(f"{p}_cost_{e}") for e in ("logits", "loss", "grads"))
+            cost = "" if cost == " /  / " else cost
+            if kind == "none":
+                lines.append(f"| {label} | no flip | {num(p + '_rate')} of runs | | | {cost} |")
+            elif kind == "picks_moved":
+                every = f"{cost} (every such run)" if cost else ""
+                lines.append(
+                    f"| {label} | any top-k or router pick moved | {num(p + '_rate')} | | | "
+                    f"{every} |"
+                )
+            else:
+                lines.append(
+                    f"| {label} | {kind} | {num(p + '_rate')} | {num(p + '_first_rate')} | "
+                    f"{num(p + '_per_choice')} | {cost} |"
+                )
+    return "\n".join(lines)
+
+
 def flip_measures(
     families: list[str], seeds: list[int], cps: list[int], dtypes: list[str]
 ) -> list[dict]:
@@ -477,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--root", default=os.getcwd(), help="the checkout (its tests/ has the models)")
     p.add_argument("--out", default="bench-flips.json")
+    p.add_argument("--table", action="store_true", help="print the docs' markdown table")
     p.add_argument(
         "--combine",
         default="",
@@ -516,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     res["flips_runs"] = runs
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
+    if args.table:
+        print(markdown_table(res))
+        return 0
     for key, value in sorted(res.items()):
         if key != "flips_runs":
             print(key, value)
