@@ -273,6 +273,7 @@ def _v41_run(rank: int, group: Any, seed: int, dtype: str, layout: str) -> dict[
         "logits": errs["logits"],
         "loss": errs["loss"],
         "grads": errs["grads"],
+        "worst_grad": errs["worst"][0][0] if errs["worst"] else "",
         "sites": sites,
     }
 
@@ -386,6 +387,7 @@ def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> lis
                             "logits": got["logits_rel_err"],
                             "loss": got["loss_rel_err"],
                             "grads": got["grad_rel_err_max"],
+                            "worst_grad": got["grad_rel_err_worst_param"],
                             "sites": compare_logs(ref_log, logs, ids.shape[1]),
                         }
                     )
