@@ -38,10 +38,17 @@ index queries, top-k picks and router scores). Reported per model, dtype and kin
   or router pick, their rate and cost; ``..._picks_kept_<dtype>_cost_logits_max`` the worst
   run that flipped only quantized values.
 
-The differences that move a choice arise upstream of it: at cp 1 every quantizer input and
-every router input is bitwise one process's given the same layer input (the test
-``test_cp1_choice_inputs_bitwise``), and what differs is the attention kernels' summation
-order (hp_cp's kernels against NeMo's dense SDPA), about 1 ulp of a layer's output.
+HF V4's gradient error is transformers_demo's (each parameter's max |diff| over its own
+largest, no floor). The recorders read the choices through forward hooks and, for what no
+hook sees (NeMo's ``quantize_cache`` calls, hp_cp's ``select_topk_chunked`` in the HF
+integration), wrap that one function for the duration of a ``with`` block, restored on
+exit: measurement instrumentation, never installed by hp_cp itself.
+
+The differences that move a choice arise upstream of it: at cp 1, with every attention
+layer's output replaced by one process's, every quantizer input, router input and pick is
+bitwise one process's (``test_cp1_choice_inputs_bitwise``); what differs is the attention
+kernels' summation order (hp_cp's kernels against NeMo's dense SDPA), about 1 ulp of a
+layer's output (docs/semantics.md, "Discrete choices").
 """
 
 from __future__ import annotations
@@ -56,7 +63,17 @@ import time
 from dataclasses import replace
 from typing import Any
 
-__all__ = ["ChoiceLog", "compare_logs", "flip_measures", "main", "summarise"]
+__all__ = [
+    "ChoiceLog",
+    "build_v41",
+    "compare_logs",
+    "flip_measures",
+    "main",
+    "markdown_table",
+    "recording_hf_v4",
+    "recording_v41",
+    "summarise",
+]
 
 KINDS = ("fp8", "nvfp4", "mxfp4_keys", "mxfp4_queries", "topk", "router")
 """The choices recorded (NeMo V4.1 has all; a model without quantization only the last two)."""
