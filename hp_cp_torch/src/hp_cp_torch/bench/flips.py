@@ -167,17 +167,15 @@ def recording_v41(model: Any, log: ChoiceLog) -> Any:
             h.remove()
 
 
-def _by_rows(parts: list[tuple[Any, Any]], total: int) -> Any:
-    """One tensor ``[B, total, ...]`` from ranks' ``(rows, value)`` (rows past ``total``:
-    padding, dropped)."""
+def _by_rows(parts: list[tuple[Any, Any]], want: Any) -> tuple[Any, Any]:
+    """``want``'s rows that ranks' ``(rows, value)`` cover, and those values in the same
+    order (rows past ``want``'s: padding, dropped)."""
     import torch
 
     rows = torch.cat([r for r, _ in parts])
     values = torch.cat([v for _, v in parts], dim=1)
-    keep = rows < total
-    out = torch.empty((values.shape[0], total, *values.shape[2:]), dtype=values.dtype)
-    out[:, rows[keep]] = values[:, keep]
-    return out
+    keep = rows < want.shape[1]
+    return want[:, rows[keep]], values[:, keep]
 
 
 def _set_diff(a: Any, b: Any) -> tuple[int, int]:
@@ -187,7 +185,7 @@ def _set_diff(a: Any, b: Any) -> tuple[int, int]:
     return int((~hit).sum()), int((a >= 0).sum())
 
 
-def compare_logs(ref: ChoiceLog, ranks: list[ChoiceLog], total: int) -> dict[str, Any]:
+def compare_logs(ref: ChoiceLog, ranks: list[ChoiceLog]) -> dict[str, Any]:
     """Per site of the reference: ``(kind, flipped, made)`` in forward order."""
     out: dict[str, Any] = {}
     for site in ref.order:
@@ -202,7 +200,7 @@ def compare_logs(ref: ChoiceLog, ranks: list[ChoiceLog], total: int) -> dict[str
                     flagged.add((s, c))
             out[site] = [kind, len(flagged), int(want[0].numel())]
             continue
-        value = _by_rows([(r, v) for _, r, v in got], total)
+        want, value = _by_rows([(r, v) for _, r, v in got], want)
         if kind in ("topk", "router"):
             flipped, made = _set_diff(want, value)
         else:
@@ -283,7 +281,7 @@ def _v41_run(rank: int, group: Any, seed: int, dtype: str, layout: str) -> dict[
     if rank != 0:
         return None
     errs = cases.compare(ref, got)
-    sites = compare_logs(ref_log, logs, cases.SEQ)
+    sites = compare_logs(ref_log, logs)
     return {
         "seed": seed,
         "layout": layout,
@@ -405,7 +403,7 @@ def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> lis
                             "loss": got["loss_rel_err"],
                             "grads": got["grad_rel_err_max"],
                             "worst_grad": got["grad_rel_err_worst_param"],
-                            "sites": compare_logs(ref_log, logs, ids.shape[1]),
+                            "sites": compare_logs(ref_log, logs),
                         }
                     )
                 )
