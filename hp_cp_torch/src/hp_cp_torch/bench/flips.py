@@ -496,7 +496,7 @@ def markdown_table(res: dict[str, Any]) -> str:
             if kind == "none":
                 lines.append(f"| {label} | no flip | {num(p + '_rate')} of runs | | | {cost} |")
             elif kind == "picks_moved":
-                every = f"{cost} (every such run)" if cost else ""
+                every = f"{cost} (median of every such run)" if cost else ""
                 lines.append(
                     f"| {label} | any top-k or router pick moved | {num(p + '_rate')} | | | "
                     f"{every} |"
