@@ -9,12 +9,14 @@ compared, in the same job, with NeMo's own forward of the same model and weights
 process.
 
 NeMo's model quantizes its caches as the release does (fp8 window KV, nvfp4 compressed KV,
-mxfp4 indexer queries and keys): a value that lies on a rounding boundary of those formats
-moves by a whole quantization step when an fp32 sum upstream rounds differently (hp_cp's
-attention kernels sum the same terms in another order than NeMo's dense SDPA, ~1e-7). With
-the token ids of seed 1, one fp8 element of layer 5's window KV (row 115 at cp 2,
-contiguous) flips so, and the logits move by 3e-5; the ids of seeds 2 and 3 flip nothing.
-The selection itself is the one NeMo makes (the same rows through NeMo's own top-k).
+mxfp4 indexer queries and keys): a value within rounding of a boundary of those formats
+moves by a whole quantization step when an fp32 sum upstream rounds differently, and so
+can a top-k or router pick downstream of it. hp_cp's attention kernels sum the same terms
+in another order than NeMo's dense SDPA (about 1 ulp of a layer's output); everything else
+CP computes is bitwise one process's at cp 1 (``choice_inputs``). The token ids of seed 2
+with the weights of seed 0 move no pick (the suites' 1e-5 bar holds on them); how often
+other seeds flip, and what a flip costs, is ``python -m hp_cp_torch.bench.flips``
+(docs/semantics.md, "Discrete choices").
 """
 
 from __future__ import annotations
@@ -339,12 +341,146 @@ def checkpointed(model: torch.nn.Module) -> torch.nn.Module:
 
 def cp1_suite(rank: int, world: int) -> dict:
     """A CP group of one (NeMo's own forward unless the batch needs the CP path: padding,
-    packing), both layouts, padded and packed."""
+    packing), both layouts, padded and packed; and the inputs of every discrete choice
+    through the CP path (:func:`choice_inputs`)."""
     assert world == 1
-    return {"rank": rank, "results": run_cases(rank, {1: dist.group.WORLD}, ("padded", "packed"))}
+    results = run_cases(rank, {1: dist.group.WORLD}, ("padded", "packed"))
+    choices = choice_inputs(build_model(0), make_ids(SEQ), dist.group.WORLD, "contiguous")
+    return {"rank": rank, "results": results, "choices": choices}
 
 
 def cp8_suite(rank: int, world: int) -> dict:
     """The whole model at cp 8 (the world of an 8-rank job), both layouts, padded and packed."""
     assert world == 8
     return {"rank": rank, "results": run_cases(rank, {8: dist.group.WORLD}, ("padded", "packed"))}
+
+
+CHOICE_SITES = ("attn.kv_norm", "attn.compressor", "attn.indexer.wq_b", "attn.indexer.k_norm")
+"""The modules whose outputs, roped (elementwise, the same angles), are the inputs of NeMo's
+quantizers: fp8 window KV, nvfp4 compressed KV, mxfp4 index queries and keys."""
+
+
+def _choice_hooks(model: torch.nn.Module, rec: dict, forced: dict | None) -> list[Any]:
+    """Record every quantizer input (pre-RoPE), router input and router pick, and each
+    attention layer's output; with ``forced`` (the reference's records), replace each
+    attention layer's output rows with the reference's rows (found by ``position_ids``)."""
+    handles, rows = [], {}
+    for name, mod in model.named_modules():
+        key = name.replace("model.layers.", "L")
+        if name.endswith(CHOICE_SITES):
+
+            def site(mod: Any, args: Any, out: Any, key: str = key) -> None:
+                rec.setdefault(key, []).append((args[0].detach(), out.detach(), rows["ids"]))
+
+            handles.append(mod.register_forward_hook(site))
+        elif name.endswith("ffn.gate"):
+
+            def gate(mod: Any, args: Any, out: Any, key: str = key) -> None:
+                picks = out[1].detach().sort(dim=-1).values
+                rec.setdefault(key, []).append((args[0].detach(), picks, rows["ids"]))
+
+            handles.append(mod.register_forward_hook(gate))
+        elif type(mod).__name__ == "DeepseekV41Attention":
+
+            def pre(mod: Any, args: Any, kwargs: dict) -> None:
+                rows["ids"] = kwargs["position_ids"].reshape(-1)
+
+            def attn(mod: Any, args: Any, kwargs: dict, out: Any, key: str = key) -> Any:
+                got = out.hidden_states.detach()
+                rec[key] = got
+                if forced is None:
+                    return None
+                ids = rows["ids"]
+                keep = ids < forced[key].shape[1]
+                want = got.clone()
+                want[:, keep] = forced[key][:, ids[keep]]
+                rec[key + ".diff"] = float((want - got).abs().max())
+                return type(out)(want, out.state)
+
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(attn, with_kwargs=True))
+    return handles
+
+
+def _rows_of(ref_in: torch.Tensor, rows_in: torch.Tensor) -> torch.Tensor | None:
+    """Where the rows ``rows_in`` ([B, n, ...]) sit in ``ref_in`` ([B, S, ...]): the
+    reference row equal to each, or ``None`` if one has no equal."""
+    a = ref_in.reshape(ref_in.shape[0], ref_in.shape[1], -1)[0]
+    b = rows_in.reshape(rows_in.shape[0], rows_in.shape[1], -1)[0]
+    hit = (b.unsqueeze(1) == a.unsqueeze(0)).all(-1)  # [n, S]
+    if not bool(hit.any(-1).all()):
+        return None
+    return hit.float().argmax(-1)
+
+
+def _rows_differing(
+    key: str, ref_in: Any, ref_out: Any, x: Any, y: Any, rows: Any, total: int
+) -> int:
+    """How many of the rows one CP call of a site computed differ bitwise from one
+    process's: router tokens by input and picks, quantizer inputs by value (slots found by
+    their input rows; a slot whose input rows match none of one process's differs)."""
+    if key.endswith("ffn.gate"):  # tokens: the layer's local rows
+        sel = rows < total
+        same = (ref_in[rows[sel]] == x[sel]).all(-1) & (ref_out[rows[sel]] == y[sel]).all(-1)
+        return int((~same).sum())
+    if key.endswith(("compressor", "k_norm")):  # slots, found by their input rows
+        where = _rows_of(ref_in, x) if x.shape[1] else None
+        if where is None:
+            return int(y.shape[1])
+        if key.endswith("compressor"):  # rows -> groups of r rows
+            r = max(ref_in.shape[1] // max(ref_out.shape[1], 1), 1)
+            where = (where[::r] // r)[: y.shape[1]]
+        want = ref_out[:, where]
+    else:
+        sel = rows < total
+        want, y = ref_out[:, rows[sel]], y[:, sel]
+    return int((want != y).reshape(*y.shape[:2], -1).any(-1).sum())
+
+
+def choice_inputs(model: torch.nn.Module, ids: torch.Tensor, group: Any, layout: str) -> dict:
+    """The inputs of NeMo V4.1's discrete choices under CP (the CP path, also at cp 1),
+    against one process, with each attention layer's output replaced by one process's
+    (docs/semantics.md, "Discrete choices"): what remains different can only
+    come from elsewhere. Returns, per recorded site (quantizer inputs, router inputs and
+    picks), the rows CP computed and how many differ bitwise from one process's
+    (``site_rows`` / ``site_diff``; a row CP computed on other rows than one process, as the
+    compressor's groups across a rank edge, counts as differing unless it matches a row),
+    the attention outputs' largest difference before replacement (``attn_diff``), and
+    whether the logits are bitwise one process's (``logits_equal``)."""
+    from hp_cp_core import DeepSeekV4CPConfig as Config
+
+    ref_model, cp_model = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
+    ref: dict = {}
+    _choice_hooks(ref_model, ref, None)
+    with torch.no_grad():
+        want = ref_model(ids).logits
+    got: dict = {}
+    _choice_hooks(cp_model, got, ref)
+    handle = enable_cp(cp_model, group, Config(layout=layout, single_rank_bypass=False))
+    try:
+        batch = nemo_cp_batch(handle, ids)
+        batch.pop("labels"), batch.pop("n_tokens")
+        with torch.no_grad():
+            logits = handle.unshard(cp_model(**batch).logits, 1, rows=ids.shape[1])
+    finally:
+        disable_cp(handle)
+    site_rows, site_diff, per_site = 0, 0, {}
+    for key, calls in got.items():
+        if not isinstance(calls, list):
+            continue
+        ((ref_in, ref_out, _),) = ref[key]
+        for x, y, rows in calls:
+            n = y.shape[0] if key.endswith("ffn.gate") else y.shape[1]
+            differ = _rows_differing(key, ref_in, ref_out, x, y, rows, ids.shape[1])
+            site_rows, site_diff = site_rows + n, site_diff + differ
+            per_site[key] = per_site.get(key, 0) + differ
+    attn = [v for k, v in got.items() if k.endswith(".diff")]
+    scale = max(float(v.abs().max()) for k, v in ref.items() if k.endswith(".attn"))
+    return {
+        "site_rows": site_rows,
+        "site_diff": site_diff,
+        "first_diff": next((k for k, v in per_site.items() if v), None),
+        "attn_diff": max(attn) / scale,
+        "logits_equal": bool(torch.equal(logits, want)),
+        "logits": float((logits - want).abs().max() / want.abs().max()),
+    }

@@ -83,6 +83,20 @@ def test_model_parity_cp1(cp1_ranks: list[dict]) -> None:
         _check(res)
 
 
+def test_cp1_choice_inputs_bitwise(cp1_ranks: list[dict]) -> None:
+    """At cp 1 through the CP path, with each attention layer's output replaced by one
+    process's, every input of a discrete choice (fp8 window KV, nvfp4 compressed KV, mxfp4
+    index queries and keys, router inputs and picks) and the logits are bitwise one
+    process's: the attention kernels' summation order is the only difference, and it stays
+    at rounding (a quantization or top-k flip downstream of it is docs/semantics.md's
+    "Discrete choices")."""
+    got = cp1_ranks[0]["choices"]
+    assert got["site_rows"] > 5000, got  # 7 layers' quantizer inputs, 7 routers
+    assert got["site_diff"] == 0, got
+    assert got["logits_equal"], got
+    assert 0 < got["attn_diff"] < 1e-6, got
+
+
 def test_shared_layers_add_no_slot_exchange(model_ranks: list[dict]) -> None:
     for res in model_ranks[0]["results"]:
         if "slot_exchanges" in res:  # two Full layers: one slot exchange each, forward
