@@ -458,7 +458,7 @@ def choice_inputs(model: torch.nn.Module, ids: torch.Tensor, group: Any, layout:
     _choice_hooks(cp_model, got, ref)
     handle = enable_cp(cp_model, group, Config(layout=layout, single_rank_bypass=False))
     try:
-        batch = nemo_cp_batch(handle, ids)
+        batch = cp_nemo_batch(handle, ids)
         batch.pop("labels"), batch.pop("n_tokens")
         with torch.no_grad():
             logits = handle.unshard(cp_model(**batch).logits, 1, rows=ids.shape[1])
