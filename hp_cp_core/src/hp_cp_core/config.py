@@ -22,6 +22,7 @@ __all__ = [
     "GRIDS",
     "KERNELS",
     "LAYOUTS",
+    "PRECISIONS",
     "DeepSeekV4CPConfig",
     "DeepSeekV4CPContext",
     "LayerSpec",
@@ -29,6 +30,7 @@ __all__ = [
 
 LAYOUTS = ("contiguous", "load_balanced")
 KERNELS = ("smallop", "efficient", "triton", "banded")
+PRECISIONS = ("fp32", "model")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,14 @@ class DeepSeekV4CPConfig:
             :mod:`hp_cp_core.compression`). Same results, bit for bit. Backends whose group
             has no ``regather_scope`` keep the slots (the option changes nothing there). Must
             be the same on every rank.
+        attention_precision: ``"fp32"`` (the default): the attention kernel computes its
+            logits, softmax and weighted sum in fp32 whatever the inputs' dtype (every hp_cp
+            kernel does; bf16 inputs are upcast, the output cast back), which in bf16 is at
+            least as close to the fp32 model as the model's own eager ops. ``"model"``: the
+            model's own op sequence in the model's dtype (transformers' eager attention: bf16
+            logits and probabilities in a bf16 model), for a run that must round as the model
+            does on one device; integrations without that path raise ``HpCpError`` at
+            ``enable_cp``. See ``docs/semantics.md`` (bf16). Must be the same on every rank.
     """
 
     layout: str = "contiguous"
@@ -86,6 +96,7 @@ class DeepSeekV4CPConfig:
     desync_report: bool = True
     overlap_exchanges: bool = True
     regather_compressed_kv: bool = False
+    attention_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -97,6 +108,11 @@ class DeepSeekV4CPConfig:
             raise HpCpError(
                 f"DeepSeekV4CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel; "
                 f"expected one of {KERNELS}."
+            )
+        if self.attention_precision not in PRECISIONS:
+            raise HpCpError(
+                f"DeepSeekV4CPConfig.attention_precision={self.attention_precision!r} is not a "
+                f"precision; expected one of {PRECISIONS}."
             )
         if int(self.query_chunk) < 1:
             raise HpCpError(f"DeepSeekV4CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")

@@ -824,8 +824,11 @@ class TorchBackend(InstallingBackend):
     def prepare_module(self, module: Any, layers: list[Any], handle: Any) -> None:
         """What the model needs beyond its attention layers, per integration (the adapters'
         ``prepare_model``; :func:`hp_cp_torch.adapter.prepare_module`)."""
-        from hp_cp_torch.adapter import prepare_module
+        from hp_cp_torch.adapter import adapter_for, prepare_module
+        from hp_cp_torch.precision import check_attention_precision
 
+        adapters = [adapter_for(layer) for layer in layers]
+        check_attention_precision(layers, adapters, handle.config)  # before any install
         prepare_module(module, layers, handle)
 
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:

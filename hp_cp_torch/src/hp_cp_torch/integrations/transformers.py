@@ -67,6 +67,7 @@ from hp_cp_core import (
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
 from hp_cp_torch.kernels.smallop import gather_rows
+from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
@@ -161,6 +162,10 @@ def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
 
 class DeepseekV4AttentionAdapter:
     """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``)."""
+
+    model_precision_attention = True
+    """``attention_precision="model"`` runs :meth:`eager_attention` (Note [Attention
+    precision] in :mod:`hp_cp_torch.precision`)."""
 
     packed_topk_row = "document"
     """The indexer's top-k row of a packed document on one process (Note [The one-process
@@ -295,7 +300,7 @@ class DeepseekV4AttentionAdapter:
         ori = ori_ext.transpose(0, 1)  # [B, E, D]
         # attention dropout in training: only HF's own op sequence applies it
         dropout = m.training and m.attention_dropout > 0
-        if call.config.attention_kernel != "smallop" and not dropout:
+        if not uses_model_precision(call.config) and not dropout:
             o = run_sparse_attention(
                 q,
                 ori,

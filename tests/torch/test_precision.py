@@ -1,0 +1,79 @@
+"""The precision the attention computes in (hp_cp_torch.precision): every kernel's is stated,
+``attention_precision="model"`` runs the model's own op sequence in its dtype (a tiny HF
+DeepSeek V4 in bf16 at cp 1 through the CP path rounds as transformers' eager attention
+does), and an integration without that path refuses it at ``enable_cp``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError
+from hp_cp_core.config import KERNELS, PRECISIONS
+
+
+def test_every_kernel_states_its_precision() -> None:
+    from hp_cp_torch.precision import KERNEL_PRECISION
+
+    assert set(KERNEL_PRECISION) == set(KERNELS)
+    assert set(KERNEL_PRECISION.values()) == {"fp32"}
+    assert PRECISIONS == ("fp32", "model")
+
+
+def test_an_unknown_precision_is_refused() -> None:
+    with pytest.raises(HpCpError, match="attention_precision='bf16' is not a precision"):
+        DeepSeekV4CPConfig(attention_precision="bf16")
+
+
+MODEL_PRECISION = """
+import json, torch, torch.distributed as dist
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+from hp_cp_torch.integrations.transformers import cp_causal_lm_batch
+from hp_cp_torch.integrations.transformers_demo import build_tiny_model, make_inputs
+from hp_cp_torch.reference import DeepSeekV4Attention, DeepSeekV4AttentionConfig
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = build_tiny_model(0)
+ids = make_inputs(model.config.vocab_size, 1, 264, 0)
+pos = torch.arange(264)[None]
+with torch.no_grad():
+    exact = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    model.to(torch.bfloat16)
+    own = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+    errs = {}
+    for precision in ("fp32", "model"):
+        config = DeepSeekV4CPConfig(attention_precision=precision, single_rank_bypass=False)
+        handle = enable_cp(model, dist.group.WORLD, config)
+        batch = cp_causal_lm_batch(handle, ids)
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                    use_cache=False).logits.float()
+        disable_cp(handle)
+        errs[precision] = {"vs_own": float((out - own).abs().max()),
+                           "vs_fp32": float((out - exact).abs().max())}
+errs["own_vs_fp32"] = float((own - exact).abs().max())
+layer = DeepSeekV4Attention(DeepSeekV4AttentionConfig(compress_ratio=4))
+try:
+    enable_cp(layer, dist.group.WORLD, DeepSeekV4CPConfig(attention_precision="model"))
+    errs["refused"] = "no error"
+except HpCpError as e:
+    errs["refused"] = str(e)
+print(json.dumps(errs))
+"""
+
+
+def test_model_precision_rounds_as_the_model() -> None:
+    """bf16 tiny V4, cp 1 through the CP path: with ``attention_precision="model"`` the logits
+    are nearer transformers' own bf16 forward than the fp32 kernel's are (which are nearer the
+    fp32 model instead); the reference layer has no model op sequence: HpCpError."""
+    out = subprocess.run(
+        [sys.executable, "-c", MODEL_PRECISION], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    errs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert errs["model"]["vs_own"] < errs["fp32"]["vs_own"], errs
+    assert errs["model"]["vs_own"] < 0.5 * errs["own_vs_fp32"], errs
+    assert "no copy of the model's own attention ops" in errs["refused"], errs
+    assert "DeepSeekV4Attention" in errs["refused"], errs
