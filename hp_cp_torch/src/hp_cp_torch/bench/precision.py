@@ -58,6 +58,7 @@ __all__ = [
     "cast_like_from_pretrained",
     "main",
     "precision_job",
+    "precision_runs",
     "summarise",
 ]
 
@@ -245,15 +246,20 @@ def cast_like_from_pretrained(model: Any, dtype: torch.dtype) -> Any:
     return model
 
 
-def build_model(name: str, seed: int, seq: int, tiny: bool = False) -> Any:
+def build_model(name: str, seed: int, seq: int, tiny: bool = False, layers: int = 2) -> Any:
     """The fp32 eager model of :data:`MODELS` ``[name]`` (the same on every rank for a
-    seed), its attention parameters drawn at O(1) activations as the parity tests draw them."""
+    seed), its attention parameters drawn at O(1) activations as the parity tests draw them;
+    ``layers`` 1 keeps the first layer (V4's CSA layer, the DSA models' first indexer)."""
     from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
 
     tf = _transformers()
     shape = MODELS[name]
     torch.manual_seed(seed)
     overrides = {**shape.config, **(TINY[name] if tiny else {}), "index_topk": topk_for(name, seq)}
+    overrides["num_hidden_layers"] = layers
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+        if key in overrides:
+            overrides[key] = overrides[key][:layers]
     cfg = getattr(tf, shape.config_cls)(**overrides)
     cfg._attn_implementation = "eager"
     model = getattr(tf, shape.cls)(cfg).float()
@@ -469,21 +475,46 @@ def _errors(run: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any]:
 
 
 def precision_job(
-    rank: int, world: int, name: str, seeds: list[int], seq: int, tiny: bool = False
+    rank: int,
+    world: int,
+    name: str,
+    seeds: list[int],
+    seq: int,
+    tiny: bool = False,
+    layers: int = 2,
 ) -> Any:
     """One gloo job of ``world`` ranks: every seed's fp32 and bf16 one-process steps (rank
-    0) and the bf16 CP steps (cp 2, 3, 4 on sub-groups); rank 0 returns the per-seed errors."""
+    0) and the bf16 CP steps (cp 2 .. world on sub-groups, both layouts, and a packed batch
+    at cp ``world`` where the model has a packed mode); rank 0 returns the per-seed errors."""
     import torch.distributed as dist
 
-    shape = MODELS[name]
-    k = topk_for(name, seq)
-    groups = {cp: dist.new_group(list(range(cp))) for cp in range(2, world + 1)}
+    groups = {cp: dist.new_group(list(range(cp))) for cp in range(2, world)}
+    groups[world] = dist.group.WORLD
     cases = [(cp, layout, None) for cp in groups for layout in ("contiguous", "load_balanced")]
-    if shape.packed:
+    if MODELS[name].packed:
         cases.append((world, "load_balanced", packed_boundaries(seq)))
+    return precision_runs(rank, name, seeds, seq, groups, cases, tiny, layers)
+
+
+def precision_runs(
+    rank: int,
+    name: str,
+    seeds: list[int],
+    seq: int,
+    groups: dict[int, Any],
+    cases: list[tuple[int, str, list[int] | None]],
+    tiny: bool = False,
+    layers: int = 2,
+) -> list[dict[str, Any]] | None:
+    """The runs of :func:`precision_job` inside a running job (every rank calls it; group
+    ``cp`` holds ranks ``0 .. cp-1``): ``cases`` are ``(cp, layout, cu_seqlens or None)``.
+    Rank 0 returns the per-seed errors (:func:`summarise` judges them), the others ``None``."""
+    import torch.distributed as dist
+
+    k = topk_for(name, seq)
     per_seed = []
     for seed in seeds:
-        model = build_model(name, seed, seq, tiny)
+        model = build_model(name, seed, seq, tiny, layers)
         ids = _ids(model.config.vocab_size, seq, seed)
         sizes = {n: p.numel() for n, p in model.named_parameters()}
         truths: dict[Any, Any] = {}
@@ -668,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=4, help="largest cp (cp 2 .. this)")
     parser.add_argument("--out", default="bench-real-precision.json")
     parser.add_argument("--tiny", action="store_true", help="the tests' widths (a smoke run)")
+    parser.add_argument("--layers", type=int, default=2, choices=(1, 2))
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     data: dict[str, Any] = {}
@@ -683,13 +715,16 @@ def main(argv: list[str] | None = None) -> int:
             list(range(args.seeds)),
             args.seq,
             args.tiny,
+            args.layers,
             timeout=7200,
         )[0]
         summary = summarise(name, per_seed, args.seq)
+        summary["layers"] = args.layers
         summary["seconds"] = time.perf_counter() - t0
         summary["command"] = (
             f"python -m hp_cp_torch.bench.precision --model {name} --seeds {args.seeds} "
-            f"--seq {args.seq} --cp {args.cp}" + (" --tiny" if args.tiny else "")
+            f"--seq {args.seq} --cp {args.cp} --layers {args.layers}"
+            + (" --tiny" if args.tiny else "")
         )
         print(_table(summary), flush=True)
         data.update(summary["keys"])
