@@ -3,9 +3,9 @@
 ``python -m hp_cp_torch.bench.precision --model v4`` (``v32``, ``glm5``; ``--seeds``,
 ``--seq``, ``--out``; nox session ``bench_precision``) builds transformers'
 ``DeepseekV4ForCausalLM`` / ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM`` with the
-attention and indexer at the published shape (:data:`MODELS`), two layers, one routed and
-one shared expert (routing cannot flip on rounding), and for each seed runs one training
-step
+attention and indexer at the published shape (:data:`MODELS`), two layers (``--layers 1``:
+one), routed experts that rounding cannot flip and a shared one, and for each seed runs one
+training step
 
 * in fp32 on one process (the truth),
 * in bf16 on one process (the model cast as ``from_pretrained(dtype=torch.bfloat16)`` casts
@@ -138,8 +138,8 @@ MODELS: dict[str, ModelShape] = {
             num_hidden_layers=2,
             first_k_dense_replace=0,
             mlp_layer_types=["sparse", "sparse"],
-            n_routed_experts=1,
-            num_experts_per_tok=1,
+            n_routed_experts=2,  # top-2 of 2: every token to both experts, no flip
+            num_experts_per_tok=2,
             n_group=1,
             topk_group=1,
             n_shared_experts=1,
@@ -169,8 +169,8 @@ MODELS: dict[str, ModelShape] = {
             indexer_types=["full", "full"],
             first_k_dense_replace=0,
             mlp_layer_types=["sparse", "sparse"],
-            n_routed_experts=1,
-            num_experts_per_tok=1,
+            n_routed_experts=2,  # top-2 of 2: every token to both experts, no flip
+            num_experts_per_tok=2,
             n_group=1,
             topk_group=1,
             n_shared_experts=1,
@@ -184,8 +184,9 @@ MODELS: dict[str, ModelShape] = {
     ),
 }
 """The published attention and indexer widths (transformers 5.23's defaults); two layers,
-one routed expert (top-1 of one: no routing flip) and one shared, intermediate 512 instead of
-2048 and a vocabulary of 512 (token-local, CPU time), top-k :func:`topk_for` the sequence."""
+routing that cannot flip (V4: one routed expert; DSA: top-2 of two, as the DSA gate scores
+groups by their two best) and one shared expert, intermediate 512 instead of 2048 and a
+vocabulary of 512 (token-local, CPU time), top-k :func:`topk_for` the sequence."""
 
 
 TINY: dict[str, dict[str, Any]] = {
@@ -334,7 +335,7 @@ def recording_selections(store: dict[int, list[tuple[Any, torch.Tensor]]]) -> It
         def select(self: Any, *args: Any, **kwargs: Any) -> Any:
             picks = original(self, *args, **kwargs)
             call = kwargs.get("call", args[-1] if args else None)
-            rows = torch.as_tensor(call.plan.positions)
+            rows = torch.as_tensor(call.plan.local_rows)  # global rows (positions restart)
             store.setdefault(int(self.module.layer_idx), []).append((rows, picks[0].detach()))
             return picks
 
