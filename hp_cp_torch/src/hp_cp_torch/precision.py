@@ -7,16 +7,18 @@ computes the logits, the softmax with the sink and the weighted sum in fp32, cas
 output (and, in backward, the input gradients) back to the inputs' dtype. A model's own eager
 attention in bf16 (transformers' ``eager_attention_forward``) rounds the logits, the
 probabilities and the output to bf16 at each op. So in bf16 CP does not round as one device
-does: measured at the published widths (``python -m hp_cp_torch.bench.precision``), CP is as
-close to the fp32 model as one process in bf16, and one process with its attention upcast to
-fp32 reproduces CP's error. Where a run must round as the model does,
+does, and that is what sets the two apart (with ``attention_precision="model"`` a run through
+the CP path lands near the model's own bf16 forward: ``tests/torch/test_precision.py``).
+Measured at the published widths (``python -m hp_cp_torch.bench.precision``), CP is as close
+to the fp32 model as one process in bf16. Where a run must round as the model does,
 ``DeepSeekV4CPConfig(attention_precision="model")`` runs the integration's copy of the
 model's op sequence in the model's dtype instead of a kernel (transformers' eager attention
-for DeepSeek V4 and its NeMo / VeOmni copies; transformers' ``expand_kv`` order for V3.2 /
-GLM-5, NeMo's for NeMo's GLM-5). It keeps each query's gathered columns for backward
-(the small-op kernel's memory); integrations without such a path (NeMo's V4.1, the
-reference layer) refuse it at ``enable_cp``. On the HF integrations
-``attention_kernel="smallop"`` has always meant the same path (``uses_model_precision``).
+for DeepSeek V4, also under VeOmni's generated copy and NeMo's V4, whose adapters reuse it;
+transformers' ``expand_kv`` order for V3.2 / GLM-5, NeMo's for NeMo's GLM-5). It keeps each
+query's gathered columns for backward (the small-op kernel's memory); integrations without
+such a path (NeMo's V4.1, the reference layer) refuse it at ``enable_cp``. On the HF
+integrations ``attention_kernel="smallop"`` has always meant the same path
+(:func:`uses_model_precision`).
 """
 
 from __future__ import annotations

@@ -398,7 +398,7 @@ def _step_one_process(model: Any, ids: torch.Tensor, cu: Any) -> dict[str, Any]:
         out = model(input_ids=ids, position_ids=_positions(ids.shape[1], cu), use_cache=False)
     loss = cp_causal_lm_loss(out.logits, labels, (labels != -100).sum())
     loss.backward()
-    return {"logits": out.logits.detach().float()[0], "loss": float(loss), "picks": picks}
+    return {"logits": out.logits.detach().float()[0], "loss": float(loss.detach()), "picks": picks}
 
 
 def _step_cp(
