@@ -77,3 +77,36 @@ def test_model_precision_rounds_as_the_model() -> None:
     assert errs["model"]["vs_own"] < 0.5 * errs["own_vs_fp32"], errs
     assert "no copy of the model's own attention ops" in errs["refused"], errs
     assert "DeepSeekV4Attention" in errs["refused"], errs
+
+
+def test_the_bench_casts_as_from_pretrained_does() -> None:
+    """``cast_like_from_pretrained``: DeepSeek V4's ``_keep_in_fp32_modules_strict`` (sinks,
+    hyper-connections, norms) stay fp32, the projections go bf16, as HF loads the model."""
+    pytest.importorskip("transformers.models.deepseek_v4", exc_type=ImportError)
+    import torch
+
+    from hp_cp_torch.bench.precision import build_model, cast_like_from_pretrained
+
+    model = cast_like_from_pretrained(build_model("v4", 0, 64, tiny=True), torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    attn = "model.layers.0.self_attn"
+    assert dtypes[f"{attn}.sinks"] == torch.float32
+    assert dtypes[f"{attn}.q_a_norm.weight"] == torch.float32
+    assert dtypes[f"{attn}.q_b_proj.weight"] == torch.bfloat16
+    assert any(".attn_hc." in n and d == torch.float32 for n, d in dtypes.items())
+
+
+def test_pick_difference_counts_only_choosing_queries() -> None:
+    """Queries that see at most k candidates keep them all: not counted. Of the others, the
+    fraction of the reference's picks the run did not pick."""
+    import torch
+
+    from hp_cp_torch.bench.precision import pick_difference
+
+    seq, k = 6, 2  # DSA: query t sees t + 1 tokens; queries 2 .. 5 choose
+    want = torch.tensor([[0, -1], [0, 1], [2, 1], [3, 0], [4, 2], [5, 1]])
+    got = want.clone()
+    got[0, 1] = 0  # not choosing: ignored
+    got[3] = torch.tensor([0, 3])  # the same set, another order
+    got[5, 1] = 4  # one of 8 choosing picks differs
+    assert pick_difference("v32", {0: got}, {0: want}, seq, None, k) == 1 / 8

@@ -575,6 +575,8 @@ def precision_runs(
             }
             result["sizes"] = sizes
             per_seed.append(result)
+            if os.environ.get("HP_CP_BENCH_PROGRESS") == "1":
+                print(f"{name}: seed {seed} done ({time.strftime('%H:%M:%S')})", flush=True)
         del model, truths, singles
     return per_seed if rank == 0 else None
 
