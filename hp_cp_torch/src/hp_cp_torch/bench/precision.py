@@ -514,10 +514,12 @@ def precision_runs(
 
     k = topk_for(name, seq)
     per_seed = []
+    vocab = int((TINY[name] if tiny else MODELS[name].config)["vocab_size"])
     for seed in seeds:
-        model = build_model(name, seed, seq, tiny, layers)
-        ids = _ids(model.config.vocab_size, seq, seed)
-        sizes = {n: p.numel() for n, p in model.named_parameters()}
+        # rank 0 runs one process first, alone: the others build their copy after it (the
+        # fp32 model, its gradients and the truth's are the largest things held at once)
+        model = build_model(name, seed, seq, tiny, layers) if rank == 0 else None
+        ids = _ids(vocab, seq, seed)
         truths: dict[Any, Any] = {}
         result: dict[str, Any] = {"seed": seed, "runs": {}}
         if rank == 0:
@@ -526,9 +528,7 @@ def precision_runs(
                 t0 = time.perf_counter()
                 truth = _step_one_process(model, ids, cu_l)
                 grads = {
-                    n: p.grad.detach().clone()
-                    for n, p in model.named_parameters()
-                    if p.grad is not None
+                    n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None
                 }
                 tok = _token_losses(truth["logits"], _labels(ids, cu_l)[0])
                 truth.update(grads=grads, largest=max(float(g.abs().max()) for g in grads.values()))
@@ -536,9 +536,9 @@ def precision_runs(
                 truth["seconds"] = time.perf_counter() - t0
                 truths[cu] = truth
                 model.zero_grad(set_to_none=True)
-        cast_like_from_pretrained(model, torch.bfloat16)
         singles: dict[Any, Any] = {}
         if rank == 0:
+            cast_like_from_pretrained(model, torch.bfloat16)
             for cu, truth in truths.items():
                 one = _step_one_process(model, ids, None if cu is None else list(cu))
                 res = _errors(one, truth)
@@ -550,6 +550,12 @@ def precision_runs(
                 label = "one_process" if cu is None else "one_process_packed"
                 result["runs"][label] = res
                 model.zero_grad(set_to_none=True)
+        dist.barrier()
+        if rank != 0:
+            model = cast_like_from_pretrained(
+                build_model(name, seed, seq, tiny, layers), torch.bfloat16
+            )
+        sizes = {n: p.numel() for n, p in model.named_parameters()}
         for cp, layout, cu in cases:
             key = None if cu is None else tuple(cu)
             label = f"cp{cp}_{layout}" + ("_packed" if cu is not None else "")
