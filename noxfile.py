@@ -2,8 +2,8 @@
 # dependencies = ["nox>=2024.3"]
 # ///
 """Sessions: lint, docs, core (no framework), torch, dsa, mindformers, example_mindformers,
-example_jax, example_train, nemo_automodel, veomni, bench, bench_mindformers, bench_peers
-(bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz.
+example_jax, example_train, nemo_automodel, veomni, bench, bench_precision, bench_mindformers,
+bench_peers (bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz.
 
 `nox` runs lint, docs, core, torch, dsa, mindformers, example_mindformers, example_jax,
 example_train, nemo_automodel and veomni; each installs its own distributions (the wheels
@@ -524,6 +524,17 @@ def bench_real(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[bench]"))
     session.run("hp-cp", "bench", "--real-widths", *session.posargs)
+
+
+@_session(python=PYTHONS, default=False)
+def bench_precision(session: nox.Session) -> None:
+    """`python -m hp_cp_torch.bench.precision`: bf16 under CP against the fp32 model, one
+    process in bf16 as the bar, at the published attention widths of HF's V4, V3.2 and GLM-5
+    (five seeds, cp 2-4): bench-real-precision.json. Posargs replace the defaults."""
+    session.install(TORCH, TRANSFORMERS)
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch"))
+    args = session.posargs or ["--seeds", "5", "--seq", "256", "--layers", "1"]
+    session.run("python", "-m", "hp_cp_torch.bench.precision", *args, env={"OMP_NUM_THREADS": "1"})
 
 
 @_session(python=PYTHONS, default=False)

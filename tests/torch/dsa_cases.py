@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+from hp_cp_torch.bench.precision import packed_boundaries, precision_runs, summarise
 from hp_cp_torch.integrations.transformers import cp_shift_labels
 from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
 from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_sum_gradients
@@ -322,6 +323,26 @@ def error_checks(model: Any, ids: torch.Tensor, group: Any) -> dict[str, Any]:
     return out
 
 
+BF16_SEEDS = (0, 1, 2, 3, 4)
+BF16_SEQ = 64
+BF16_CASES = [
+    (4, "load_balanced", None),
+    (3, "contiguous", None),
+    (4, "load_balanced", packed_boundaries(BF16_SEQ)),
+]
+"""bf16 against fp32 (hp_cp_torch.bench.precision at the tests' widths): five fixed seeds,
+top-k 16 of up to 64 tokens, a packed batch; CP and one process each against fp32."""
+
+
+def bf16_cases(rank: int, groups: dict[int, Any]) -> dict[str, Any]:
+    """:data:`BF16_CASES` for both models, judged across the seeds (rank 0's summaries)."""
+    out = {}
+    for kind, name in (("deepseek_v32", "v32"), ("glm_moe_dsa", "glm5")):
+        runs = precision_runs(rank, name, list(BF16_SEEDS), BF16_SEQ, groups, BF16_CASES, True)
+        out[kind] = None if runs is None else summarise(name, runs, BF16_SEQ)
+    return out
+
+
 def dsa_suite(rank: int, world: int) -> dict[str, Any]:
     """Every case: both models, cp 1, 2, 3, 4 and 8, both layouts, padded (batch 2) and packed
     (batch 1); the SGD step at cp 4; the error paths at cp 4 (world = 8)."""
@@ -360,4 +381,7 @@ def dsa_suite(rank: int, world: int) -> dict[str, Any]:
         if rank < 4:
             errors[kind] = error_checks(model, _ids(model.config.vocab_size, 1, SEQ), groups[4])
         dist.barrier()
-    return {"rank": rank, "results": results, "errors": errors, "references": refs}
+    bf16 = bf16_cases(rank, groups)
+    return {
+        "rank": rank, "results": results, "errors": errors, "references": refs, "bf16": bf16,
+    }  # fmt: skip

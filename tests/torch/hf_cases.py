@@ -10,7 +10,11 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
-from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_sum_gradients
+from hp_cp_torch.bench.precision import precision_runs, summarise
+from hp_cp_torch.integrations.transformers import (
+    cp_causal_lm_loss,
+    cp_sum_gradients,
+)
 from hp_cp_torch.integrations.transformers_demo import (
     CSA,
     HCA,
@@ -103,6 +107,19 @@ def selective_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
         )
         dist.barrier()
     return results
+
+
+BF16_SEEDS = (0, 1, 2, 3, 4)
+BF16_SEQ = 128
+BF16_CASES = [(4, "load_balanced", None), (3, "contiguous", None)]
+"""bf16 against fp32 (hp_cp_torch.bench.precision at the tests' widths): five fixed seeds,
+top-k 8 of up to 32 CSA slots, the window 16; CP and one process each against fp32."""
+
+
+def bf16_cases(rank: int, groups: dict[int, Any]) -> dict[str, Any] | None:
+    """:data:`BF16_CASES`, judged across the seeds (rank 0: the summary, else ``None``)."""
+    runs = precision_runs(rank, "v4", list(BF16_SEEDS), BF16_SEQ, groups, BF16_CASES, tiny=True)
+    return None if runs is None else summarise("v4", runs, BF16_SEQ)
 
 
 def _expect_error(fn: Any, match: str) -> str:
@@ -223,7 +240,9 @@ def parity_suite(rank: int, world: int) -> dict[str, Any]:
             errors = error_checks(model, ids, ref.logits)
         dist.barrier()
     selective = selective_cases(rank, groups)
+    bf16 = bf16_cases(rank, groups)
     return {
+        "bf16": bf16,
         "rank": rank,
         "results": results,
         "variants": variants,

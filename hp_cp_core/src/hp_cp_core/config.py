@@ -23,12 +23,14 @@ __all__ = [
     "LAYOUTS",
     "CPConfig",
     "CPContext",
+    "PRECISIONS",
     "DeepSeekV4CPConfig",
     "DeepSeekV4CPContext",
     "LayerSpec",
 ]
 
 LAYOUTS = ("contiguous", "load_balanced")
+PRECISIONS = ("fp32", "model")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,14 @@ class CPConfig:
             :mod:`hp_cp_core.compression`). Same results, bit for bit. Backends whose group
             has no ``regather_scope`` keep the slots (the option changes nothing there). Must
             be the same on every rank.
+        attention_precision: ``"fp32"`` (the default): the attention kernel computes its
+            logits, softmax and weighted sum in fp32 whatever the inputs' dtype (every hp_cp
+            kernel does; bf16 inputs are upcast, the output cast back), which in bf16 is at
+            least as close to the fp32 model as the model's own eager ops. ``"model"``: the
+            model's own op sequence in the model's dtype (transformers' eager attention: bf16
+            logits and probabilities in a bf16 model), for a run that must round as the model
+            does on one device; integrations without that path raise ``HpCpError`` at
+            ``enable_cp``. See ``docs/semantics.md`` (bf16). Must be the same on every rank.
     """
 
     layout: str = "contiguous"
@@ -90,6 +100,7 @@ class CPConfig:
     desync_report: bool = True
     overlap_exchanges: bool = True
     regather_compressed_kv: bool = False
+    attention_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -101,6 +112,11 @@ class CPConfig:
             raise HpCpError(
                 f"DeepSeekV4CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel "
                 "name; pass the name of a kernel the backend registers (a non-empty string)."
+            )
+        if self.attention_precision not in PRECISIONS:
+            raise HpCpError(
+                f"DeepSeekV4CPConfig.attention_precision={self.attention_precision!r} is not a "
+                f"precision; expected one of {PRECISIONS}."
             )
         if int(self.query_chunk) < 1:
             raise HpCpError(f"DeepSeekV4CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")

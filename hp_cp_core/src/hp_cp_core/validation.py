@@ -308,6 +308,9 @@ def agreed_config_text(config: DeepSeekV4CPConfig) -> str:
     """The options every rank must share (local-only ones, such as the plan cache size, are
     left out)."""
     regather = ", regather_compressed_kv=True" if config.regather_compressed_kv else ""
+    precision = getattr(config, "attention_precision", "fp32")
+    if precision != "fp32":
+        regather += f", attention_precision={precision!r}"
     return (
         f"DeepSeekV4CPConfig(layout={config.layout!r}, attention_kernel="
         f"{config.attention_kernel!r}, query_chunk={config.query_chunk}{regather})"

@@ -340,6 +340,9 @@ def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> N
     """Run each adapter class's ``prepare_model(module, layers, handle)`` (if it has one) once,
     with its own layers: the model-level pieces an integration needs under CP (NeMo's guards,
     V4.1's Engram hash, GLM-5's positions), whichever ``enable_cp`` the user called."""
+    from hp_cp_torch.precision import check_attention_precision
+
+    check_attention_precision(layers, [adapter_for(layer) for layer in layers], handle.config)
     by_class: dict[type, list[nn.Module]] = {}
     for layer in layers:
         adapter = adapter_for(layer)

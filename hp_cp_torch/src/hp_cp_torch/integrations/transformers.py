@@ -68,9 +68,9 @@ from hp_cp_core import (
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
 from hp_cp_torch.deprecation import warn_deprecated
-from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.kernels.smallop import gather_rows
 from hp_cp_torch.model_adapter import ModelAdapter
+from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
@@ -193,6 +193,10 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
     A :class:`~hp_cp_torch.model_adapter.ModelAdapter` that still overrides the machinery
     methods (its forward computes the queries while the exchanges travel, and its checks read
     HF's masks and position ids); NeMo's, VeOmni's and the DSA adapters derive from it."""
+
+    model_precision_attention = True
+    """``attention_precision="model"`` runs :meth:`eager_attention` (Note [Attention
+    precision] in :mod:`hp_cp_torch.precision`)."""
 
     packed_topk_row = "document"
     """The indexer's top-k row of a packed document on one process (Note [The one-process
@@ -328,7 +332,7 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
         ori = ori_ext.transpose(0, 1)  # [B, E, D]
         # attention dropout in training: only HF's own op sequence applies it
         dropout = m.training and m.attention_dropout > 0
-        if not uses_model_op_order(call.config.attention_kernel) and not dropout:
+        if not uses_model_precision(call.config) and not dropout:
             o = run_sparse_attention(
                 q,
                 ori,
@@ -640,12 +644,21 @@ def cp_causal_lm_loss(
     return total / n_tokens_global
 
 
-def cp_sum_gradients(parameters: Iterable[torch.Tensor], group: Any = None) -> None:
-    """Sum ``.grad`` over the CP group in place (two collectives in all).
+SUM_BUCKET_ELEMENTS = 1 << 25
+"""Most gradient entries :func:`cp_sum_gradients` sums in one collective (128 MiB of fp32):
+what it holds beyond the gradients stays under this, whatever the model's size."""
 
-    A parameter may have no gradient on some ranks (an expert no local token was routed to);
-    it counts as zero there, and stays ``None`` only where no rank has a gradient. ``group``
-    is a torch ``ProcessGroup`` (``None``: the default group) or a 1-D ``DeviceMesh``.
+
+def cp_sum_gradients(parameters: Iterable[torch.Tensor], group: Any = None) -> None:
+    """Sum ``.grad`` over the CP group in place, in fp32 (bf16 gradients are summed in fp32
+    and rounded once).
+
+    One collective for which parameters have a gradient, then one per
+    :data:`SUM_BUCKET_ELEMENTS` gradient entries (two in all for a model of up to 2^25
+    parameters). A parameter may have no gradient on some ranks (an expert no local token was
+    routed to); it counts as zero there, and stays ``None`` only where no rank has a
+    gradient. ``group`` is a torch ``ProcessGroup`` (``None``: the default group) or a 1-D
+    ``DeviceMesh``.
     """
     import torch.distributed as dist
 
@@ -657,17 +670,34 @@ def cp_sum_gradients(parameters: Iterable[torch.Tensor], group: Any = None) -> N
     device = params[0].device
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
     dist.all_reduce(present, group=group)
-    flat = torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-            for p in params
-        ]
-    )
+    has = present.tolist()
+    bucket: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        bucket.append(i)
+        size += p.numel()
+        last = i + 1 == len(params)
+        if last or size + params[i + 1].numel() > SUM_BUCKET_ELEMENTS:
+            _sum_bucket([params[j] for j in bucket], [has[j] for j in bucket], size, group)
+            bucket, size = [], 0
+
+
+def _sum_bucket(params: list[torch.Tensor], has: list[int], size: int, group: Any) -> None:
+    """One all-reduce of these parameters' gradients, as one fp32 buffer of ``size``."""
+    import torch.distributed as dist
+
+    flat = torch.zeros(size, dtype=torch.float32, device=params[0].device)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is not None:
+            flat[offset : offset + n].copy_(p.grad.reshape(-1))
+        offset += n
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p, has in zip(params, present.tolist()):
+    for p, present in zip(params, has):
         n = p.numel()
-        if has:
+        if present:
             p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
         offset += n
 

@@ -74,8 +74,8 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
-from hp_cp_torch.kernels.registry import uses_model_op_order
 from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
+from hp_cp_torch.precision import uses_model_precision
 
 __all__ = [
     "DSAAttentionAdapter",
@@ -247,7 +247,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         state.selection = selected
         latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
         q = state.query  # [B, H, L, qk_head_dim]
-        if uses_model_op_order(call.config.attention_kernel):
+        if uses_model_precision(call.config):
             o = self.expanded_attention(q, latent, selected.to(q.device), call)
         else:
             q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
