@@ -223,16 +223,16 @@ def core(session: nox.Session) -> None:
 
 # Note [Suites sharing a virtualenv]
 #
-# Installing torch with transformers (or MindSpore with mindformers) into a fresh virtualenv
-# takes minutes on the 2-core CI machine, most of it download and unpacking, so the default
-# sessions install each stack once: ``torch`` installs the union of what the torch, dsa,
-# example_train and nemo_automodel suites need (hp-cp-torch with its triton, transformers and
-# train extras, NeMo Automodel ``--no-deps``) and runs the four suites in turn; ``mindformers``
-# runs the mindformers suite, then the example_mindformers recipe. Each suite keeps its own
-# command lines and environment variables (``_dsa_suite`` ...). With posargs (a pytest
-# selection) ``torch`` and ``mindformers`` run their own pytest suites only. The sessions
-# ``dsa``, ``example_train``, ``nemo_automodel`` and ``example_mindformers`` (not default) run one
-# suite alone in a virtualenv holding only what it needs.
+# Installing torch with transformers (or MindSpore with mindformers) into a fresh virtualenv takes
+# minutes on the 2-core CI machine (the torch suites' install: 8 minutes on the shared machine,
+# little of it CPU time), so the default sessions install each stack once: ``torch`` installs the
+# union of what the torch, dsa, example_train and nemo_automodel suites need (hp-cp-torch with its
+# triton, transformers and train extras, NeMo Automodel ``--no-deps``) and runs the four suites in
+# turn; ``mindformers`` runs the mindformers suite, then the example_mindformers recipe. Each suite
+# keeps its own command lines and environment variables (``_dsa_suite`` ...). With posargs (a pytest
+# selection) ``torch`` and ``mindformers`` run their own pytest suites only. The sessions ``dsa``,
+# ``example_train``, ``nemo_automodel`` and ``example_mindformers`` (not default) run one suite
+# alone in a virtualenv holding only what it needs.
 
 
 def _install_torch_suites(session: nox.Session) -> None:
