@@ -5,10 +5,13 @@
 example_jax, example_train, nemo_automodel, veomni, bench, bench_precision, bench_mindformers,
 bench_peers (bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz.
 
-`nox` runs lint, docs, core, torch, dsa, mindformers, example_mindformers, example_jax,
-example_train, nemo_automodel and veomni; each installs its own distributions (the wheels
-built once per run) into a fresh virtualenv, so the core is proven framework-free and every
-backend is tested with its framework for real. Every backend passes the same installed
+`nox` runs lint, docs, core, torch, mindformers, example_jax and veomni; each installs its own
+distributions (the wheels built once per run) into a fresh virtualenv, so the core is proven
+framework-free and every backend is tested with its framework for real. Suites that need the
+same heavy install share one virtualenv (Note [Suites sharing a virtualenv]): ``torch`` also
+runs the dsa, example_train and nemo_automodel suites, ``mindformers`` the example_mindformers
+suite; ``nox -s dsa`` (``example_train``, ``nemo_automodel``, ``example_mindformers``) runs one
+of them alone in its own virtualenv. Every backend passes the same installed
 contract suite
 (`pytest -p hp_cp_core.testing.contract`), through the driver it registers under the
 entry-point group `hp_cp.contract`.
@@ -31,13 +34,9 @@ nox.options.sessions = [
     "lint",
     "docs",
     "core",
-    "torch",
-    "dsa",
-    "mindformers",
-    "example_mindformers",
+    "torch",  # + the dsa, example_train and nemo_automodel suites
+    "mindformers",  # + the example_mindformers suite
     "example_jax",
-    "example_train",
-    "nemo_automodel",
     "veomni",
 ]
 nox.options.reuse_existing_virtualenvs = True
@@ -222,19 +221,49 @@ def core(session: nox.Session) -> None:
     )
 
 
-@_session(python=PYTHONS)
-def torch(session: nox.Session) -> None:
-    """hp-cp-torch on real gloo process groups, with transformers for the HF integration and
-    Triton (its kernels run in Triton's CPU interpreter, tests/torch/conftest.py)."""
+# Note [Suites sharing a virtualenv]
+#
+# Installing torch with transformers (or MindSpore with mindformers) into a fresh virtualenv takes
+# minutes on the 2-core CI machine (the torch suites' install: 8 minutes on the shared machine,
+# little of it CPU time), so the default sessions install each stack once: ``torch`` installs the
+# union of what the torch, dsa, example_train and nemo_automodel suites need (hp-cp-torch with its
+# triton, transformers and train extras, NeMo Automodel ``--no-deps``) and runs the four suites in
+# turn; ``mindformers`` runs the mindformers suite, then the example_mindformers recipe. Each suite
+# keeps its own command lines and environment variables (``_dsa_suite`` ...). With posargs (a pytest
+# selection) ``torch`` and ``mindformers`` run their own pytest suites only. The sessions ``dsa``,
+# ``example_train``, ``nemo_automodel`` and ``example_mindformers`` (not default) run one suite
+# alone in a virtualenv holding only what it needs.
+
+
+def _install_torch_suites(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(
-        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[triton,transformers]"),
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[triton,transformers,train]"),
         "./tests/fakes",
         "./tests/model_example",  # a model adapter found only through its entry points
         TRANSFORMERS,
         *TEST_DEPS,
     )
     session.install("-e", "./tests/contract")  # the torch driver runs tests/torch helpers
+    # NeMo Automodel's own requirements (GPU stacks) are not needed by its DeepSeek V4 model
+    session.install("--no-deps", NEMO_AUTOMODEL, "pillow")
+
+
+@_session(python=PYTHONS)
+def torch(session: nox.Session) -> None:
+    """hp-cp-torch on real gloo process groups, with transformers for the HF integration and
+    Triton (its kernels run in Triton's CPU interpreter, tests/torch/conftest.py); then, in the
+    same virtualenv, the dsa, example_train and nemo_automodel suites (Note [Suites sharing a
+    virtualenv]; with posargs, tests/torch and the contract suite only)."""
+    _install_torch_suites(session)
+    _torch_suite(session)
+    if not session.posargs:
+        _dsa_suite(session)
+        _example_train_suite(session)
+        _nemo_automodel_suite(session)
+
+
+def _torch_suite(session: nox.Session) -> None:
     out = session.run("python", "-m", "hp_cp_core", silent=True)
     rows = [line.split() for line in out.splitlines()]
     if ["torch", "hp-cp-torch", "0.3.0", "0.2", "current", "ok"] not in rows:
@@ -242,17 +271,18 @@ def torch(session: nox.Session) -> None:
     session.run(
         "pytest",
         "tests/torch",
-        "--ignore=tests/torch/test_transformers_dsa.py",  # the dsa session runs it
+        "--ignore=tests/torch/test_transformers_dsa.py",  # the dsa suite runs it
         *session.posargs,
         env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers,triton"},
     )
     session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
 
 
-@_session(python=PYTHONS)
+@_session(python=PYTHONS, default=False)
 def dsa(session: nox.Session) -> None:
     """transformers' DSA models under hp_cp: DeepSeek V3.2 and GLM-5 (cp 1, 2, 3, 4, 8 in one
-    8-rank gloo job against one process), then the two docs snippets under torchrun."""
+    8-rank gloo job against one process), then the two docs snippets under torchrun. The
+    default ``torch`` session runs this suite too."""
     session.install(TORCH)
     session.install(
         *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[transformers]"),
@@ -261,6 +291,10 @@ def dsa(session: nox.Session) -> None:
         *TEST_DEPS,
     )
     session.install("-e", "./tests/contract")
+    _dsa_suite(session)
+
+
+def _dsa_suite(session: nox.Session) -> None:
     env = {"OMP_NUM_THREADS": "1"}
     session.run(
         "pytest",
@@ -296,7 +330,9 @@ def _install_mindformers(session: nox.Session) -> None:
 
 @_session(python=PYTHONS)
 def mindformers(session: nox.Session) -> None:
-    """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun.
+    """hp-cp-mindformers on MindSpore (CPU, PyNative), cp = 1 in-process and 2, 4 under msrun;
+    then, in the same virtualenv, the example_mindformers suite (Note [Suites sharing a
+    virtualenv]; with posargs, the pytest suites only).
 
     ``-- -m real_mindformers`` runs only the real mindformers 2.1.0 cell under msrun.
     """
@@ -316,15 +352,21 @@ def mindformers(session: nox.Session) -> None:
         env={"HP_CP_MSRUN_BIN": session.bin},
         success_codes=[0, 5] if "-m" in session.posargs else [0],
     )
+    if not session.posargs:
+        _example_mindformers_suite(session)
 
 
-@_session(python=PYTHONS)
+@_session(python=PYTHONS, default=False)
 def example_mindformers(session: nox.Session) -> None:
     """examples/train_mindformers_cp.py (mindformers' PyNativeDeepseekV4ForCausalLM, CPU with the
     test stand-ins): 3 steps on one process; then 2 steps at cp 2 under msrun, saved, and
     resumed at cp 4 for step 3; both msrun runs check their losses equal the one-process
-    run's (``--expect``)."""
+    run's (``--expect``). The default ``mindformers`` session runs this suite too."""
     _install_mindformers(session)
+    _example_mindformers_suite(session)
+
+
+def _example_mindformers_suite(session: nox.Session) -> None:
     tmp = os.path.abspath(session.create_tmp())
     recipe = os.path.abspath("examples/train_mindformers_cp.py")
     common = [recipe, "--cpu-standins", os.path.abspath("tests/mindformers")]
@@ -332,9 +374,7 @@ def example_mindformers(session: nox.Session) -> None:
     shutil.rmtree(ckpt, ignore_errors=True)
     if os.path.exists(one):
         os.remove(one)
-    session.chdir(tmp)  # mindformers logs to ./output/log
     env = {"GLOG_v": "3"}
-    session.run("python", *common, "--steps", "3", "--losses", one, env=env)
 
     def msrun(n: int) -> list[str]:
         port = random.randint(20000, 40000)
@@ -348,8 +388,10 @@ def example_mindformers(session: nox.Session) -> None:
             "--tail_worker_log=0",
         ]
 
-    session.run(*msrun(2), *common, "--steps", "2", "--save", ckpt, "--expect", one, env=env)
-    session.run(*msrun(4), *common, "--steps", "3", "--resume", ckpt, "--expect", one, env=env)
+    with session.chdir(tmp):  # mindformers logs to ./output/log
+        session.run("python", *common, "--steps", "3", "--losses", one, env=env)
+        session.run(*msrun(2), *common, "--steps", "2", "--save", ckpt, "--expect", one, env=env)
+        session.run(*msrun(4), *common, "--steps", "3", "--resume", ckpt, "--expect", one, env=env)
 
 
 @_session(python=PYTHONS)
@@ -372,14 +414,19 @@ def example_jax(session: nox.Session) -> None:
     )
 
 
-@_session(python=PYTHONS)
+@_session(python=PYTHONS, default=False)
 def example_train(session: nox.Session) -> None:
     """examples/train_deepseek_v4_cp.py on 4 gloo ranks (dp 2 x cp 2, FSDP2): 3 steps and a
     checkpoint, then resumed from it for 2 more steps; checks the loss-curve PNG. Then the
     recipe under HF's DistributedConfig (``--hf-parallel tp2,ep2,fsdp2``, CP on ``fsdp``, 2
-    steps) and docs/training.md's snippet (examples/snippets/hf_distributed_config.py)."""
+    steps) and docs/training.md's snippet (examples/snippets/hf_distributed_config.py). The
+    default ``torch`` session runs this suite too."""
     session.install(TORCH)
     session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch[train]"), TRANSFORMERS)
+    _example_train_suite(session)
+
+
+def _example_train_suite(session: nox.Session) -> None:
     tmp = session.create_tmp()
     ckpt, png = os.path.join(tmp, "ckpt"), os.path.join(tmp, "train_loss.png")
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -407,11 +454,16 @@ def _install_nemo_automodel(session: nox.Session) -> None:
     session.install("--no-deps", NEMO_AUTOMODEL, "pillow")
 
 
-@_session(python=PYTHONS)
+@_session(python=PYTHONS, default=False)
 def nemo_automodel(session: nox.Session) -> None:
     """NeMo Automodel 0.7.0's own DeepSeek V4, V4.1 and GLM-5 models under hp_cp on gloo ranks
-    (cp 1-4, 8) against one process, then the docs snippets under torchrun with 2 ranks."""
+    (cp 1-4, 8) against one process, then the docs snippets under torchrun with 2 ranks. The
+    default ``torch`` session runs this suite too."""
     _install_nemo_automodel(session)
+    _nemo_automodel_suite(session)
+
+
+def _nemo_automodel_suite(session: nox.Session) -> None:
     env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     session.run(
         "pytest",

@@ -8,7 +8,8 @@ runs ``enable_cp(model, mesh)`` with the case's layout on its rows (``handle.sha
 as the core pads: inputs 0, loss mask 0, the padding its own document) and the rank holding
 the case's reference compares: the loss (the ranks' shares summed), the logits
 (``handle.unshard``) and every parameter gradient (summed over the ranks with AllReduce).
-Usage: ``msrun ... mf_model_msrun_worker.py OUTDIR``.
+Usage: ``msrun ... mf_model_msrun_worker.py OUTDIR``; the tests run these cases in the real
+cell's job instead (``mf_real_msrun_worker.py OUTDIR --model-cases``: one msrun start, not two).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from hp_cp_mindformers.moe import moe_routers  # noqa: E402
 from hp_cp_mindformers.mtp import mtp_owners  # noqa: E402
 from hp_cp_mindformers.rope import GlobalPositionRotary  # noqa: E402
 
-init()
+if not GlobalComm.INITED:  # already when mf_real_msrun_worker runs these cases in its job
+    init()
 WORLD_RANK, WORLD = get_rank(), get_group_size()
 OUT = sys.argv[1]
 
@@ -225,10 +227,11 @@ def refuse_mean_mtp_loss(model) -> dict:
     return out
 
 
-def main() -> None:
+def main(out: str = OUT) -> None:
+    """Every case of ``model_cases()`` this rank takes part in; ``<out>/rank<r>.json``."""
     cases = [c for c in model_cases() if WORLD_RANK in c.ranks()]
     report = {"rank": WORLD_RANK, "world": WORLD, "cases": {}}
-    path = os.path.join(OUT, f"rank{WORLD_RANK}.json")
+    path = os.path.join(out, f"rank{WORLD_RANK}.json")
     t0 = time.time()
     model = mdl.tiny_model(mtp=1, seed=5, aux_loss=AUX_LOSS)
     refs = {REFERENCE_OF_RANK[WORLD_RANK]: one_device(model, REFERENCE_OF_RANK[WORLD_RANK])}

@@ -57,14 +57,37 @@ def run_msrun(worker: str, world: int, timeout_s: int, *args: str) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = "timeout"
+    _JOBS[key] = {"rc": rc, "reports": _read_reports(out, world), "dir": out}
+    return _JOBS[key]
+
+
+def _read_reports(folder: str, world: int) -> dict:
     reports = {}
     for r in range(world):
-        path = os.path.join(out, f"rank{r}.json")
+        path = os.path.join(folder, f"rank{r}.json")
         if os.path.exists(path):
             with open(path) as fh:
                 reports[r] = json.load(fh)
-    _JOBS[key] = {"rc": rc, "reports": reports, "dir": out}
-    return _JOBS[key]
+    return reports
+
+
+REAL_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mf_real_msrun_worker.py")
+REAL_WORLD = 4
+
+
+def run_real_job() -> dict:
+    """The ONE msrun job of 4 ranks of the real mindformers 2.1.0 code (cached per session):
+    the real cell's cases (``mf_real_msrun_worker.py``), then the whole model's
+    (``mf_model_msrun_worker.py``, reports in ``job["model"]``, same keys as a job's)."""
+    job = run_msrun(REAL_WORKER, REAL_WORLD, 3000, "--model-cases")
+    if "model" not in job:
+        model_dir = os.path.join(job["dir"], "model")
+        job["model"] = {
+            "rc": job["rc"],
+            "reports": _read_reports(model_dir, REAL_WORLD),
+            "dir": model_dir,
+        }
+    return job
 
 
 def case_reports(job: dict, case: Case, ranks: list[int]) -> list[dict]:

@@ -1,11 +1,13 @@
 """msrun worker: every rank runs every parity case of ``cases.parity_cases(world)`` on MindSpore
 CPU and writes ``<outdir>/rank<r>.json`` after each case.
 
-Per case, every rank builds the same reference cell and the same global inputs (seeded),
-computes the single-device output and gradients itself, then runs the cell under CP on its
-own rows (q / key RoPE'd at the rows' global positions, ``handle.shard``) and compares:
-output rows, input gradients (this rank's rows) and parameter gradients (summed over the CP
-ranks with AllReduce). Usage: ``msrun ... mf_msrun_worker.py OUTDIR [CASE-SUBSTRINGS]``.
+Per case, every rank builds the same reference cell and the same global inputs (seeded); the
+first rank of the CP group computes the single-device output and gradients (once per job for
+cases that differ only in layout, mesh form or collectives: ``REFERENCES``) and sends them to
+the others; then every rank runs the cell under CP on its own rows (q / key RoPE'd at the
+rows' global positions, ``handle.shard``) and compares: output rows, input gradients (this
+rank's rows) and parameter gradients (summed over the CP ranks with AllReduce). Usage:
+``msrun ... mf_msrun_worker.py OUTDIR [CASE-SUBSTRINGS]``.
 """
 
 from __future__ import annotations
@@ -86,6 +88,17 @@ def rope(t: np.ndarray, positions: np.ndarray) -> Tensor:
 
 
 SUBGROUPS: dict[int, str] = {}
+REFERENCES: dict[tuple, np.ndarray] = {}
+"""The single-device results this rank computed, by what decides them (``reference_key``):
+the cases of the two layouts (and the AllReduce form) share the cell, its weights and inputs,
+so their leader runs the one-device cell once per job, not once per case."""
+
+
+def reference_key(case: Case, make_cell: Callable[[Case], Any]) -> tuple:
+    """What the single-device result of ``case`` depends on: the cell (its builder, r, the
+    training mode) and the seeded global inputs (rows, batch, document ends); not the layout,
+    the mesh form or the collectives, which only the CP run sees."""
+    return (make_cell, case.r, case.train, case.seq, case.packed, case.ends)
 
 
 def runs_here(case: Case) -> bool:
@@ -135,15 +148,19 @@ def run_case(
     cot = rng.standard_normal((s, b, 4, 32)).astype(np.float32)
     asl = Tensor(np.array(case.ends, np.int32)) if case.packed else None
 
-    # single device: computed by the first rank of the CP group, sent to the others after
-    # enable_cp (one AllReduce), so the 2-core test machine does it once per group
+    # single device: computed by the first rank of the CP group (once per job for the cases
+    # sharing ``reference_key``), sent to the others after enable_cp (one AllReduce), so the
+    # 2-core test machine does it once per group
     group = cp_group(case)
     leader = get_rank(group) == 0
     inputs_full = (rope(q_pre, np.arange(s)), rope(k_pre, np.arange(s)), Tensor(x), Tensor(qr))
     sizes = [int(np.prod(cot.shape)), *[int(np.prod(t.shape)) for t in inputs_full]]
     sizes += [int(np.prod(p.shape)) for p in params] + [1]
     ref_flat = np.zeros(sum(sizes), np.float32)
-    if leader:
+    key = reference_key(case, make_cell)
+    if leader and key in REFERENCES:
+        ref_flat = REFERENCES[key]
+    elif leader:
         stash = []
 
         def loss_full(q, k, xx, qq):
@@ -156,7 +173,7 @@ def run_case(
         parts = [stash.pop(), *g_in_ref, *g_par_ref]
         loss_ref = logged_loss(cell) if case.r == 4 and case.train else 0.0
         ref_flat = np.concatenate([p.asnumpy().reshape(-1) for p in parts] + [[loss_ref]])
-        ref_flat = ref_flat.astype(np.float32)
+        ref_flat = REFERENCES[key] = ref_flat.astype(np.float32)
 
     # under CP
     mesh = HPMesh(group) if case.mesh == "object" else group

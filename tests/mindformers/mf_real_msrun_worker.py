@@ -2,10 +2,13 @@
 case of ``mf_cases.real_cases()`` (cp = 4 on the world group, cp = 2 on two sub-groups).
 
 Per case, every rank of the CP group builds the same real cell (seeded weights) in training
-mode; the group's first rank runs it on one device (output, the indexer loss it logs in
-mindformers' indexer-loss tracker, every input and parameter gradient), then every rank runs it
-under CP on its rows and compares (``mf_msrun_worker.run_case``). Usage:
-``msrun ... mf_real_msrun_worker.py OUTDIR [CASE-SUBSTRINGS]``.
+mode; the group's first rank runs it on one device (once per job for the two layouts of the
+same r and inputs; output, the indexer loss it logs in mindformers' indexer-loss tracker,
+every input and parameter gradient), then every rank runs it under CP on its rows and
+compares (``mf_msrun_worker.run_case``). Usage:
+``msrun ... mf_real_msrun_worker.py OUTDIR [--model-cases] [CASE-SUBSTRINGS]``; with
+``--model-cases`` the same job then runs the whole-model cases of ``mf_model_msrun_worker`` into
+``OUTDIR/model`` (the tests do: one msrun start for both suites).
 """
 
 from __future__ import annotations
@@ -65,6 +68,24 @@ def check_all_gather_standin() -> dict:
     }
 
 
+def run_model_cases(out: str) -> None:
+    """The whole-model cases (``mf_model_msrun_worker.main``) after the real-cell cases, with
+    the indexer-loss log they left forgotten."""
+    import mf_model_msrun_worker as model  # noqa: PLC0415 - its module state is for this part
+
+    env.forget_logged_indexer_losses()
+    os.makedirs(out, exist_ok=True)
+    model.main(out)
+
+
+MODEL_CASES = "--model-cases"
+
+
 if __name__ == "__main__":
+    with_model = MODEL_CASES in sys.argv
+    if with_model:
+        sys.argv.remove(MODEL_CASES)  # run_all reads the case substrings from sys.argv[2]
     extra = {"standin_all_gather_into_tensor": check_all_gather_standin()}
     w.run_all(real_cases(), make_real_cell, tracked_loss, extra)
+    if with_model:
+        run_model_cases(os.path.join(w.OUT, "model"))

@@ -1,7 +1,8 @@
 """The REAL mindformers 2.1.0 ``PyNativeDeepseekV4ForCausalLM`` (tiny: sliding-window, CSA and HCA
 layers, MoE, hyper-connections, one MTP layer) trains under hp_cp on msrun ranks (MindSpore
 CPU): cp = 4 on the world group and cp = 2 on two sub-groups, in ONE msrun job of 4 ranks
-(``mf_model_msrun_worker.py``). Every case is compared with the same model run on one device in
+(``mf_model_msrun_worker.py``, run after the real cell's cases in their job:
+``mf_msrun_job.run_real_job``). Every case is compared with the same model run on one device in
 the same job: the loss, the logits and every parameter gradient (summed over the CP ranks).
 """
 
@@ -20,30 +21,26 @@ from mf_model_cases import (
     indexer_param,
     model_cases,
 )
-from mf_msrun_job import case_reports, run_msrun
+from mf_msrun_job import REAL_WORLD, case_reports, run_real_job
 from mf_require import mindspore_or_skip, required_or_skip
 
 mindspore_or_skip()
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_mindformers]
 
-WORKER = "mf_model_msrun_worker.py"
-WORLD = 4
+WORLD = REAL_WORLD
 CASES = model_cases()
 
 
 @pytest.fixture(scope="module")
 def job() -> dict:
-    import os
-
     for need in ("mindformers", "yaml", "regex", "deprecated"):
         if importlib.util.find_spec(need) is None:
             required_or_skip(
                 f"`{need}` is not installed (mindformers==2.1.0 --no-deps, pyyaml, regex, "
                 "deprecated)"
             )
-    here = os.path.dirname(os.path.abspath(__file__))
-    return run_msrun(os.path.join(here, WORKER), WORLD, 1500)
+    return run_real_job()["model"]
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])

@@ -1,8 +1,10 @@
 """The REAL mindformers 2.1.0 ``CompressedSparseAttention`` under CP on msrun ranks (MindSpore CPU),
 training mode with the indexer KL loss: cp = 4 on the world group and cp = 2 on two sub-groups,
-in ONE msrun job of 4 ranks (``mf_real_msrun_worker.py``). Every case is compared with the same
-real cell run on one device in the same job: output rows, the logged indexer loss (mindformers'
-indexer-loss tracker), input gradients and every parameter gradient (summed over the CP ranks).
+in ONE msrun job of 4 ranks (``mf_real_msrun_worker.py``; the whole-model cases of
+``test_real_mindformers_model_msrun.py`` run after them in the same job). Every case is compared
+with the same real cell run on one device in the same job: output rows, the logged indexer loss
+(mindformers' indexer-loss tracker), input gradients and every parameter gradient (summed over
+the CP ranks).
 
 ``nox -s mindformers -- -m real_mindformers`` runs exactly these tests.
 """
@@ -10,20 +12,17 @@ indexer-loss tracker), input gradients and every parameter gradient (summed over
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 from mf_cases import Case, real_cases
-from mf_msrun_job import assert_parity, case_reports, run_msrun
+from mf_msrun_job import REAL_WORLD, assert_parity, case_reports, run_real_job
 from mf_require import mindspore_or_skip, required_or_skip
 
 mindspore_or_skip()
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_mindformers]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "mf_real_msrun_worker.py")
-WORLD = 4
+WORLD = REAL_WORLD
 CASES = real_cases()
 
 
@@ -41,7 +40,7 @@ def job() -> dict:
                 f"`{need}` is not installed (mindformers==2.1.0 --no-deps, pyyaml, regex, "
                 "deprecated)"
             )
-    return run_msrun(WORKER, WORLD, 1500)
+    return run_real_job()
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
