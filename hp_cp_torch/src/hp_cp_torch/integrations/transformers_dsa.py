@@ -215,6 +215,11 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
 
         return score
 
+    def index_heads(self) -> int:
+        """The indexer's heads (transformers names them ``n_heads``, NeMo ``num_heads``)."""
+        ix = self.module.indexer
+        return int(getattr(ix, "n_heads", None) or ix.num_heads)
+
     def select(self, call: DeepSeekV4CPContext) -> torch.Tensor:
         """Indexer top-k ``[B, L, topk]`` (global token ids, ``-1`` = none) of the local
         queries over the tokens each sees, the model's scores, the tokens its ``torch.topk``
@@ -232,7 +237,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
                 one_process_row=self.packed_topk_row,  # the model's torch.topk row
                 sequence_rows=call.sequence_rows,
                 cu_seqlens=call.cu_seqlens,
-                score_heads=int(self.module.indexer.n_heads),
+                score_heads=self.index_heads(),
             )
 
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
