@@ -582,7 +582,8 @@ def bench_real(session: nox.Session) -> None:
 def bench_precision(session: nox.Session) -> None:
     """`python -m hp_cp_torch.bench.precision`: bf16 under CP against the fp32 model, one
     process in bf16 as the bar, at the published attention widths of HF's V4, V3.2 and GLM-5
-    (five seeds, cp 2-4): bench-real-precision.json. Posargs replace the defaults."""
+    (five seeds, cp 2-4): keys in bench-real.json, details in bench-real-precision.json.
+    Posargs replace the defaults."""
     session.install(TORCH, TRANSFORMERS)
     session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch"))
     args = session.posargs or ["--seeds", "5", "--seq", "256", "--layers", "1"]

@@ -16,9 +16,10 @@ model's op sequence in the model's dtype instead of a kernel (transformers' eage
 for DeepSeek V4, also under VeOmni's generated copy and NeMo's V4, whose adapters reuse it;
 transformers' ``expand_kv`` order for V3.2 / GLM-5, NeMo's for NeMo's GLM-5). It keeps each
 query's gathered columns for backward (the small-op kernel's memory); integrations without
-such a path (NeMo's V4.1, the reference layer) refuse it at ``enable_cp``. On the HF
-integrations ``attention_kernel="smallop"`` has always meant the same path
-(:func:`uses_model_precision`).
+such a path (NeMo's V4.1, the reference layer) refuse it at ``enable_cp``. The kernel
+``attention_kernel="model_ops"`` (the model's own op order; before 0.3.0 ``"smallop"`` meant
+it on the HF integrations) runs the same path (:func:`uses_model_precision`); where an
+adapter has no such path it runs the small-op kernel, in fp32.
 """
 
 from __future__ import annotations

@@ -73,6 +73,9 @@ SMALL_PARAM = 64
 GRAD_FLOOR = 1e-2
 """Gradient errors are over max(the parameter's largest gradient, this x the model's)."""
 TARGETS = {"loss": 1.25, "logits_rms": 1.25, "large_param": 2.0, "small_param_geomean": 1.5}
+KEY_NAMES = {"v4": "deepseek_v4", "v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
+"""The model's name in ``bench-real.json``'s keys (``real_<model>_...``), as the memory and
+time bench (:mod:`hp_cp_torch.bench.real_widths`) names it."""
 
 
 @dataclass(frozen=True)
@@ -659,9 +662,9 @@ def summarise(name: str, per_seed: list[dict[str, Any]], seq: int) -> dict[str, 
         "cases": cases,
         "per_seed": per_seed,
         "keys": {
-            f"real_{name}_bf16_err_over_single_loss_median": worst_loss,
-            f"real_{name}_bf16_err_over_single_logits_rms": worst_rms,
-            f"real_{name}_pick_diff_fraction": pick,
+            f"real_{KEY_NAMES[name]}_bf16_err_over_single_loss_median": worst_loss,
+            f"real_{KEY_NAMES[name]}_bf16_err_over_single_logits_rms": worst_rms,
+            f"real_{KEY_NAMES[name]}_pick_diff_fraction": pick,
         },
     }
 
@@ -696,9 +699,21 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _merge_keys(path: str, keys: dict[str, Any]) -> None:
+    old: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    old.update(_json_safe(keys))
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1, sort_keys=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m hp_cp_torch.bench.precision``: run the models, print the tables, update
-    ``--out`` (default ``bench-real-precision.json``) with each model's keys and details."""
+    ``--keys-out`` (default ``bench-real.json``, beside the memory and time keys) with each
+    model's headline keys and ``--out`` (default ``bench-real-precision.json``) with its
+    details (every case, seed and parameter)."""
     from hp_cp_torch.cli.launch import run_ranks
 
     parser = argparse.ArgumentParser(prog="python -m hp_cp_torch.bench.precision")
@@ -707,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--cp", type=int, default=4, help="largest cp (cp 2 .. this)")
     parser.add_argument("--out", default="bench-real-precision.json")
+    parser.add_argument("--keys-out", default="bench-real.json")
     parser.add_argument("--tiny", action="store_true", help="the tests' widths (a smoke run)")
     parser.add_argument("--layers", type=int, default=2, choices=(1, 2))
     args = parser.parse_args(argv)
@@ -736,12 +752,12 @@ def main(argv: list[str] | None = None) -> int:
             + (" --tiny" if args.tiny else "")
         )
         print(_table(summary), flush=True)
-        data.update(summary["keys"])
-        data[f"real_{name}_precision"] = _json_safe(
+        data[f"real_{KEY_NAMES[name]}_precision"] = _json_safe(
             {k: v for k, v in summary.items() if k != "keys"}
         )
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
+        _merge_keys(args.keys_out, summary["keys"])
     return 0
 
 
