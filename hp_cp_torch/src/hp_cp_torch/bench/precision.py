@@ -11,8 +11,8 @@ training step
 * in bf16 on one process (the model cast as ``from_pretrained(dtype=torch.bfloat16)`` casts
   it: the model's ``_keep_in_fp32_modules_strict`` stay fp32),
 * in bf16 under CP at cp 2, 3 and 4, both layouts (and, for the DSA models, a packed batch at
-  cp 4), through the public API (``hp_cp_core.enable_cp``, ``cp_causal_lm_batch`` /
-  ``cp_dsa_batch``, ``cp_causal_lm_loss``, ``cp_sum_gradients``),
+  cp 4), through the public API (``hp_cp_core.enable_cp``, ``handle.batch``,
+  ``cp_causal_lm_loss``, ``cp_sum_gradients``),
 
 and measures each bf16 run against fp32: the loss error, the logits' per-token RMS error
 (mean over tokens) and largest error, every parameter's gradient error (max |diff| over
@@ -87,7 +87,7 @@ class ModelShape:
     config_cls: str
     config: dict[str, Any]
     packed: bool
-    """The model has a packed mode (``cp_dsa_batch(cu_seqlens=...)``)."""
+    """The model has a packed mode (``handle.batch(..., cu_seqlens=...)``)."""
     notes: str = ""
     fp32_strict: tuple[str, ...] = field(default=())
 
@@ -122,7 +122,7 @@ MODELS: dict[str, ModelShape] = {
             use_cache=False,
         ),
         packed=False,
-        notes="cp_causal_lm_batch has no packed mode",
+        notes="transformers' DeepSeek V4 has no packed mode under CP",
     ),
     "v32": ModelShape(
         "DeepseekV32ForCausalLM",
@@ -410,12 +410,7 @@ def _step_cp(
     import torch.distributed as dist
 
     import hp_cp_core
-    from hp_cp_torch.integrations.transformers import (
-        cp_causal_lm_batch,
-        cp_causal_lm_loss,
-        cp_sum_gradients,
-    )
-    from hp_cp_torch.integrations.transformers_dsa import cp_dsa_batch
+    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_sum_gradients
 
     model.train()
     model.zero_grad(set_to_none=True)
@@ -423,20 +418,10 @@ def _step_cp(
     handle = hp_cp_core.enable_cp(model, group, config)
     store: dict[int, list[Any]] = {}
     try:
-        if name == "v4":
-            batch = cp_causal_lm_batch(handle, ids)
-            kwargs: dict[str, Any] = {}
-        else:
-            batch = cp_dsa_batch(handle, ids, cu_seqlens=cu)
-            kwargs = batch["model_kwargs"]
+        batch = handle.batch(ids, cu_seqlens=None if name == "v4" else cu)
         with recording_selections(store):
-            out = model(
-                input_ids=batch["input_ids"],
-                position_ids=batch["position_ids"],
-                use_cache=False,
-                **kwargs,
-            )
-        loss = cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+            out = model(**batch.model_inputs(), use_cache=False)
+        loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
         loss.backward()
         cp_sum_gradients(model.parameters(), group)
         logits = handle.unshard(out.logits.detach(), 1, rows=ids.shape[1])

@@ -19,7 +19,7 @@ hyper-connections, sinks, norms; the routers' correction bias).
 What is measured, per (model, cp, S, ``regather_compressed_kv``): one launch of ``cp`` gloo
 processes on this machine (:func:`~hp_cp_torch.cli.launch.run_ranks`, a time limit per
 launch), load-balanced, ``enable_cp`` with the default kernel, the batch from
-``cp_causal_lm_batch`` / ``cp_dsa_batch``, the loss from ``cp_causal_lm_loss``. Each rank
+``handle.batch``, the loss from ``cp_causal_lm_loss``. Each rank
 runs a warm-up step, then a step whose resident peak is measured (``VmHWM`` reset just before
 it, minus ``VmRSS`` before it: :mod:`hp_cp_torch.bench.memory`'s method) and timed, then,
 with ``profile``, one step under ``torch.profiler`` for the peak of live tensor bytes (what
@@ -212,7 +212,7 @@ def real_point(
 
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
     from hp_cp_torch.bench.memory import reset_peak, status_bytes
-    from hp_cp_torch.integrations.transformers import cp_causal_lm_batch, cp_causal_lm_loss
+    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss
     from hp_cp_torch.integrations.transformers_demo import make_inputs
 
     torch.set_num_threads(1)
@@ -226,21 +226,12 @@ def real_point(
     elif world > 1:
         config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=regather)
         handle = enable_cp(model, None, config)
-        if name == "deepseek_v4":
-            batch = cp_causal_lm_batch(handle, ids)
-            kwargs: dict[str, Any] = {}
-        else:
-            from hp_cp_torch.integrations.transformers_dsa import cp_dsa_batch
-
-            batch = cp_dsa_batch(handle, ids)
-            kwargs = batch["model_kwargs"]
-        positions = batch["position_ids"]
+        batch = handle.batch(ids)
+        positions = batch.position_ids
 
         def step() -> torch.Tensor:
-            out = model(
-                input_ids=batch["input_ids"], position_ids=positions, use_cache=False, **kwargs
-            )
-            loss = cp_causal_lm_loss(out.logits, batch["labels"], batch["n_tokens"])
+            out = model(**batch.model_inputs(), use_cache=False)
+            loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
             loss.backward()
             return loss.detach()
     else:
