@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+from hp_cp_torch.bench.precision import precision_runs, summarise
 from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG, randomise_attention_weights
 from hp_cp_torch.integrations.veomni import (
     cp_causal_lm_loss,
@@ -272,7 +273,30 @@ def parity_suite(rank: int, world: int, seq_len: int = 263) -> dict[str, Any]:
     errors = error_checks(model, padded_ids, refs[False]["logits"])
     more = {3: dist.new_group([0, 1, 2]), 1: dist.new_group([0])}
     selective = selective_cases(rank, {**groups, **more})
-    return {"rank": rank, "results": results, "errors": errors, "selective": selective}
+    bf16 = bf16_cases(rank, {**groups, **more})
+    return {
+        "rank": rank,
+        "results": results,
+        "errors": errors,
+        "selective": selective,
+        "bf16": bf16,
+    }
+
+
+BF16_SEEDS = (0, 1, 2, 3, 4)
+BF16_SEQ = 128
+BF16_CASES = [(4, "load_balanced", None), (3, "contiguous", None)]
+"""bf16 against fp32 (hp_cp_torch.bench.precision at the tests' widths, VeOmni's generated
+DeepSeek V4): five fixed seeds, top-k 8 of up to 32 CSA slots, the window 16; CP and one
+process each against fp32."""
+
+
+def bf16_cases(rank: int, groups: dict[int, Any]) -> dict[str, Any] | None:
+    """:data:`BF16_CASES`, judged across the seeds (rank 0: the summary, else ``None``)."""
+    runs = precision_runs(
+        rank, "veomni_v4", list(BF16_SEEDS), BF16_SEQ, groups, BF16_CASES, tiny=True
+    )
+    return None if runs is None else summarise("veomni_v4", runs, BF16_SEQ)
 
 
 def selective_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import re
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -73,7 +74,12 @@ SMALL_PARAM = 64
 GRAD_FLOOR = 1e-2
 """Gradient errors are over max(the parameter's largest gradient, this x the model's)."""
 TARGETS = {"loss": 1.25, "logits_rms": 1.25, "large_param": 2.0, "small_param_geomean": 1.5}
-KEY_NAMES = {"v4": "deepseek_v4", "v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
+KEY_NAMES = {
+    "v4": "deepseek_v4",
+    "v32": "deepseek_v32",
+    "glm5": "glm_moe_dsa",
+    "veomni_v4": "veomni_deepseek_v4",
+}
 """The model's name in ``bench-real.json``'s keys (``real_<model>_...``), as the memory and
 time bench (:mod:`hp_cp_torch.bench.real_widths`) names it."""
 
@@ -90,6 +96,13 @@ class ModelShape:
     """The model has a packed mode (``handle.batch(..., cu_seqlens=...)``)."""
     notes: str = ""
     fp32_strict: tuple[str, ...] = field(default=())
+    modeling: str = "transformers"
+    """The module holding :attr:`cls` (default: transformers' top level)."""
+    configuration: str = "transformers"
+    """The module holding :attr:`config_cls`."""
+    slot_candidates: bool = False
+    """The indexer chooses among compressed slots (V4's CSA: ``(t + 1) // 4`` for query
+    ``t``), not tokens (V3.2 / GLM-5)."""
 
 
 MODELS: dict[str, ModelShape] = {
@@ -123,6 +136,7 @@ MODELS: dict[str, ModelShape] = {
         ),
         packed=False,
         notes="transformers' DeepSeek V4 has no packed mode under CP",
+        slot_candidates=True,
     ),
     "v32": ModelShape(
         "DeepseekV32ForCausalLM",
@@ -186,6 +200,13 @@ MODELS: dict[str, ModelShape] = {
         packed=True,
     ),
 }
+MODELS["veomni_v4"] = replace(
+    MODELS["v4"],
+    modeling="veomni.models.transformers.deepseek_v4.generated.patched_modeling_deepseek_v4_gpu",
+    configuration="veomni.models.transformers.deepseek_v4.configuration_deepseek_v4",
+    notes="VeOmni's generated copy of transformers' DeepSeek V4 (its parallel state set up "
+    "by the caller: veomni.distributed.parallel_state.init_parallel_state)",
+)
 """The published attention and indexer widths (transformers 5.23's defaults); two layers,
 routing that cannot flip (V4: one routed expert; DSA: top-2 of two, as the DSA gate scores
 groups by their two best) and one shared expert, intermediate 512 instead of 2048 and a
@@ -209,6 +230,7 @@ TINY: dict[str, dict[str, Any]] = {
         index_head_dim=16, moe_intermediate_size=32, intermediate_size=32, vocab_size=128,
     ),
 }  # fmt: skip
+TINY["veomni_v4"] = TINY["v4"]
 """``--tiny``: the tests' widths (a smoke run of the harness in seconds)."""
 
 
@@ -216,14 +238,8 @@ def topk_for(name: str, seq: int) -> int:
     """The indexer's top-k at ``seq``: the published 512 (V4) / 2048 (DSA) would keep every
     candidate at the S these CPUs afford, so the bench keeps a quarter of the most candidates
     a query sees (V4: S / 4 slots; DSA: S tokens), so that the selection really chooses."""
-    candidates = seq // 4 if name == "v4" else seq
+    candidates = seq // 4 if MODELS[name].slot_candidates else seq
     return max(candidates // 4, 1)
-
-
-def _transformers() -> Any:
-    import transformers
-
-    return transformers
 
 
 def cast_like_from_pretrained(model: Any, dtype: torch.dtype) -> Any:
@@ -256,7 +272,6 @@ def build_model(name: str, seed: int, seq: int, tiny: bool = False, layers: int 
     ``layers`` 1 keeps the first layer (V4's CSA layer, the DSA models' first indexer)."""
     from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
 
-    tf = _transformers()
     shape = MODELS[name]
     torch.manual_seed(seed)
     overrides = {**shape.config, **(TINY[name] if tiny else {}), "index_topk": topk_for(name, seq)}
@@ -264,9 +279,9 @@ def build_model(name: str, seed: int, seq: int, tiny: bool = False, layers: int 
     for key in ("layer_types", "mlp_layer_types", "indexer_types"):
         if key in overrides:
             overrides[key] = overrides[key][:layers]
-    cfg = getattr(tf, shape.config_cls)(**overrides)
+    cfg = getattr(importlib.import_module(shape.configuration), shape.config_cls)(**overrides)
     cfg._attn_implementation = "eager"
-    model = getattr(tf, shape.cls)(cfg).float()
+    model = getattr(importlib.import_module(shape.modeling), shape.cls)(cfg).float()
     return randomise_attention_weights(model, cfg.n_routed_experts, seed)
 
 
@@ -356,7 +371,7 @@ def recording_selections(store: dict[int, list[tuple[Any, torch.Tensor]]]) -> It
 def _visible(name: str, seq: int, cu: list[int] | None) -> torch.Tensor:
     """Candidates each query sees (V4: CSA slots, ``(t + 1) // 4``; DSA: tokens)."""
     pos = _positions(seq, cu)[0]
-    return (pos + 1) // 4 if name == "v4" else pos + 1
+    return (pos + 1) // 4 if MODELS[name].slot_candidates else pos + 1
 
 
 def pick_difference(
@@ -418,7 +433,7 @@ def _step_cp(
     handle = hp_cp_core.enable_cp(model, group, config)
     store: dict[int, list[Any]] = {}
     try:
-        batch = handle.batch(ids, cu_seqlens=None if name == "v4" else cu)
+        batch = handle.batch(ids, cu_seqlens=cu if MODELS[name].packed else None)
         with recording_selections(store):
             out = model(**batch.model_inputs(), use_cache=False)
         loss = cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
