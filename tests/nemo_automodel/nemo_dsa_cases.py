@@ -254,14 +254,46 @@ def bf16_case(group: Any) -> dict[str, dict[str, float]]:
         grads = {n: None if g is None else g.float() for n, g in run["grads"].items()}
         return {**run, "logits": run["logits"].float(), "loss": run["loss"].float(), "grads": grads}
 
-    ids = make_ids(83, seed=83)
-    exact = reference(build_glm(83), ids)
-    model = build_glm(83).to(torch.bfloat16)
-    one = as_fp32(reference(model, ids))
-    cp = as_fp32(cp_step(model, ids, group, "load_balanced"))
-    runs = {"cp": compare(exact, cp), "one_process": compare(exact, one)}
-    runs["cp_vs_one_process"] = compare(one, cp)
-    return {k: {"logits": r["logits"], "grads": r["grads"]} for k, r in runs.items()}
+    def token_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+        """Mean over tokens of each token's logits RMS error."""
+        diff = (a.float() - b.float()).reshape(-1, a.shape[-1])
+        return float(diff.pow(2).mean(-1).sqrt().mean())
+
+    out: dict[str, Any] = {"seeds": []}
+    for seed in BF16_SEEDS:
+        ids = make_ids(83, seed=seed)
+        exact = reference(build_glm(seed), ids)
+        model = build_glm(seed).to(torch.bfloat16)
+        one = as_fp32(reference(model, ids))
+        cp = as_fp32(cp_step(model, ids, group, "load_balanced"))
+        runs = {"cp": compare(exact, cp), "one_process": compare(exact, one)}
+        runs["cp_vs_one_process"] = compare(one, cp)
+        if seed == BF16_SEEDS[0]:  # the one-seed bound
+            out.update({k: {"logits": r["logits"], "grads": r["grads"]} for k, r in runs.items()})
+        tokens = torch.nn.functional.cross_entropy(
+            exact["logits"][0, :-1], ids[0, 1:], reduction="none"
+        )
+        out["seeds"].append(
+            {
+                "loss_se": float(tokens.std() / tokens.numel() ** 0.5),
+                "loss": {
+                    "cp": abs(float(cp["loss"] - exact["loss"])),
+                    "one_process": abs(float(one["loss"] - exact["loss"])),
+                },
+                "logits_rms": {
+                    "cp": token_rms(cp["logits"], exact["logits"]),
+                    "one_process": token_rms(one["logits"], exact["logits"]),
+                },
+                "per_param": {k: runs[k]["per_param"] for k in ("cp", "one_process")},
+                "sizes": {n: p.numel() for n, p in model.named_parameters()},
+            }
+        )
+    return out
+
+
+BF16_SEEDS = (83, 84, 85, 86, 87)
+"""The bf16 case's seeds (model and batch): judged across them, as
+hp_cp_torch.bench.precision judges (Note [Judging bf16 precision across seeds])."""
 
 
 def core_entry_cases(rank: int, groups: dict[int, Any]) -> list[dict[str, Any]]:
