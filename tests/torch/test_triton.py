@@ -40,6 +40,7 @@ SHAPES = [
     dict(k=0),
     dict(pool=0, k=4),  # an empty pool: every column -1
     dict(seq=0),
+    dict(batch=1, seq=2, heads=64, dim=512, pool=9, k=8),  # V4-Flash: 64 heads x D = 512
 ]
 
 
