@@ -11,9 +11,9 @@ import numpy as np
 from hp_cp_core.backend import Backend, Group
 from hp_cp_core.batch import CPBatch, plan_batch
 from hp_cp_core.collectives import slot_exchange_kind
-from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
+from hp_cp_core.config import CPConfig, LayerSpec
 from hp_cp_core.errors import BackendNotFoundError, HpCpError
-from hp_cp_core.forward import DeepSeekV4CPForward
+from hp_cp_core.forward import CPForward
 from hp_cp_core.layout import SequenceLayout
 from hp_cp_core.padding import CPPadding, ShardedSequence, pad_for_cp
 from hp_cp_core.plan import PlanCache
@@ -47,7 +47,7 @@ class CPHandle:
     backend_name: str
     backend: Backend
     group: Group
-    config: DeepSeekV4CPConfig
+    config: CPConfig
     layers: list[tuple[Any, LayerSpec]] = field(default_factory=list)
     cache: PlanCache = field(default_factory=PlanCache)
     agreements: AgreementMemo = field(default_factory=AgreementMemo)
@@ -272,7 +272,7 @@ class CPHandle:
 def enable_cp(
     module: Any,
     mesh: Any,
-    config: DeepSeekV4CPConfig | None = None,
+    config: CPConfig | None = None,
     backend: str | None = None,
     *,
     plugins: PluginHost | None = None,
@@ -283,7 +283,7 @@ def enable_cp(
         module: an attention layer, or a model whose attention layers the backend finds.
         mesh: the framework's CP mesh: a torch ``DeviceMesh`` (1-D or ``mesh["cp"]``) or
             ``ProcessGroup``; a MindSpore / HyperParallel mesh or group name.
-        config: :class:`DeepSeekV4CPConfig` options (layout, kernel, ...).
+        config: :class:`CPConfig` options (layout, kernel, ...).
         backend: pick a backend by name when several could claim the module.
         plugins: an explicit :class:`~hp_cp_core.plugins.PluginHost` (tests); default: the
             process-wide one, discovered from entry points.
@@ -297,8 +297,8 @@ def enable_cp(
         HpCpError: the module already runs under CP, the mesh is unusable, or the backend's
             API version is one this core cannot run (:mod:`hp_cp_core.versions`).
     """
-    config = config if config is not None else DeepSeekV4CPConfig()
-    if not isinstance(config, DeepSeekV4CPConfig):
+    config = config if config is not None else CPConfig()
+    if not isinstance(config, CPConfig):
         raise HpCpError(
             f"config must be a DeepSeekV4CPConfig, got {type(config).__name__}; build one with "
             "DeepSeekV4CPConfig(layout=..., attention_kernel=...)."
@@ -332,7 +332,7 @@ def enable_cp(
     if prepare is not None:
         prepare(module, layers, handle)  # may raise (nothing installed yet); undo: on_disable
     for index, (layer, spec) in enumerate(specs):
-        cp_forward = DeepSeekV4CPForward(
+        cp_forward = CPForward(
             layer,
             hooks,
             be,

@@ -33,7 +33,7 @@ class Group(Protocol):
     ``all_gather_rows``. ``handle.stats()["compressed_slot_exchange"]`` says which ran.
 
     Optional: ``regather_scope(buffers, owned, rebuild)`` (what
-    ``DeepSeekV4CPConfig(regather_compressed_kv=True)`` uses; Note [Re-gathered slots] in
+    ``CPConfig(regather_compressed_kv=True)`` uses; Note [Re-gathered slots] in
     :mod:`hp_cp_core.compression`) returns a context manager that the core runs the attention
     hook in, and whose ``end_order(output, token)`` it calls in place of the group's: inside
     it, what autograd saves from ``buffers`` (the global compressed KV and indexer keys) is

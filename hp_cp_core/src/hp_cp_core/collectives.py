@@ -40,7 +40,7 @@ Note [Overlapped exchanges]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A group that offers ``issue_rows`` / ``wait_rows`` splits each exchange in two: issue (the
 messages leave, receives are posted) and wait (at the first consumer). The layer's local work
-that needs no received row runs in between (``DeepSeekV4CPForward(local_work=...)``: the
+that needs no received row runs in between (``CPForward(local_work=...)``: the
 query projections while the halo travels, the indexer queries while the slots travel)::
 
     forward   issue halo -- q projections -- wait halo -- compress -- issue slots

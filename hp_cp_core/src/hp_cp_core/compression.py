@@ -8,7 +8,7 @@ The global compressed KV (and, for r = 4, the indexer keys) of a layer holds eve
 earlier rank's rows made: ``S / r`` rows on the last rank, whatever cp is. The attention
 kernels keep it for backward, so over a model's layers it is the part of what a rank saves
 that cp does not divide (at V4-Flash's head_dim 512, 21 CSA layers, S = 1M: about 7 GB per
-rank). With ``DeepSeekV4CPConfig(regather_compressed_kv=True)`` a backend that offers
+rank). With ``CPConfig(regather_compressed_kv=True)`` a backend that offers
 ``Group.regather_scope`` keeps only this rank's own slots, and the layer's backward receives
 the others again before any of its attention backward runs::
 
@@ -36,7 +36,7 @@ from hp_cp_core.collectives import (
     gather_compressed_slots,
     slot_exchange_kind,
 )
-from hp_cp_core.config import DeepSeekV4CPContext
+from hp_cp_core.config import CPContext
 from hp_cp_core.plan import RankPlan
 from hp_cp_core.slot_exchange import SlotExchangePlan
 
@@ -50,9 +50,7 @@ def build_x_ext(ops: Backend, x: Any, halo_x: Any, plan: RankPlan) -> Any:
     return ops.index_rows(x_cat, gather) if gather is not None else x_cat
 
 
-def stage1_compress_with_halo(
-    compress_fn: CompressFn, x: Any, halo_x: Any, call: DeepSeekV4CPContext
-) -> Any:
+def stage1_compress_with_halo(compress_fn: CompressFn, x: Any, halo_x: Any, call: CPContext) -> Any:
     """This rank's owned slots, in global slot order, from its rows plus the x halo.
 
     ``compress_fn(rows, rope_pos_offset)`` must compress every complete block of r rows of

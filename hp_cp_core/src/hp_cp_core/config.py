@@ -1,5 +1,5 @@
-"""User options (:class:`DeepSeekV4CPConfig`) and the per-call context handed to every stage
-hook (:class:`DeepSeekV4CPContext`). The layer description :class:`LayerSpec` lives in
+"""User options (:class:`CPConfig`) and the per-call context handed to every stage
+hook (:class:`CPContext`). The layer description :class:`LayerSpec` lives in
 :mod:`hp_cp_core.spec` (so that :mod:`hp_cp_core.plan` needs nothing from this module) and is
 importable from here too."""
 
@@ -135,7 +135,7 @@ class CPContext:
         cp_size: the CP group size.
         spec: the layer's :class:`LayerSpec`.
         plan: this rank's :class:`~hp_cp_core.plan.RankPlan` (cached index arrays).
-        config: the :class:`DeepSeekV4CPConfig` of the ``enable_cp`` call.
+        config: the :class:`CPConfig` of the ``enable_cp`` call.
         cu_seqlens: global packed document boundaries (numpy), ``None`` when padded.
         cmp_kv_global: main compressed KV ``[n, (batch,) D]`` in global slot order, slots
             ``0 .. plan.n_needed_slots - 1``; ``None`` before the gather or when r = 0.
@@ -165,7 +165,7 @@ class CPContext:
     cp_size: int
     spec: LayerSpec
     plan: RankPlan
-    config: DeepSeekV4CPConfig
+    config: CPConfig
     cu_seqlens: np.ndarray | None = None
     cmp_kv_global: Any = None
     cmp_idx_global: Any = None
@@ -193,7 +193,7 @@ class CPContext:
         """Position of each local row (document-relative when packed on a per-document grid)."""
         return self.plan.positions
 
-    def replace(self, **changes: Any) -> DeepSeekV4CPContext:
+    def replace(self, **changes: Any) -> CPContext:
         """A copy with some fields changed (the context is frozen)."""
         return dataclasses.replace(self, **changes)
 

@@ -1,4 +1,4 @@
-"""``DeepSeekV4CPForward``: one layer forward under CP (the stages of docs/design.md, 4)."""
+"""``CPForward``: one layer forward under CP (the stages of docs/design.md, 4)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from hp_cp_core.backend import Backend, Group
 from hp_cp_core.collectives import exchange_halos
 from hp_cp_core.compression import build_global_compressed_kv_for_cp, regather_compressed_kv
-from hp_cp_core.config import DeepSeekV4CPConfig, DeepSeekV4CPContext, LayerSpec
+from hp_cp_core.config import CPConfig, CPContext, LayerSpec
 from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
@@ -69,7 +69,7 @@ class CPForward:
         backend: Backend,
         group: Group,
         spec: LayerSpec,
-        config: DeepSeekV4CPConfig | None = None,
+        config: CPConfig | None = None,
         cache: PlanCache | None = None,
         memo: AgreementMemo | None = None,
         index: int = 0,
@@ -83,7 +83,7 @@ class CPForward:
         self.backend = backend
         self.group = group
         self.spec = spec
-        self.config = config or DeepSeekV4CPConfig()
+        self.config = config or CPConfig()
         self.cache = cache if cache is not None else PlanCache()
         self.memo, self.index = memo, index
         self.sequence = sequence
@@ -99,7 +99,7 @@ class CPForward:
         qr: Any,
         *,
         cu_seqlens: Any = None,
-        call: DeepSeekV4CPContext | None = None,
+        call: CPContext | None = None,
         local_work: Sequence[Any] = (),
         **extra: Any,
     ) -> Any:
@@ -179,11 +179,11 @@ class CPForward:
             return self.group.end_order(out, token)
         return scope.end_order(out, token)
 
-    def _sequence_key(self, call: DeepSeekV4CPContext) -> tuple[Any, ...]:
+    def _sequence_key(self, call: CPContext) -> tuple[Any, ...]:
         """What identifies the sequence an artifact belongs to: its rows and documents."""
         return _sequence_key(call.plan.n_local * call.cp_size, call.cu_seqlens)
 
-    def _take(self, call: DeepSeekV4CPContext, artifact: str) -> Any:
+    def _take(self, call: CPContext, artifact: str) -> Any:
         owner = self.roles.owner(artifact)
         return self.shared.take(self.index, owner, self._sequence_key(call), artifact)
 
@@ -205,7 +205,7 @@ class CPForward:
         return out
 
     def global_compressed_kv(
-        self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
+        self, x: Any, halo_x: Any, call: CPContext, token: Any, work: Any = None
     ):
         """Main compressed KV and indexer keys of every rank, in global slot order, and the
         next order token (``work()`` while the slots travel).
@@ -218,7 +218,7 @@ class CPForward:
         return cmp_kv, cmp_idx, token
 
     def _slots(
-        self, x: Any, halo_x: Any, call: DeepSeekV4CPContext, token: Any, work: Any = None
+        self, x: Any, halo_x: Any, call: CPContext, token: Any, work: Any = None
     ) -> tuple[list[Any], list[Any], dict[str, Any], Any]:
         """``(owned, gathered, made, token)``: this rank's slots of what the layer makes (main,
         then indexer keys), every rank's in global slot order, the same by artifact name
@@ -248,7 +248,7 @@ class CPForward:
             self.shared.publish(self.index, self._sequence_key(call), public)
         return owned, list(gathered), made, token
 
-    def _slot_buffers(self, call: DeepSeekV4CPContext, made: dict[str, Any]) -> tuple[Any, Any]:
+    def _slot_buffers(self, call: CPContext, made: dict[str, Any]) -> tuple[Any, Any]:
         """``(main compressed KV, indexer keys)``: what the layer gathered, else what it reuses
         from the layer that made it, else ``None``."""
         out = []
@@ -261,11 +261,9 @@ class CPForward:
                 out.append(None)
         return out[0], out[1]
 
-    def regather_scope(
-        self, owned: Sequence[Any], gathered: Sequence[Any], call: DeepSeekV4CPContext
-    ) -> Any:
+    def regather_scope(self, owned: Sequence[Any], gathered: Sequence[Any], call: CPContext) -> Any:
         """The group's scope that keeps ``gathered`` out of what autograd saves and receives
-        it again in backward (``DeepSeekV4CPConfig.regather_compressed_kv``), or ``None``
+        it again in backward (``CPConfig.regather_compressed_kv``), or ``None``
         (option off, r = 0, or a group without ``regather_scope``)."""
         make = getattr(self.group, "regather_scope", None)
         if not (self.config.regather_compressed_kv and gathered and make is not None):
@@ -351,7 +349,7 @@ class CPForward:
         collective); the same on every rank."""
         return self.memo is not None and self.group.size > 1 and self.memo.reuses(self.index)
 
-    def agree(self, check: LocalCheck, extra: dict[str, Any] | None = None) -> DeepSeekV4CPContext:
+    def agree(self, check: LocalCheck, extra: dict[str, Any] | None = None) -> CPContext:
         """One small collective: raise on every rank if any rank's check failed or the ranks
         disagree on the global metadata; else the context of this forward.
 
@@ -371,7 +369,7 @@ class CPForward:
             memo=self.memo,
             index=self.index,
         )
-        return DeepSeekV4CPContext(
+        return CPContext(
             cp_rank=self.group.rank,
             cp_size=self.group.size,
             spec=self.spec,
@@ -386,7 +384,7 @@ class CPForward:
             roles=self.roles,
         )
 
-    def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> DeepSeekV4CPContext:
+    def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> CPContext:
         """Check the local inputs (on every rank, before any exchange) and fetch the plan."""
         return self.agree(self.inspect(n_local, cu_seqlens), extra)
 

@@ -14,7 +14,7 @@ stage for the modules it knows and leave the rest to the generic backend.
 ``hp_cp_backend_api`` is read from each plugin on its own: the backend API version it
 implements (:mod:`hp_cp_core.versions`; a plugin without it is a 0.1 plugin).
 
-The stage hooks are called from :class:`hp_cp_core.forward.DeepSeekV4CPForward` in this order
+The stage hooks are called from :class:`hp_cp_core.forward.CPForward` in this order
 on every forward: extract KV, compress main, compress indexer (r = 4 with an indexer), run
 attention. Tensors are *sequence-major*: dim 0 is the row (token) dimension.
 """
@@ -98,7 +98,7 @@ def hp_cp_compress_main(module: Any, x: Any, halo_x: Any, call: Any) -> Any:
         module: the attention layer.
         x: the local compressor input rows, ``[L, (batch,) hidden]``.
         halo_x: the rows of ``x`` from earlier ranks this rank's slots read, ascending.
-        call: the :class:`~hp_cp_core.config.DeepSeekV4CPContext` of this forward.
+        call: the :class:`~hp_cp_core.config.CPContext` of this forward.
 
     Returns:
         ``[n_owned, (batch,) D]`` slots in global slot order (``call.plan.owned_slots``),
@@ -121,7 +121,7 @@ def hp_cp_compress_indexer(module: Any, x: Any, halo_x: Any, call: Any) -> Any:
         module: the attention layer.
         x: the local compressor input rows, ``[L, (batch,) hidden]``.
         halo_x: the rows of ``x`` from earlier ranks this rank's slots read, ascending.
-        call: the :class:`~hp_cp_core.config.DeepSeekV4CPContext` of this forward.
+        call: the :class:`~hp_cp_core.config.CPContext` of this forward.
 
     Returns:
         ``[n_owned, (batch,) Di]`` indexer keys in global slot order, or ``None`` when this
@@ -159,7 +159,7 @@ def hp_cp_run_attention(module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, 
             (``call.ori_halo_len`` halo rows for a contiguous layout).
         x: the local layer input rows (the indexer's weight input).
         qr: the local query low-rank rows (the indexer's query input), or ``None``.
-        call: the :class:`~hp_cp_core.config.DeepSeekV4CPContext` of this forward.
+        call: the :class:`~hp_cp_core.config.CPContext` of this forward.
 
     Returns:
         The local attention output, or ``None`` when this plugin does not own the module.

@@ -17,7 +17,7 @@ its own rows, and the gathered indexer keys return their gradient to the owning 
 the all-gather's backward. Padding rows (``loss_mask`` 0) are in neither the sum nor ``N``.
 
 ``N`` comes from the plan (``batch * total rows``) or, with a loss mask, from the forward's
-one metadata all-gather (:class:`~hp_cp_core.forward.DeepSeekV4CPForward`). The value that is
+one metadata all-gather (:class:`~hp_cp_core.forward.CPForward`). The value that is
 logged is the sum of the ranks' shares: :func:`global_indexer_loss` (one tiny all-gather of
 float64s, a host sync), or a backend's own all-reduce (the torch backend's, no host sync).
 """
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from hp_cp_core.config import DeepSeekV4CPContext
+from hp_cp_core.config import CPContext
 
 
-def indexer_loss_weight(call: DeepSeekV4CPContext) -> float:
+def indexer_loss_weight(call: CPContext) -> float:
     """What this rank multiplies its per-row KL *sum* by: ``1 / N`` (rows counting, all ranks).
 
     ``N = 0`` (every row masked) gives weight 0: the loss is 0, its backward still runs.
@@ -37,7 +37,7 @@ def indexer_loss_weight(call: DeepSeekV4CPContext) -> float:
     return 1.0 / call.loss_rows if call.loss_rows > 0 else 0.0
 
 
-def global_indexer_loss(call: DeepSeekV4CPContext, local_share: float) -> float:
+def global_indexer_loss(call: CPContext, local_share: float) -> float:
     """The global loss from this rank's share ``sum_k KL * weight``: the same on every rank.
 
     Every rank must call it (one small all-gather), whatever its rows.

@@ -450,7 +450,7 @@ def build_rank_plan(
 class PlanCache:
     """Plans keyed by everything they depend on; one cache per ``enable_cp`` handle.
 
-    Holds at most ``max_entries`` plans (``DeepSeekV4CPConfig.plan_cache_size``) and drops
+    Holds at most ``max_entries`` plans (``CPConfig.plan_cache_size``) and drops
     the least recently used one first, so packed batches whose ``cu_seqlens`` all differ
     cannot grow it without bound while a recurring shape stays cached.
     """

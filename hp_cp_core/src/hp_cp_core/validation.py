@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from hp_cp_core.config import DeepSeekV4CPConfig, LayerSpec
+from hp_cp_core.config import CPConfig, LayerSpec
 from hp_cp_core.errors import HpCpError, PlanError
 from hp_cp_core.layout import SequenceLayout
 
@@ -304,7 +304,7 @@ def check_group(group: Any, mesh: Any, backend: str) -> None:
 # ------------------------------------------------------------------------ the agreement
 
 
-def agreed_config_text(config: DeepSeekV4CPConfig) -> str:
+def agreed_config_text(config: CPConfig) -> str:
     """The options every rank must share (local-only ones, such as the plan cache size, are
     left out)."""
     regather = ", regather_compressed_kv=True" if config.regather_compressed_kv else ""
@@ -391,7 +391,7 @@ def agree(
     group: Any,
     check: LocalCheck,
     spec: LayerSpec,
-    config: DeepSeekV4CPConfig,
+    config: CPConfig,
     *,
     spec_text: str | None = None,
     config_text: str | None = None,

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypedDict
 
 import numpy as np
 
-from hp_cp_core.config import DeepSeekV4CPConfig
+from hp_cp_core.config import CPConfig
 
 DRIVER_ENTRY_POINT_GROUP = "hp_cp.contract"
 RATIOS = (0, 4, 128)
@@ -79,12 +79,12 @@ class ContractCase:
     def local_rows(self) -> int:
         return self.rows // self.cp
 
-    def config(self, **options: Any) -> DeepSeekV4CPConfig:
+    def config(self, **options: Any) -> CPConfig:
         """The CP options of this case (the full CP path also at cp = 1)."""
-        fields = {f.name for f in dataclasses.fields(DeepSeekV4CPConfig)}
+        fields = {f.name for f in dataclasses.fields(CPConfig)}
         if "single_rank_bypass" in fields:
             options.setdefault("single_rank_bypass", False)
-        return DeepSeekV4CPConfig(layout=self.layout, **options)
+        return CPConfig(layout=self.layout, **options)
 
     def cu_for_rank(self, rank: int) -> np.ndarray | None:
         """The ``cu_seqlens`` rank ``rank`` passes (invalid on ``bad_rank``)."""
