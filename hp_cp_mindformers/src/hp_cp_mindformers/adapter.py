@@ -31,8 +31,8 @@ from mindspore import Tensor, mint, nn, ops
 from mindspore import dtype as mstype
 
 from hp_cp_core import (
-    DeepSeekV4CPConfig,
-    DeepSeekV4CPContext,
+    CPConfig,
+    CPContext,
     HpCpError,
     LayerSpec,
     enable_cp,
@@ -148,10 +148,10 @@ class MindFormersDeepSeekV4CSAAdapter:
             return key
         return self.module.squeeze(key, 2)
 
-    def compress_main(self, x: Tensor, halo_x: Any, call: DeepSeekV4CPContext) -> Tensor:
+    def compress_main(self, x: Tensor, halo_x: Any, call: CPContext) -> Tensor:
         return self._compress(self.module.compressor, x, halo_x, call)
 
-    def compress_indexer(self, x: Tensor, halo_x: Any, call: DeepSeekV4CPContext) -> Tensor:
+    def compress_indexer(self, x: Tensor, halo_x: Any, call: CPContext) -> Tensor:
         # the cell feeds its indexer stop_gradient(x): the indexer learns from its KL loss only
         halo = None if halo_x is None else ops.stop_gradient(halo_x)
         return self._compress(self.module.indexer.compressor, ops.stop_gradient(x), halo, call)
@@ -187,7 +187,7 @@ class MindFormersDeepSeekV4CSAAdapter:
         return out[1:1]
 
     def run_attention(
-        self, query: Tensor, ori_ext: Tensor, x: Tensor, qr: Tensor, call: DeepSeekV4CPContext
+        self, query: Tensor, ori_ext: Tensor, x: Tensor, qr: Tensor, call: CPContext
     ) -> Tensor:
         m, plan = self.module, call.plan
         n_local, b = int(query.shape[0]), int(query.shape[1])
@@ -426,7 +426,7 @@ def adapter_for(module: Any) -> MindFormersDeepSeekV4CSAAdapter | None:
 
 
 def patch_mindformers_deepseek_v4_csa_forward(
-    csa_module: nn.Cell, *, cp_mesh: Any, config: DeepSeekV4CPConfig | None = None
+    csa_module: nn.Cell, *, cp_mesh: Any, config: CPConfig | None = None
 ) -> Any:
     """Run a mindformers ``CompressedSparseAttention`` cell under CP.
 
@@ -435,7 +435,7 @@ def patch_mindformers_deepseek_v4_csa_forward(
             the same attributes and ``construct(query, key, x, qr, actual_seq_len=None)``).
         cp_mesh: a HyperParallel-style 1-D mesh (``size()``, ``get_local_rank()``,
             ``get_group()``) or a ``mindspore.communication`` group name.
-        config: :class:`~hp_cp_core.DeepSeekV4CPConfig` options.
+        config: :class:`~hp_cp_core.CPConfig` options.
 
     Returns:
         The ``enable_cp`` handle; ``disable_cp(handle)`` restores the cell.
@@ -456,7 +456,7 @@ def patch_mindformers_deepseek_v4_csa_forward(
 
 
 def patch_deepseek_v4_compressed_sparse_attention_forward(
-    csa_module: nn.Cell, *, cp_mesh: Any, config: DeepSeekV4CPConfig | None = None
+    csa_module: nn.Cell, *, cp_mesh: Any, config: CPConfig | None = None
 ) -> Any:
     """The design note's name for :func:`patch_mindformers_deepseek_v4_csa_forward`."""
     return patch_mindformers_deepseek_v4_csa_forward(csa_module, cp_mesh=cp_mesh, config=config)
