@@ -125,3 +125,24 @@ def test_sweep_keys_fit_and_skips(tmp_path, monkeypatch) -> None:
     assert "real_deepseek_v4_peak_bytes_cp4_s16384" in res
     written = json.loads(out.read_text())
     assert written["real_deepseek_v4_peak_bytes_cp4_s4096"] == 1000 * 1024 + 10**6
+
+
+def test_a_profiled_point_that_dies_is_measured_again_without_the_profiler(monkeypatch) -> None:
+    from hp_cp_torch.cli import launch
+
+    calls = []
+
+    def ranks(world, fn, name, seq, regather, profile, **kw):
+        calls.append(profile)
+        if profile:
+            raise RuntimeError("rank 0 died without a result (exit -9)")
+        return _fake_ranks(world, fn, name, seq, regather, profile, **kw)
+
+    monkeypatch.setattr(launch, "run_ranks", ranks)
+    res = real_widths.real_measures(
+        ("glm_moe_dsa",), (4096,), (4,), (False,), single=False, profile=True, log=lambda *_: None
+    )
+    assert calls == [True, False]
+    assert res["real_glm_moe_dsa_peak_bytes_cp4_s4096"] == 1000 * 1024 + 10**6
+    assert "exit -9" in res["real_glm_moe_dsa_profile_failed_cp4_s4096"]
+    assert "real_failed" not in res

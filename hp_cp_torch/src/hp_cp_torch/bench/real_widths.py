@@ -39,6 +39,9 @@ attention kernel's useful FLOP/s in the profiled step (its autograd nodes' time;
 counted from each local query's window and picks as in :mod:`hp_cp_torch.bench.kernel`) over
 the FLOP/s of a ``[1024, 1024]`` bf16 ``torch.matmul`` in the same process right after.
 
+A profiled point whose launch dies (the profiler's records of every allocation can be what
+does not fit) runs again without the profiled step (``profile_failed_...`` says why).
+
 A point whose predicted total (the busiest rank's peak extrapolated along the local rows,
 plus each process's resident size, times ``cp``) exceeds ``max_total_bytes`` is skipped and
 listed (``real_skipped``): the bench never exhausts a shared machine.
@@ -475,10 +478,22 @@ def real_measures(
                         cp, real_point, name, seq, regather, profiled, timeout=time_limit
                     )
                 except Exception as exc:  # noqa: BLE001 - a point that fails is reported
-                    failed.append(f"{name}_{sfx}")
-                    res[f"real_{name}_failed_{sfx}"] = f"{type(exc).__name__}: {exc}"[:400]
-                    log(f"real: {name} {sfx} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
+                    why = f"{type(exc).__name__}: {exc}"[:400]
+                    log(f"real: {name} {sfx} failed: {why[:200]}")
+                    ranks = None
+                    if profiled:  # the profiler's own records can be what did not fit
+                        res[f"real_{name}_profile_failed_{sfx}"] = why
+                        log(f"real: {name} {sfx}: again without the profiled step")
+                        try:
+                            ranks = run_ranks(
+                                cp, real_point, name, seq, regather, False, timeout=time_limit
+                            )
+                        except Exception as again:  # noqa: BLE001 - reported below
+                            why = f"{type(again).__name__}: {again}"[:400]
+                    if ranks is None:
+                        failed.append(f"{name}_{sfx}")
+                        res[f"real_{name}_failed_{sfx}"] = why
+                        continue
                 if any(r["peak"] is None for r in ranks):
                     return {"real_mem_note": "VmHWM cannot be reset here (/proc/self/clear_refs)"}
                 keys = _point_keys(name, cp, seq, regather, ranks)
