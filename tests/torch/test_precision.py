@@ -25,6 +25,35 @@ def test_every_kernel_states_its_precision() -> None:
     assert PRECISIONS == ("fp32", "model")
 
 
+def test_each_kernel_carries_its_precision() -> None:
+    from hp_cp_torch.kernels.registry import (
+        SHIPPED,
+        kernel_precision,
+        register_kernel,
+        unregister_kernel,
+    )
+    from hp_cp_torch.precision import KERNEL_PRECISION
+
+    for name in SHIPPED:
+        want = "model" if name == "model_ops" else KERNEL_PRECISION[name]
+        assert kernel_precision(name) == want, name
+
+    class Bf16Kernel:
+        precision = "model"
+
+        def __call__(self, request):
+            raise AssertionError("not called")
+
+    register_kernel("test_bf16_kernel", Bf16Kernel())
+    register_kernel("test_silent_kernel", lambda request: None)
+    try:
+        assert kernel_precision("test_bf16_kernel") == "model"
+        assert kernel_precision("test_silent_kernel") is None  # it does not say
+    finally:
+        unregister_kernel("test_bf16_kernel")
+        unregister_kernel("test_silent_kernel")
+
+
 def test_an_unknown_precision_is_refused() -> None:
     with pytest.raises(HpCpError, match="attention_precision='bf16' is not a precision"):
         DeepSeekV4CPConfig(attention_precision="bf16")

@@ -34,17 +34,14 @@ from hp_cp_torch.kernels.registry import uses_model_op_order
 __all__ = ["KERNEL_PRECISION", "check_attention_precision", "uses_model_precision"]
 
 KERNEL_PRECISION: Mapping[str, str] = MappingProxyType(
-    {
-        "smallop": "fp32",
-        "efficient": "fp32",
-        "banded": "fp32",
-        "triton": "fp32",
-    }
+    {name: "fp32" for name in ("smallop", "efficient", "banded", "triton")}
 )
-"""What each kernel of ``DeepSeekV4CPConfig.attention_kernel`` computes its logits, softmax
-and weighted sum in, whatever its inputs' dtype (the Triton kernel multiplies bf16 / fp16
-tiles exactly and accumulates in fp32; fp32 inputs as IEEE fp32). The output is cast to the
-inputs' dtype. Note [Attention precision]."""
+"""What each shipped kernel computes its logits, softmax and weighted sum in, whatever its
+inputs' dtype (the Triton kernel multiplies bf16 / fp16 tiles exactly and accumulates in
+fp32; fp32 inputs as IEEE fp32); the output is cast to the inputs' dtype. Each kernel states
+it as its ``precision`` attribute (:func:`hp_cp_torch.kernels.registry.kernel_precision`, a
+third party's kernel too); ``model_ops`` computes in the model's dtype. Note [Attention
+precision]."""
 
 MODEL_PATH_ATTR = "model_precision_attention"
 """An adapter class attribute: ``True`` where the adapter can run the model's own attention

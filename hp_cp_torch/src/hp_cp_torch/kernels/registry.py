@@ -9,7 +9,11 @@ plan, the indexer's picks, the sink and the scale) that returns the attention ou
 * ``problem(device) -> str | None``: why it cannot run on ``device`` (``None``: it can),
   checked on every rank before any collective, so one rank's missing GPU fails them all;
 * ``model_op_order = True``: a model adapter that has its model's own attention op order
-  (:meth:`hp_cp_torch.model_adapter.ModelAdapter.model_attention`) runs that instead.
+  (:meth:`hp_cp_torch.model_adapter.ModelAdapter.model_attention`) runs that instead;
+* ``precision``: what it computes the logits, the softmax with the sink and the weighted sum
+  in, whatever its inputs' dtype: ``"fp32"`` (every shipped kernel) or ``"model"`` (the
+  inputs' dtype, op by op as the model rounds); :func:`kernel_precision` reads it (Note
+  [Attention precision] in :mod:`hp_cp_torch.precision`).
 
 ``DeepSeekV4CPConfig(attention_kernel=NAME)`` picks one by name. Names resolve, in order,
 from :func:`register_kernel` (this process), the entry points of group
@@ -42,6 +46,7 @@ __all__ = [
     "AttentionRequest",
     "kernel_named",
     "kernel_names",
+    "kernel_precision",
     "register_kernel",
     "unregister_kernel",
     "uses_model_op_order",
@@ -197,3 +202,9 @@ def kernel_named(name: Any) -> Any:
 def uses_model_op_order(name: Any) -> bool:
     """Whether kernel ``name`` asks for the model's own attention op order."""
     return bool(getattr(kernel_named(name), "model_op_order", False))
+
+
+def kernel_precision(name: Any) -> str | None:
+    """What kernel ``name`` computes the attention in (its ``precision``: ``"fp32"`` or
+    ``"model"``), or ``None`` where the kernel does not say."""
+    return getattr(kernel_named(name), "precision", None)

@@ -29,6 +29,10 @@ class ColumnKernel:
             the Triton kernel's readers of the window and HCA columns) to ``fn``.
     """
 
+    precision = "fp32"
+    """The shipped column-list kernels upcast their inputs and compute in fp32 (the Triton
+    kernel multiplies bf16 / fp16 tiles exactly and accumulates in fp32)."""
+
     def __init__(
         self,
         fn: Callable[..., torch.Tensor],
@@ -57,6 +61,8 @@ class ColumnKernel:
 class BandedKernel:
     """The window (and HCA's visible slots) as dense masked bands, only the indexer's top-k
     gathered, recomputed in backward (:mod:`hp_cp_torch.kernels.banded`); the default."""
+
+    precision = "fp32"
 
     def __call__(self, request: AttentionRequest) -> torch.Tensor:
         from hp_cp_torch.kernels.banded import (
@@ -104,6 +110,9 @@ class ModelOpOrder(ColumnKernel):
     eager order for HF's models, NeMo's for NeMo's); elsewhere the small-op kernel."""
 
     model_op_order = True
+    precision = "model"
+    """The model's dtype where the adapter has the model's op order; the small-op kernel
+    (fp32) elsewhere."""
 
 
 BANDED = BandedKernel()
