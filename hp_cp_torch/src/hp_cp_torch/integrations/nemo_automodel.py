@@ -203,7 +203,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         if kwargs.get("packed_seq_ids") is not None:
             problems.append(
                 "got NeMo packing metadata (packed_seq_ids / seq_lens with qkv_format='thd'); "
-                "under hp_cp pass the batch from nemo_cp_batch(handle, input_ids, seq_lens=...), "
+                "under hp_cp pass the batch from cp_nemo_batch(handle, input_ids, seq_lens=...), "
                 "which turns it into cu_seqlens."
             )
         if kwargs.get("vision_token_types") is not None:

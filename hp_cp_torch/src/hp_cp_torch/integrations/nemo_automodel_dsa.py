@@ -25,7 +25,7 @@ The layers read positions only through the ``freqs_cis`` the model computes from
 ``position_ids`` (as ``hp_cp_position_ids``) so that missing or unsharded positions are one
 :class:`~hp_cp_core.HpCpError` on every rank, not a silently wrong RoPE.
 
-Packed documents (``nemo_cp_batch(..., seq_lens=...)``, batch 1) are each scored and attended
+Packed documents (``cp_nemo_batch(..., seq_lens=...)``, batch 1) are each scored and attended
 alone, as NeMo's TileLang / cuDNN DSA kernels do with ``cu_seqlens`` on a GPU; NeMo's CPU
 dense path has no document mask in its indexer, so the tests compare with each document run
 alone on one process. Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every
@@ -123,12 +123,12 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
     )
     MASK_HINT = (
         "got an attention mask that hides tokens (padding, or a custom mask); under CP pass "
-        "no attention_mask: nemo_cp_batch pads at the end, where no real token sees the padding."
+        "no attention_mask: cp_nemo_batch pads at the end, where no real token sees the padding."
     )
     POSITIONS_HINT = (
         "got position_ids that are not the global row numbers of this rank's rows (packed: "
         "restarting per document); pass position_ids=batch['position_ids'] from "
-        "nemo_cp_batch(handle, input_ids)."
+        "cp_nemo_batch(handle, input_ids)."
     )
 
     def __init__(self, module: nn.Module) -> None:
@@ -219,13 +219,13 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 "NeMo Automodel's own GLM DSA CP is switched on as well (the batch carries "
                 f"{NEMO_DSA_CP_KWARG!r} from shard_glm_dsa_packed_cp_batch); hp_cp owns the "
                 "attention layers, so switch NeMo's CP off and shard the batch with "
-                "nemo_cp_batch(handle, ...) instead."
+                "cp_nemo_batch(handle, ...) instead."
             )
         thd = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2
         if kwargs.get("qkv_format") == "thd" or thd:
             problems.append(
                 "got NeMo's thd layout (qkv_format='thd'); under hp_cp pass the batch of "
-                "nemo_cp_batch(handle, input_ids, seq_lens=...): [1, L] rows with the documents "
+                "cp_nemo_batch(handle, input_ids, seq_lens=...): [1, L] rows with the documents "
                 "as cu_seqlens."
             )
         if POSITIONS_KWARG not in kwargs:
@@ -235,13 +235,13 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             problems.append(
                 "the model was called without position_ids, so NeMo's RoPE would count this "
                 "rank's rows from 0; pass position_ids=batch['position_ids'] from "
-                "nemo_cp_batch(handle, input_ids)."
+                "cp_nemo_batch(handle, input_ids)."
             )
         length = hidden_states.shape[-2] if isinstance(hidden_states, torch.Tensor) else None
         if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != length:
             problems.append(
                 f"got an attention_mask of {attention_mask.shape[-1]} columns for {length} local "
-                "rows; under CP pass no attention_mask (nemo_cp_batch pads at the end, where no "
+                "rows; under CP pass no attention_mask (cp_nemo_batch pads at the end, where no "
                 "real token sees the padding)."
             )
         return problems

@@ -144,7 +144,7 @@ _NEMO_CP_ON = (
     "NeMo Automodel's own DeepSeek V4.1 CP is switched on as well (a cp_group in the call, "
     "from its ContextParallelSharder / shard_cp_batch, or setup_cp_attention gave the layer a "
     "cp_group, or model.cp_mesh is set); hp_cp owns the attention layers, so switch NeMo's CP "
-    "off (cp_size 1, no cp_sharder) and lay the batch out with nemo_cp_batch(handle, ...)."
+    "off (cp_size 1, no cp_sharder) and lay the batch out with cp_nemo_batch(handle, ...)."
 )
 
 
@@ -466,7 +466,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             if cu is None:
                 checks.fail(
                     "got packed_seq_ids without the packed boundaries of the sequence: lay "
-                    "packed batches out with nemo_cp_batch(handle, input_ids, seq_lens=...) "
+                    "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
                     "(it records them on the handle), not NeMo's own packer."
                 )
             elif batch != 1:
@@ -488,12 +488,12 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         bad: list[Any] = [False, False, False]
         messages = (
             f"{where}: got position_ids that are not the positions of the local rows: pass "
-            "the batch of nemo_cp_batch(handle, ...) (global rows; packed: restarting at 0 "
+            "the batch of cp_nemo_batch(handle, ...) (global rows; packed: restarting at 0 "
             "in every document).",
             f"{where}: got an attention_mask that hides real tokens; under CP only the "
-            "padding nemo_cp_batch appends may be masked (packed: its trailing document).",
+            "padding cp_nemo_batch appends may be masked (packed: its trailing document).",
             f"{where}: got packed_seq_ids that do not match the recorded packed boundaries; "
-            "pass the batch of nemo_cp_batch(handle, ...) unchanged.",
+            "pass the batch of cp_nemo_batch(handle, ...) unchanged.",
         )
         if check.ok:
             dev = hidden_states.device
@@ -571,7 +571,7 @@ class EngramHashCP:
             cu = self.handle.sequence.documents(n_local * group.size)
             if cu is None:
                 problems.append(
-                    f"{where}: packed input needs the boundaries nemo_cp_batch records."
+                    f"{where}: packed input needs the boundaries cp_nemo_batch records."
                 )
         bad = False
         if not problems:
