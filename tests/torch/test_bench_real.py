@@ -140,9 +140,15 @@ def test_a_profiled_point_that_dies_is_measured_again_without_the_profiler(monke
 
     monkeypatch.setattr(launch, "run_ranks", ranks)
     res = real_widths.real_measures(
-        ("glm_moe_dsa",), (4096,), (4,), (False,), single=False, profile=True, log=lambda *_: None
+        ("glm_moe_dsa",),
+        (4096,),
+        (4,),
+        (False, True),
+        single=False,
+        profile=True,
+        log=lambda *_: None,
     )
-    assert calls == [True, False]
+    assert calls == [True, False, False]  # the next point is not profiled again
     assert res["real_glm_moe_dsa_peak_bytes_cp4_s4096"] == 1000 * 1024 + 10**6
     assert "exit -9" in res["real_glm_moe_dsa_profile_failed_cp4_s4096"]
     assert "real_failed" not in res

@@ -471,6 +471,7 @@ def real_measures(
                     profile
                     and cp > 1
                     and not any(k.startswith(f"real_{name}_live_peak_bytes_cp") for k in res)
+                    and not any(k.startswith(f"real_{name}_profile_failed_") for k in res)
                 )
                 t0 = time.perf_counter()
                 try:
