@@ -46,13 +46,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hp_cp_core import CPConfig, CPHandle, enable_cp
+from hp_cp_torch.cli.parity import TINY_CONFIG
 from hp_cp_torch.integrations.transformers import (
     HFCPLayout,
     cp_causal_lm_loss,
     cp_layout_from_hf_model,
     freeze_csa_indexer,
 )
-from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -83,14 +83,14 @@ def _hf_part(args: argparse.Namespace, device: Any) -> tuple[Any, Any, int]:
 
     from hp_cp_core import CPConfig, enable_cp
     from hp_cp_torch.bench.memory import HF_MEM_CONFIG
-    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
-    from hp_cp_torch.integrations.transformers_demo import (
+    from hp_cp_torch.cli.parity import (
         CSA,
         HCA,
         SLIDING,
         build_tiny_model,
         make_inputs,
     )
+    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
 
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     model = build_tiny_model(

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DistributedConfig
 
+from hp_cp_torch.cli.parity import TINY_CONFIG
 from hp_cp_torch.integrations.transformers import cp_layout_from_hf_model
-from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
 
 dist.init_process_group("gloo")  # NCCL with one GPU per rank
 path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]

@@ -11,7 +11,7 @@ from veomni.models.transformers.deepseek_v4.configuration_deepseek_v4 import Dee
 from veomni.models.transformers.deepseek_v4.generated import patched_modeling_deepseek_v4_gpu
 
 from hp_cp_core import disable_cp, enable_cp
-from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
+from hp_cp_torch.cli.parity import TINY_CONFIG
 from hp_cp_torch.integrations.veomni import (
     cp_causal_lm_loss,
     cp_sum_gradients,

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch.bench.precision import packed_boundaries, precision_runs, summarise
+from hp_cp_torch.cli.parity import randomise_attention_weights
 from hp_cp_torch.integrations.transformers import cp_shift_labels
-from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
 from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss, cp_sum_gradients
 
 LAYOUTS = ("contiguous", "load_balanced")

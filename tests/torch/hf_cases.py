@@ -11,11 +11,7 @@ import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch.bench.precision import precision_runs, summarise
-from hp_cp_torch.integrations.transformers import (
-    cp_causal_lm_loss,
-    cp_sum_gradients,
-)
-from hp_cp_torch.integrations.transformers_demo import (
+from hp_cp_torch.cli.parity import (
     CSA,
     HCA,
     SLIDING,
@@ -23,6 +19,10 @@ from hp_cp_torch.integrations.transformers_demo import (
     cp_parity,
     make_inputs,
     reference_run,
+)
+from hp_cp_torch.integrations.transformers import (
+    cp_causal_lm_loss,
+    cp_sum_gradients,
 )
 
 LAYOUTS = ("contiguous", "load_balanced")

@@ -47,7 +47,7 @@ def save_tiny_model(path: str) -> None:
     """Rank 0 saves a tiny random DeepseekV4ForCausalLM (seed 0) to ``path``."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
+    from hp_cp_torch.cli.parity import TINY_CONFIG
 
     if dist.get_rank() == 0:
         torch.manual_seed(0)

@@ -128,6 +128,17 @@ def test_stack_disable_cp_warns_naming_the_core_one(module: str) -> None:
         fn(BatchRecorder(active=False))  # the core's disable_cp: nothing left to undo
 
 
+def test_transformers_demo_path_warns_and_is_cli_parity() -> None:
+    from hp_cp_torch.cli import parity
+
+    with _warns(
+        "hp_cp_torch.integrations.transformers_demo.TINY_CONFIG",
+        "hp_cp_torch.cli.parity.TINY_CONFIG",
+    ):
+        from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
+    assert TINY_CONFIG is parity.TINY_CONFIG
+
+
 def test_renamed_names_are_plain_aliases() -> None:
     from hp_cp_torch.integrations import veomni
 

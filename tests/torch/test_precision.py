@@ -63,7 +63,7 @@ MODEL_PRECISION = """
 import json, torch, torch.distributed as dist
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch.integrations.transformers import cp_causal_lm_batch
-from hp_cp_torch.integrations.transformers_demo import build_tiny_model, make_inputs
+from hp_cp_torch.cli.parity import build_tiny_model, make_inputs
 from hp_cp_torch.reference import DeepSeekV4Attention, DeepSeekV4AttentionConfig
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

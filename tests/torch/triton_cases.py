@@ -68,7 +68,7 @@ def hf_case(world: int) -> dict:
     """The tiny HF model (sliding, CSA, HCA layers) at cp = 2 with the Triton kernel."""
     from hf_cases import CASES
 
-    from hp_cp_torch.integrations.transformers_demo import (
+    from hp_cp_torch.cli.parity import (
         build_tiny_model,
         cp_parity,
         make_inputs,

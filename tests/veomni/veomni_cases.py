@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch.bench.precision import precision_runs, summarise
-from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG, randomise_attention_weights
+from hp_cp_torch.cli.parity import TINY_CONFIG, randomise_attention_weights
 from hp_cp_torch.integrations.veomni import (
     cp_causal_lm_loss,
     cp_shift_labels,

@@ -38,7 +38,7 @@ index queries, top-k picks and router scores). Reported per model, dtype and kin
   or router pick, their rate and cost; ``..._picks_kept_<dtype>_cost_logits_max`` the worst
   run that flipped only quantized values.
 
-HF V4's gradient error is transformers_demo's (each parameter's max |diff| over its own
+HF V4's gradient error is cli.parity's (each parameter's max |diff| over its own
 largest, no floor). The recorders read the choices through forward hooks and, for what no
 hook sees (NeMo's ``quantize_cache`` calls, hp_cp's ``select_topk_chunked`` in the HF
 integration), wrap that one function for the duration of a ``with`` block, restored on
@@ -365,14 +365,14 @@ def recording_hf_v4(model: Any, log: ChoiceLog) -> Any:
 
 
 def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> list[dict]:
-    """transformers' tiny DeepSeek V4 (:func:`~hp_cp_torch.integrations.transformers_demo.
+    """transformers' tiny DeepSeek V4 (:func:`~hp_cp_torch.cli.parity.
     build_tiny_model`: sliding, CSA r = 4 with top-k 4, HCA; a hash-routed and two
     score-routed MoE layers), batch 2, S = 264, every (dtype, seed) at cp = ``world``."""
     import torch
     import torch.distributed as dist
 
     from hp_cp_core import DeepSeekV4CPConfig
-    from hp_cp_torch.integrations import transformers_demo as demo
+    from hp_cp_torch.cli import parity as demo
 
     out = []
     for dtype in dtypes:

@@ -134,14 +134,14 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
     import torch
 
     from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
-    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
-    from hp_cp_torch.integrations.transformers_demo import (
+    from hp_cp_torch.cli.parity import (
         CSA,
         HCA,
         SLIDING,
         build_tiny_model,
         make_inputs,
     )
+    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
 
     torch.set_num_threads(1)
     layers = [SLIDING, CSA, HCA, CSA]

@@ -109,8 +109,8 @@ def _step_peak_worker(rank: int, world: int, seq: int, cp: int) -> int | None:
     import torch
 
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_torch.cli.parity import build_tiny_model, make_inputs
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
-    from hp_cp_torch.integrations.transformers_demo import build_tiny_model, make_inputs
 
     torch.set_num_threads(1)
     model = build_tiny_model(0, **HF_MEM_CONFIG)

@@ -88,14 +88,14 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
     from hp_cp_torch.bench.hotpath import N_LAYERS
     from hp_cp_torch.bench.memory import HF_MEM_CONFIG
-    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
-    from hp_cp_torch.integrations.transformers_demo import (
+    from hp_cp_torch.cli.parity import (
         CSA,
         HCA,
         SLIDING,
         build_tiny_model,
         make_inputs,
     )
+    from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
 
     torch.set_num_threads(1)
     ids = make_inputs(HF_MEM_CONFIG["vocab_size"], 1, seq)

@@ -270,7 +270,7 @@ def build_model(name: str, seed: int, seq: int, tiny: bool = False, layers: int 
     """The fp32 eager model of :data:`MODELS` ``[name]`` (the same on every rank for a
     seed), its attention parameters drawn at O(1) activations as the parity tests draw them;
     ``layers`` 1 keeps the first layer (V4's CSA layer, the DSA models' first indexer)."""
-    from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
+    from hp_cp_torch.cli.parity import randomise_attention_weights
 
     shape = MODELS[name]
     torch.manual_seed(seed)

@@ -12,7 +12,7 @@ and one HCA layer; V3.2 / GLM-5: two DSA layers, each with its own indexer), voc
 4 routed experts of width 256 (2 per token) and one shared expert, every MLP a MoE (no dense
 first layers), one expert group. MoE, embeddings and norms are token-local: they do not
 change what CP exchanges. Weights: HF's init with the attention re-drawn
-(:func:`~hp_cp_torch.integrations.transformers_demo.randomise_attention_weights`), then cast
+(:func:`~hp_cp_torch.cli.parity.randomise_attention_weights`), then cast
 to bf16 except the modules HF keeps in fp32 (``_keep_in_fp32_modules_strict``: V4's
 hyper-connections, sinks, norms; the routers' correction bias).
 
@@ -101,7 +101,7 @@ def build_real_model(name: str, seed: int = 0, dtype: Any = None, **overrides: A
     import torch
     import transformers
 
-    from hp_cp_torch.integrations.transformers_demo import randomise_attention_weights
+    from hp_cp_torch.cli.parity import randomise_attention_weights
 
     config_cls, model_cls = (getattr(transformers, n) for n in _CLASSES[name])
     dtype = torch.bfloat16 if dtype is None else dtype
@@ -215,8 +215,8 @@ def real_point(
 
     from hp_cp_core import DeepSeekV4CPConfig, enable_cp
     from hp_cp_torch.bench.memory import reset_peak, status_bytes
+    from hp_cp_torch.cli.parity import make_inputs
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss
-    from hp_cp_torch.integrations.transformers_demo import make_inputs
 
     torch.set_num_threads(1)
     if oom_first:

@@ -201,7 +201,7 @@ def main(
         return torchrun_main(layout, seq_len)
 
     if model == "transformers":
-        from hp_cp_torch.integrations.transformers_demo import run_parity
+        from hp_cp_torch.cli.parity import run_parity
 
         lengths = () if seq_len is None else (seq_len,)
         results = [_transformers_rows(r) for r in run_ranks(cp, run_parity, layout, *lengths)]
