@@ -29,12 +29,12 @@ from types import MappingProxyType
 from typing import Any
 
 from hp_cp_core import HpCpError
-from hp_cp_torch.kernels.registry import uses_model_op_order
+from hp_cp_torch.kernels.registry import SHIPPED, kernel_precision, uses_model_op_order
 
 __all__ = ["KERNEL_PRECISION", "check_attention_precision", "uses_model_precision"]
 
 KERNEL_PRECISION: Mapping[str, str] = MappingProxyType(
-    {name: "fp32" for name in ("smallop", "efficient", "banded", "triton")}
+    {name: kernel_precision(name) for name in SHIPPED if not uses_model_op_order(name)}
 )
 """What each shipped kernel computes its logits, softmax and weighted sum in, whatever its
 inputs' dtype (the Triton kernel multiplies bf16 / fp16 tiles exactly and accumulates in
