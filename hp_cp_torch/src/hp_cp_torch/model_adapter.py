@@ -40,7 +40,7 @@ none" (no indexer loss, no own op order).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,7 +51,7 @@ from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compres
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
 from hp_cp_torch.kernels.registry import AttentionRequest, uses_model_op_order
-from hp_cp_torch.validation import check_reference_inputs, rows_hint
+from hp_cp_torch.validation import TensorChecks, check_reference_inputs, rows_hint
 
 __all__ = ["ForwardState", "LayerInputs", "ModelAdapter", "Projection"]
 
@@ -361,6 +361,81 @@ class ModelAdapter:
         # the global mean, the same on every rank (Note [Indexer loss under CP]); no host sync
         self.record_indexer_loss(call.group.sum_detached(share))
         return attach_indexer_loss(out, share, coeff)
+
+    def agree_inputs(
+        self,
+        cp_forward: Any,
+        group: Any,
+        hidden: Any,
+        *,
+        cu_seqlens: Any = None,
+        problems: Iterable[str] = (),
+        value_checks: Callable[[Any], list[tuple[Any, str]]] | None = None,
+        seen: tuple[Any, ...] | None = None,
+    ) -> DeepSeekV4CPContext:
+        """Check one forward's inputs on every rank, before any exchange, and agree on them.
+
+        Called by a batch-major layer's forward (``hidden [B, L, hidden]``) with the model's
+        own findings in ``problems`` (messages; the layer's name is prepended) and, in
+        ``value_checks(plan)``, the checks that read tensor values (``(flag, message)``: a
+        0-dim bool tensor on the device, or a bool). Their flags ride on the agreement's one
+        gather when this layer agrees across ranks, else they are read here once (Note
+        [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`). ``seen``: the
+        identities of what ``value_checks`` reads; a later layer of the same forward handed
+        the very same objects skips the value checks (no host read). ``None``: never skip.
+
+        Returns:
+            The agreed context (its plan's ``positions`` are the local rows' positions).
+        """
+        where = f"{self.layer_name()} under CP"
+        checks = TensorChecks(getattr(group, "device", None), where)
+        for message in problems:
+            checks.fail(message)
+        ok = checks.tensor("hidden_states", hidden, (3,), "[B, L, hidden] (local rows)")
+        if ok:
+            width = self.hidden_size() or int(self.module.config.hidden_size)
+            if hidden.shape[-1] != width:
+                checks.fail(
+                    f"hidden_states has hidden size {hidden.shape[-1]} (shape "
+                    f"{list(hidden.shape)}); the model's hidden_size is {width}. Call the "
+                    "model, not the layer, or pass the decoder layer's normalised input."
+                )
+            checks.sign({"hidden_states": hidden.transpose(0, 1)})
+            checks.kernel(cp_forward.config.attention_kernel, hidden.device)
+            if cu_seqlens is not None and hidden.shape[0] != 1:
+                checks.fail(
+                    f"packed input (cu_seqlens) needs batch size 1, got {hidden.shape[0]}; "
+                    "pack the documents of a batch into one row."
+                )
+        check = cp_forward.inspect(
+            rows_hint(hidden, 1),
+            checks.host_cu_seqlens(cu_seqlens),
+            problems=checks.problems,
+            signature=checks.signature,
+        )
+        if value_checks is None or not check.ok:
+            return cp_forward.agree(check)
+        memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
+        reuse = memo is not None and cp_forward.reuses_agreement()
+        # a group of one never reuses an agreement (there is none); a later layer of the same
+        # forward (a higher index) given the very objects its first layer checked skips too
+        same_forward = group.size == 1 and memo is not None and index > memo.checked_index
+        if seen is not None and (reuse or same_forward) and memo.checked == seen:
+            return cp_forward.agree(check)  # this forward's first layer checked them
+        flags = [(bad, f"{where}: {message}") for bad, message in value_checks(check.plan)]
+        if memo is not None:
+            memo.checked = None
+        if not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks:
+            check.deferred = flags  # read in the agreement's one gather, on every rank
+        elif flags:  # nothing to ride on: read here (a reused or local agreement)
+            read = torch.stack([torch.as_tensor(bad, device=hidden.device) for bad, _ in flags])
+            for bad, (_, message) in zip(read.cpu().tolist(), flags):
+                if bad:
+                    check.fail(message)
+        call = cp_forward.agree(check)
+        if memo is not None:  # reached only when every flag was clear
+            memo.checked, memo.checked_index = seen, index
+        return call
 
     def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
         """The layer's forward under CP: read and check the inputs, agree on them across

@@ -36,7 +36,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -46,6 +45,8 @@ from hp_cp_core import (
     DeepSeekV4CPContext,
     HpCpError,
     LayerSpec,
+    cu_seqlens_from_ids,
+    cu_seqlens_from_lengths,
     stage1_compress_with_halo,
 )
 from hp_cp_torch.attention import select_topk_chunked
@@ -331,42 +332,6 @@ def disable_cp(handle: CPHandle) -> None:
 # --------------------------------------------------------------------------- batches
 
 
-def _cu_from_seq_lens(seq_lens: Any, total: int) -> np.ndarray:
-    lens = np.asarray(_as_numpy(seq_lens)).astype(np.int64)
-    if lens.ndim == 2:
-        if lens.shape[0] != 1:
-            raise HpCpError(
-                f"seq_lens has {lens.shape[0]} rows; hp_cp packs one stream per step under CP: "
-                "pass input_ids [1, S] with seq_lens [1, n_docs] (pack the rows into one)."
-            )
-        lens = lens[0]
-    lens = lens[lens != SEQ_LENS_PADDING]
-    if lens.ndim != 1 or (lens < 0).any() or int(lens.sum()) != total:
-        raise HpCpError(
-            f"seq_lens {lens[:8].tolist()} must be non-negative document lengths (unused "
-            f"entries {SEQ_LENS_PADDING}) summing to the sequence length {total}; got sum "
-            f"{int(lens.sum())}. Give every token, padding included, to a document."
-        )
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-
-
-def _cu_from_packed_ids(packed_seq_ids: Any, total: int) -> np.ndarray:
-    ids = np.asarray(_as_numpy(packed_seq_ids)).astype(np.int64).reshape(-1)
-    if ids.size != total:
-        raise HpCpError(
-            f"packed_seq_ids has {ids.size} entries for a sequence of {total} tokens; pass one "
-            "id per token of the full (unsharded) sequence, shape [1, S]."
-        )
-    starts = np.flatnonzero(np.diff(ids)) + 1
-    runs = ids[np.concatenate([[0], starts])] if ids.size else ids
-    if np.unique(runs).size != runs.size:
-        raise HpCpError(
-            "packed_seq_ids revisits a document after another one started; each document must "
-            "be one contiguous run of equal ids."
-        )
-    return np.concatenate([[0], starts, [total]]).astype(np.int64)
-
-
 def cp_nemo_batch(
     handle: CPHandle,
     input_ids: torch.Tensor,
@@ -411,9 +376,9 @@ def cp_nemo_batch(
     total = int(input_ids.shape[1])
     cu = None
     if seq_lens is not None:
-        cu = _cu_from_seq_lens(seq_lens, total)
+        cu = cu_seqlens_from_lengths(_as_numpy(seq_lens), total, unused=SEQ_LENS_PADDING)
     elif packed_seq_ids is not None:
-        cu = _cu_from_packed_ids(packed_seq_ids, total)
+        cu = cu_seqlens_from_ids(_as_numpy(packed_seq_ids), total)
     if cu is not None and input_ids.shape[0] != 1:
         raise HpCpError(
             f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "

@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import hp_cp_core
@@ -86,13 +87,12 @@ from hp_cp_core import (
     LayerSpec,
     stage1_compress_with_halo,
 )
-from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
-from hp_cp_torch.attention import run_sparse_attention
+from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.model_adapter import ModelAdapter
-from hp_cp_torch.validation import TensorChecks, rows_hint
+from hp_cp_torch.validation import rows_hint
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
@@ -146,19 +146,6 @@ _NEMO_CP_ON = (
     "cp_group, or model.cp_mesh is set); hp_cp owns the attention layers, so switch NeMo's CP "
     "off (cp_size 1, no cp_sharder) and lay the batch out with cp_nemo_batch(handle, ...)."
 )
-
-
-SCORE_CHUNK_ELEMENTS = 1 << 22
-"""Most ``queries x heads x row width`` indexer scores held at once (fp32: 16 MiB)."""
-
-
-def _chunked(rows: Any, query_chunk: int, heads: int) -> Any:
-    """``(row, lo, hi)``: each one-process top-k row's queries in chunks whose scores
-    (``[l, heads, width]``) stay under :data:`SCORE_CHUNK_ELEMENTS`."""
-    for row in rows:
-        step = max(1, min(int(query_chunk), SCORE_CHUNK_ELEMENTS // max(row.length * heads, 1)))
-        for lo in range(row.lo, row.hi, step):
-            yield row, lo, min(lo + step, row.hi)
 
 
 @dataclass
@@ -269,19 +256,6 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------ selection
 
-    def _score_rows(
-        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, width: int, vis: torch.Tensor
-    ) -> torch.Tensor:
-        """NeMo's indexer scores ``[B, l, width]`` of queries ``[B, l, H, Di]`` over a
-        document's slots: ``sum_h w * relu(q . k)`` for the ``keys`` it sees, -inf elsewhere."""
-        n = keys.shape[1]
-        scores = torch.einsum("bshd,btd->bsht", q, keys)
-        scores = (scores.relu() * w.unsqueeze(-1)).sum(dim=2)  # [B, l, n]
-        row = scores.new_full((*scores.shape[:2], width), float("-inf"))
-        row[..., :n] = scores
-        cols = torch.arange(width, device=row.device)
-        return row.masked_fill(cols[None, None, :] >= vis[None, :, None], float("-inf"))
-
     def select(
         self,
         xb: torch.Tensor,
@@ -292,53 +266,55 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         call: DeepSeekV4CPContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's selection ``[B, L, k]`` (global slot ids, ascending, -1 empty) and, for
-        the candidate source, its candidates ``[B, L, N]``; NeMo's indexer arithmetic and
-        calls on NeMo's candidate rows (see Note [NeMo DeepSeek V4.1 under CP])."""
-        ix = self.module.indexer
-        nemo = _attn_mod()
-        plan = call.plan
+        the candidate source, its candidates ``[B, L, N]``: NeMo's indexer scores
+        ``sum_h w * relu(q . k)`` and its candidate blocks on the one-process rows
+        (``select_topk_chunked``'s ``row_hook``; Note [NeMo DeepSeek V4.1 under CP])."""
+        ix, nemo, plan = self.module.indexer, _attn_mod(), call.plan
         with torch.no_grad():
-            batch, n_local = xb.shape[:2]
+            batch, n_buf = xb.shape[0], keys.shape[1]
             q = ix.wq_b(qrb).unflatten(-1, (ix.num_heads, ix.head_dim))
             q = _quantize(nemo._apply_rope(q, angles), "mxfp4", 32)
             w = ix.weights_proj(xb) * (ix.head_dim**-0.5 * ix.num_heads**-0.5)
-            n_buf = keys.shape[1]
-            k_max = int(ix.topk)
-            out = torch.full((batch, n_local, k_max), -1, dtype=torch.long, device=xb.device)
             cands = None
             if ix.is_candidate_source:
-                cands = torch.zeros((batch, n_local, n_buf), dtype=torch.bool, device=xb.device)
-            # Note [The one-process top-k row] in hp_cp_core.columns
-            rows = PlanColumns(plan, 0).topk_rows(0, n_local, call.sequence_rows)
-            for row_plan, lo, hi in _chunked(rows, call.config.query_chunk, ix.num_heads):
-                d0, width = row_plan.start, row_plan.length
-                if width <= 0 or hi <= lo:
-                    continue
-                count = np.minimum(plan.cmp_count[lo:hi], width)
-                vis = torch.as_tensor(count, device=xb.device)
-                seen = int(count.max()) if count.size else 0
-                row = self._score_rows(
-                    q[:, lo:hi], w[:, lo:hi], keys[:, d0 : d0 + seen], width, vis
+                cands = torch.zeros(
+                    (batch, plan.n_local, n_buf), dtype=torch.bool, device=xb.device
                 )
-                if ix.is_candidate_source:
-                    keep = nemo._select_candidate_blocks(
-                        row,
-                        vis.view(1, -1, 1).expand(batch, -1, 1),
-                        topk_blocks=ix.candidate_topk_blocks,
-                        block_size=ix.candidate_block_size,
-                    ) & torch.isfinite(row)
-                    stop = min(d0 + width, n_buf)
-                    cands[:, lo:hi, d0:stop] = keep[..., : stop - d0]
-                elif ix.uses_candidates:
-                    allowed = candidates_in[:, lo:hi, d0 : d0 + width]
-                    if allowed.shape[-1] < width:
-                        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
-                    row = row.masked_fill(~allowed, float("-inf"))
-                picked = row.topk(row_plan.keep(k_max), dim=-1, sorted=False)
-                ordered = picked.indices.sort(dim=-1).values
-                valid = torch.isfinite(row.gather(-1, ordered))
-                out[:, lo:hi, : ordered.shape[-1]] = torch.where(valid, ordered + d0, -1)
-            return out, cands
+
+            def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+                s = torch.einsum("bshd,btd->bsht", q[:, lo:hi], keys[:, s0:s1])
+                return (s.relu() * w[:, lo:hi].unsqueeze(-1)).sum(dim=2)
+
+            def candidates(row: torch.Tensor, a: int, b: int, where: Any) -> torch.Tensor:
+                d0, width = where.start, where.length
+                if not ix.is_candidate_source:  # only the source's candidate blocks compete
+                    allowed = candidates_in[:, a:b, d0 : d0 + width]
+                    allowed = F.pad(allowed, (0, width - allowed.shape[-1]))
+                    return row.masked_fill(~allowed, float("-inf"))
+                vis = torch.as_tensor(np.minimum(plan.cmp_count[a:b], width), device=row.device)
+                keep = nemo._select_candidate_blocks(
+                    row,
+                    vis.view(1, -1, 1).expand(batch, -1, 1),
+                    topk_blocks=ix.candidate_topk_blocks,
+                    block_size=ix.candidate_block_size,
+                ) & torch.isfinite(row)
+                stop = min(d0 + width, n_buf)
+                cands[:, a:b, d0:stop] = keep[..., : stop - d0]
+                return row
+
+            picks = select_topk_chunked(
+                score,
+                plan,
+                int(ix.topk),
+                call.config.query_chunk,
+                batch=batch,
+                one_process_row="document",
+                sequence_rows=call.sequence_rows,
+                score_heads=int(ix.num_heads),
+                row_hook=candidates if ix.is_candidate_source or ix.uses_candidates else None,
+                ascending=True,
+            )
+            return picks.to(xb.device), cands
 
     # ------------------------------------------------------------------ attention
 
@@ -441,6 +417,12 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
         return forward
 
+    def layer_name(self) -> str:
+        return f"DeepseekV41Attention layer {self.module.layer_idx}"
+
+    def hidden_size(self) -> int:
+        return int(self.module.wq_a.in_features)
+
     def check_inputs(
         self,
         cp_forward: Any,
@@ -452,81 +434,60 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         cp_group: Any,
         packed_seq_ids: Any,
     ) -> DeepSeekV4CPContext:
-        """Reject what CP cannot compute, on every rank, before any exchange (the flags that
-        read tensor values ride on the agreement's one gather)."""
-        m = self.module
-        where = f"DeepseekV41Attention layer {m.layer_idx} under CP"
-        checks = TensorChecks(getattr(group, "device", None), where)
-        ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
-        n_local = rows_hint(hidden_states, 1)
-        batch = rows_hint(hidden_states, 0)
+        """Reject what CP cannot compute, on every rank, before any exchange
+        (:meth:`~hp_cp_torch.model_adapter.ModelAdapter.agree_inputs`); the position ids,
+        mask and document ids are compared with the plan on the device."""
+        problems = self.problems(cp_group)
         cu = None
         if packed_seq_ids is not None:
-            cu = cp_forward.sequence.documents(n_local * group.size)
+            cu = cp_forward.sequence.documents(rows_hint(hidden_states, 1) * group.size)
             if cu is None:
-                checks.fail(
+                problems.append(
                     "got packed_seq_ids without the packed boundaries of the sequence: lay "
                     "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
                     "(it records them on the handle), not NeMo's own packer."
                 )
-            elif batch != 1:
-                checks.fail(f"packed input needs batch 1, got {batch}; pack into one row.")
-        if ok:
-            hidden = int(m.wq_a.in_features)
-            if hidden_states.shape[-1] != hidden:
-                checks.fail(
-                    f"hidden_states has hidden size {hidden_states.shape[-1]}; the model's is "
-                    f"{hidden}. Call the model, not the layer."
-                )
-            checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
-            checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
-        for message in self.problems(cp_group):
-            checks.fail(message)
-        check = cp_forward.inspect(
-            n_local, cu, problems=checks.problems, signature=checks.signature
-        )
-        bad: list[Any] = [False, False, False]
-        messages = (
-            f"{where}: got position_ids that are not the positions of the local rows: pass "
-            "the batch of cp_nemo_batch(handle, ...) (global rows; packed: restarting at 0 "
-            "in every document).",
-            f"{where}: got an attention_mask that hides real tokens; under CP only the "
-            "padding cp_nemo_batch appends may be masked (packed: its trailing document).",
-            f"{where}: got packed_seq_ids that do not match the recorded packed boundaries; "
-            "pass the batch of cp_nemo_batch(handle, ...) unchanged.",
-        )
-        if check.ok:
-            dev = hidden_states.device
-            plan = check.plan
+
+        def value_checks(plan: Any) -> list[tuple[Any, str]]:
+            n_local, dev = plan.n_local, hidden_states.device
             want = torch.as_tensor(plan.positions, device=dev)
             got = position_ids.reshape(-1, position_ids.shape[-1])
-            bad[0] = True if got.shape[-1] != n_local else (got != want).any()
+            bad = [got.shape[-1] != n_local or (got != want).any(), False, False]
             doc_ids = None
             if cu is not None:
-                docs = Documents.packed(cu, plan.layout.total_rows)
-                ids = docs.doc_of(plan.local_rows) + 1
+                ids = Documents.packed(cu, plan.layout.total_rows).doc_of(plan.local_rows) + 1
                 real = cp_forward.sequence.padding
                 if real is not None and real.pad_rows:
                     ids = np.where(plan.local_rows >= real.rows, 0, ids)
                 doc_ids = torch.as_tensor(ids, device=dev)
                 pid = packed_seq_ids.reshape(-1, packed_seq_ids.shape[-1])
-                bad[2] = True if pid.shape[-1] != n_local else (pid != doc_ids).any()
+                bad[2] = pid.shape[-1] != n_local or (pid != doc_ids).any()
             if attention_mask is not None:
                 am = attention_mask.reshape(-1, attention_mask.shape[-1])
                 if am.shape[-1] != n_local:
                     bad[1] = True
-                elif doc_ids is not None:
-                    bad[1] = (am.bool() != (doc_ids > 0)).any()
                 else:
-                    bad[1] = (am == 0).any()
-        if group.size > 1 and cp_forward.config.check_inputs_across_ranks:
-            check.deferred = list(zip(bad, messages))
-        else:
-            flags = [bool(torch.as_tensor(b)) for b in bad]
-            for failed, message in zip(flags, messages):
-                if failed:
-                    check.fail(message)
-        return cp_forward.agree(check)
+                    bad[1] = ((am == 0) if doc_ids is None else am.bool() != (doc_ids > 0)).any()
+            return list(zip(bad, V41_VALUE_MESSAGES))
+
+        return self.agree_inputs(
+            cp_forward,
+            group,
+            hidden_states,
+            cu_seqlens=cu,
+            problems=problems,
+            value_checks=value_checks,
+        )
+
+
+V41_VALUE_MESSAGES = (
+    "got position_ids that are not the positions of the local rows: pass the batch of "
+    "cp_nemo_batch(handle, ...) (global rows; packed: restarting at 0 in every document).",
+    "got an attention_mask that hides real tokens; under CP only the padding cp_nemo_batch "
+    "appends may be masked (packed: its trailing document).",
+    "got packed_seq_ids that do not match the recorded packed boundaries; pass the batch of "
+    "cp_nemo_batch(handle, ...) unchanged.",
+)
 
 
 # --------------------------------------------------------------------------- Engram hash

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import CPBatch, DeepSeekV4CPConfig, HpCpError
+from hp_cp_core import CPBatch, DeepSeekV4CPConfig, HpCpError, cu_seqlens_from_positions
 from hp_cp_core import disable_cp as _core_disable_cp
 from hp_cp_core import enable_cp as _core_enable_cp
 from hp_cp_torch.deprecation import warn_deprecated
@@ -164,40 +164,14 @@ VeOmniBatch = CPBatch
 (a plain alias)."""
 
 
-def _packed_bounds(
-    seq_len: int, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
-) -> list[int] | None:
+def _packed_bounds(seq_len: int, position_ids: Any, cu_seq_lens: Any) -> Any:
+    """VeOmni's packed row (``cu_seq_lens_q``, else per-document ``position_ids``) as
+    boundaries for ``handle.batch``; ``None`` for a padded batch or a row of one document."""
     if cu_seq_lens is not None:
-        bounds = [int(b) for b in torch.as_tensor(cu_seq_lens).reshape(-1).tolist()]
-        if (
-            bounds[0] != 0
-            or bounds[-1] != seq_len
-            or any(b > a for a, b in zip(bounds[1:], bounds))
-        ):
-            raise HpCpError(
-                f"cu_seq_lens must rise from 0 to the row length {seq_len}, got {bounds}; pass "
-                "VeOmni's cu_seq_lens_q of the whole packed row."
-            )
-        return bounds
+        return torch.as_tensor(cu_seq_lens).reshape(-1).cpu().numpy()  # the core checks it
     if position_ids is None:
         return None
-    pos = torch.as_tensor(position_ids).reshape(-1, seq_len)
-    if pos.shape[0] != 1:
-        raise HpCpError(
-            f"position_ids of {pos.shape[0]} rows: packed input is one row; for a padded "
-            "batch of several rows omit position_ids."
-        )
-    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
-    if not starts or starts[0] != 0:
-        raise HpCpError("packed position_ids must start at 0 (VeOmni resets them per document).")
-    bounds = [*starts, seq_len]
-    want = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
-    if not torch.equal(pos[0].cpu(), want):
-        raise HpCpError(
-            "position_ids must count 0, 1, 2, ... within each document (VeOmni's packed "
-            "format); got positions that skip or repeat."
-        )
-    return None if len(bounds) == 2 else bounds
+    return cu_seqlens_from_positions(torch.as_tensor(position_ids).cpu().numpy(), seq_len)
 
 
 def cp_veomni_batch(
