@@ -89,10 +89,10 @@ from hp_cp_core import (
 )
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
-from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+from hp_cp_torch.attention import select_topk_chunked
 from hp_cp_torch.deprecation import warn_deprecated
-from hp_cp_torch.model_adapter import ModelAdapter
-from hp_cp_torch.validation import rows_hint
+from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
@@ -149,31 +149,48 @@ _NEMO_CP_ON = (
 
 
 @dataclass
-class V41ForwardState:
-    """One forward of a V4.1 layer, from its forward to its stage hooks
-    (``call.extra["state"]``).
+class V41CallInputs(LayerInputs):
+    """NeMo's ``DeepseekV41Attention`` call: the base's inputs and NeMo's own.
 
     Attributes:
-        state: the ``DeepseekV41AttentionState`` NeMo's model passed in.
+        nemo_state: the ``DeepseekV41AttentionState`` NeMo's model passed in.
+        attention_mask, cp_group, packed_seq_ids: as NeMo passed them.
+        padding: the sequence's padding (``handle.shard``'s), for the mask check.
+        no_bounds: ``packed_seq_ids`` came without recorded packed boundaries.
+    """
+
+    nemo_state: Any = None
+    attention_mask: Any = None
+    cp_group: Any = None
+    packed_seq_ids: Any = None
+    padding: Any = None
+    no_bounds: bool = False
+
+
+@dataclass(kw_only=True)
+class V41ForwardState(ForwardState):
+    """One forward of a V4.1 layer: the base's fields and
+
+    Attributes:
         angles: the local rows' RoPE angles.
         valid: ``[B, L]`` bool, the rows the attention mask keeps.
         latents: each compressed segment's latent, by ``(offset, rows)`` (the main
             compressor's, reused by the indexer's).
-        next_state: the state this layer returns (set by ``run_attention``).
+        candidates: the candidate blocks this layer made or was handed, or ``None``.
+        next_state: the ``DeepseekV41AttentionState`` this layer returns.
     """
 
-    state: Any
-    angles: Any
-    valid: Any
+    angles: Any = None
+    valid: Any = None
     latents: dict[tuple[int, int], Any] = field(default_factory=dict)
+    candidates: Any = None
     next_state: Any = None
 
 
 class NemoDeepseekV41AttentionAdapter(ModelAdapter):
-    """Hooks for NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
+    """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    state_class = V41ForwardState
 
     @staticmethod
     def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
@@ -256,24 +273,20 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------ selection
 
-    def select(
-        self,
-        xb: torch.Tensor,
-        qrb: torch.Tensor,
-        angles: torch.Tensor,
-        keys: torch.Tensor,
-        candidates_in: torch.Tensor | None,
-        call: DeepSeekV4CPContext,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def select(self, state: V41ForwardState, call: DeepSeekV4CPContext) -> torch.Tensor | None:
         """The layer's selection ``[B, L, k]`` (global slot ids, ascending, -1 empty) and, for
-        the candidate source, its candidates ``[B, L, N]``: NeMo's indexer scores
-        ``sum_h w * relu(q . k)`` and its candidate blocks on the one-process rows
-        (``select_topk_chunked``'s ``row_hook``; Note [NeMo DeepSeek V4.1 under CP])."""
+        the candidate source, its candidates ``[B, L, N]`` (``state.candidates``): NeMo's
+        indexer scores ``sum_h w * relu(q . k)`` and its candidate blocks on the one-process
+        rows (``select_topk_chunked``'s ``row_hook``; Note [NeMo DeepSeek V4.1 under CP])."""
+        if call.cmp_idx_global is None:
+            return None
         ix, nemo, plan = self.module.indexer, _attn_mod(), call.plan
+        xb, keys = state.hidden, call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
+        candidates_in = state.candidates = call.reused.get("candidates")
         with torch.no_grad():
             batch, n_buf = xb.shape[0], keys.shape[1]
-            q = ix.wq_b(qrb).unflatten(-1, (ix.num_heads, ix.head_dim))
-            q = _quantize(nemo._apply_rope(q, angles), "mxfp4", 32)
+            q = ix.wq_b(state.projection.index_input).unflatten(-1, (ix.num_heads, ix.head_dim))
+            q = _quantize(nemo._apply_rope(q, state.angles), "mxfp4", 32)
             w = ix.weights_proj(xb) * (ix.head_dim**-0.5 * ix.num_heads**-0.5)
             cands = None
             if ix.is_candidate_source:
@@ -314,60 +327,100 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
                 row_hook=candidates if ix.is_candidate_source or ix.uses_candidates else None,
                 ascending=True,
             )
-            return picks.to(xb.device), cands
+        if cands is not None:
+            state.candidates = cands
+        return picks.to(xb.device)
 
     # ------------------------------------------------------------------ attention
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
-        m = self.module
-        forward_state: V41ForwardState = call.extra["state"]
-        state, angles, valid = forward_state.state, forward_state.angles, forward_state.valid
-        role = self.role
-        selected = cmp = None
-        next_state = state
-        if role != "window":
-            # own or the owner's gathered buffers (Note [Layers that share their indexer])
-            cmp = call.cmp_kv_global.transpose(0, 1)  # [B, N, D]
-            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
-            candidates = call.reused.get("candidates")
-            if role in ("full", "reindex"):
-                selected, made = self.select(
-                    x.transpose(0, 1), qr.transpose(0, 1), angles, keys, candidates, call
-                )
-                if made is not None:
-                    candidates = made
-            else:
-                selected = call.reused["selection"]
-            for name, value in (("selection", selected), ("candidates", candidates)):
-                if call.roles.publishes(name):
-                    call.outputs[name] = value
-            next_state = type(state)(
-                compressed_kv=cmp,
-                index_keys=keys,
+    def selection(self, state: V41ForwardState, call: DeepSeekV4CPContext) -> Any:
+        """The base's (own picks, or the Reuse layer's owner's), the candidates published
+        too, and the ``DeepseekV41AttentionState`` this layer returns: its own or the
+        owner's gathered buffers (Note [Layers that share their indexer])."""
+        selected = super().selection(state, call)
+        state.next_state = nemo_state = state.inputs.nemo_state
+        if self.role != "window":
+            candidates = state.candidates
+            if candidates is None:
+                candidates = call.reused.get("candidates")
+            if call.roles.publishes("candidates"):
+                call.outputs["candidates"] = candidates
+            state.next_state = type(nemo_state)(
+                compressed_kv=call.cmp_kv_global.transpose(0, 1),  # [B, N, D]
+                index_keys=call.cmp_idx_global.transpose(0, 1),  # [B, N, Di]
                 topk_indices=selected,
                 candidates=candidates,
-                compression_ratio=int(m.compress_ratio),
+                compression_ratio=int(self.module.compress_ratio),
             )
-        o = run_sparse_attention(
-            query.transpose(0, 1),  # [B, L, H, D]
-            ori_ext.transpose(0, 1),  # [B, E, D]
-            cmp,
-            call.plan,
-            selected,
-            m.attn_sink,
-            m.head_dim**-0.5,
-            kernel=call.config.attention_kernel,
-            query_chunk=call.config.query_chunk,
+        return selected
+
+    def sink(self) -> torch.Tensor:
+        return self.module.attn_sink
+
+    def scale(self) -> float:
+        return self.module.head_dim**-0.5
+
+    def output(self, o: torch.Tensor, state: V41ForwardState) -> torch.Tensor:
+        """NeMo's ``_project_output`` (inverse RoPE, masked rows, grouped output)."""
+        o = o.to(state.projection.query.dtype)
+        return self.module._project_output(o, state.angles, state.valid)
+
+    def finish(self, out: torch.Tensor, state: V41ForwardState) -> Any:
+        return _attn_mod().DeepseekV41AttentionOutput(out, state.next_state)
+
+    # ------------------------------------------------------------------ the call
+
+    def read_inputs(
+        self,
+        hidden_states: Any,
+        *,
+        position_ids: Any,
+        state: Any,
+        attention_mask: Any = None,
+        cp_group: Any = None,
+        packed_seq_ids: Any = None,
+    ) -> V41CallInputs:
+        return V41CallInputs(
+            hidden_states,
+            position_ids,
+            nemo_state=state,
+            attention_mask=attention_mask,
+            cp_group=cp_group,
+            packed_seq_ids=packed_seq_ids,
         )
-        forward_state.next_state = next_state
-        return m._project_output(o.to(query.dtype), angles, valid)
+
+    def begin(self, cp_forward: Any, group: Any, inputs: V41CallInputs) -> Any:
+        """The base's, with the packed boundaries ``cp_nemo_batch`` recorded on the handle
+        (NeMo passes per-row document ids, not boundaries)."""
+        inputs.padding = cp_forward.sequence.padding
+        if inputs.packed_seq_ids is not None:
+            rows = rows_hint(inputs.hidden, 1) * group.size
+            inputs.cu_seqlens = cp_forward.sequence.documents(rows)
+            inputs.no_bounds = inputs.cu_seqlens is None
+        return super().begin(cp_forward, group, inputs)
+
+    def project(self, state: V41ForwardState) -> Projection:
+        """NeMo's projections: RoPE'd queries, the fp8-quantized window KV, the residual."""
+        m, nemo, x, mask = self.module, _attn_mod(), state.hidden, state.inputs.attention_mask
+        state.angles = m.rotary_emb(state.positions)
+        qr = m.q_norm(m.wq_a(x))
+        query = nemo._apply_rope(m.wq_b(qr).unflatten(-1, (m.num_heads, m.head_dim)), state.angles)
+        kv = _quantize(nemo._apply_rope(m.kv_norm(m.wkv(x)), state.angles), "fp8", 32)
+        state.valid = x.new_ones(x.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+        return Projection(query, kv, index_input=qr)
 
     # ------------------------------------------------------------------ checks
 
-    def problems(self, cp_group: Any) -> list[str]:
+    def problems(self, inputs: V41CallInputs) -> list[str]:
         """What hp_cp cannot take from NeMo's call (recorded, raised on every rank)."""
         m, out = self.module, []
-        if cp_group is not None or getattr(m, "cp_group", None) is not None:
+        if inputs.no_bounds:
+            out.append(
+                "got packed_seq_ids without the packed boundaries of the sequence: lay "
+                "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
+                "(it records them on the handle), not NeMo's own packer."
+            )
+        if inputs.cp_group is not None or getattr(m, "cp_group", None) is not None:
             out.append(_NEMO_CP_ON)
         if m.training and m.attention_dropout > 0:
             out.append(
@@ -376,108 +429,40 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             )
         return out
 
-    def make_forward(self, cp_forward: Any, group: Any) -> Any:
-        m = self.module
-        adapter = self
-
-        def forward(
-            hidden_states,
-            *,
-            position_ids,
-            state,
-            attention_mask=None,
-            cp_group=None,
-            packed_seq_ids=None,
-        ):
-            call = adapter.check_inputs(
-                cp_forward, group, hidden_states, position_ids, state,
-                attention_mask, cp_group, packed_seq_ids,
-            )  # fmt: skip
-            nemo = _attn_mod()
-            angles = m.rotary_emb(position_ids.expand(hidden_states.shape[0], -1))
-            qr = m.q_norm(m.wq_a(hidden_states))
-            query = nemo._apply_rope(m.wq_b(qr).unflatten(-1, (m.num_heads, m.head_dim)), angles)
-            kv = _quantize(nemo._apply_rope(m.kv_norm(m.wkv(hidden_states)), angles), "fp8", 32)
-            if attention_mask is None:
-                valid = torch.ones(
-                    hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device
-                )
-            else:
-                valid = attention_mask.bool()
-            forward_state = V41ForwardState(state, angles, valid)
-            out = cp_forward(
-                query.transpose(0, 1),  # [L, B, H, D]
-                kv.transpose(0, 1),  # [L, B, D]
-                hidden_states.transpose(0, 1),
-                qr.transpose(0, 1),
-                call=call,
-                state=forward_state,
-            )
-            return nemo.DeepseekV41AttentionOutput(out, forward_state.next_state)
-
-        return forward
-
     def layer_name(self) -> str:
         return f"DeepseekV41Attention layer {self.module.layer_idx}"
 
     def hidden_size(self) -> int:
         return int(self.module.wq_a.in_features)
 
-    def check_inputs(
-        self,
-        cp_forward: Any,
-        group: Any,
-        hidden_states: Any,
-        position_ids: Any,
-        state: Any,
-        attention_mask: Any,
-        cp_group: Any,
-        packed_seq_ids: Any,
-    ) -> DeepSeekV4CPContext:
-        """Reject what CP cannot compute, on every rank, before any exchange
-        (:meth:`~hp_cp_torch.model_adapter.ModelAdapter.agree_inputs`); the position ids,
-        mask and document ids are compared with the plan on the device."""
-        problems = self.problems(cp_group)
-        cu = None
-        if packed_seq_ids is not None:
-            cu = cp_forward.sequence.documents(rows_hint(hidden_states, 1) * group.size)
-            if cu is None:
-                problems.append(
-                    "got packed_seq_ids without the packed boundaries of the sequence: lay "
-                    "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
-                    "(it records them on the handle), not NeMo's own packer."
-                )
+    def check_tensors(self, inputs: V41CallInputs, group: Any) -> TensorChecks:
+        where, packed = f"{self.layer_name()} under CP", inputs.cu_seqlens is not None
+        device = getattr(group, "device", None)
+        return check_hidden_states(device, where, inputs.hidden, self.hidden_size(), packed)
 
-        def value_checks(plan: Any) -> list[tuple[Any, str]]:
-            n_local, dev = plan.n_local, hidden_states.device
-            want = torch.as_tensor(plan.positions, device=dev)
-            got = position_ids.reshape(-1, position_ids.shape[-1])
-            bad = [got.shape[-1] != n_local or (got != want).any(), False, False]
-            doc_ids = None
-            if cu is not None:
-                ids = Documents.packed(cu, plan.layout.total_rows).doc_of(plan.local_rows) + 1
-                real = cp_forward.sequence.padding
-                if real is not None and real.pad_rows:
-                    ids = np.where(plan.local_rows >= real.rows, 0, ids)
-                doc_ids = torch.as_tensor(ids, device=dev)
-                pid = packed_seq_ids.reshape(-1, packed_seq_ids.shape[-1])
-                bad[2] = pid.shape[-1] != n_local or (pid != doc_ids).any()
-            if attention_mask is not None:
-                am = attention_mask.reshape(-1, attention_mask.shape[-1])
-                if am.shape[-1] != n_local:
-                    bad[1] = True
-                else:
-                    bad[1] = ((am == 0) if doc_ids is None else am.bool() != (doc_ids > 0)).any()
-            return list(zip(bad, V41_VALUE_MESSAGES))
-
-        return self.agree_inputs(
-            cp_forward,
-            group,
-            hidden_states,
-            cu_seqlens=cu,
-            problems=problems,
-            value_checks=value_checks,
-        )
+    def value_checks(self, inputs: V41CallInputs, plan: Any) -> list[tuple[Any, str]]:
+        """The position ids, the mask and the document ids against the plan, on the device."""
+        n_local, dev, position_ids = plan.n_local, inputs.hidden.device, inputs.position_ids
+        want = torch.as_tensor(plan.positions, device=dev)
+        got = position_ids.reshape(-1, position_ids.shape[-1])
+        bad = [got.shape[-1] != n_local or (got != want).any(), False, False]
+        doc_ids = None
+        if inputs.cu_seqlens is not None:
+            docs = Documents.packed(inputs.cu_seqlens, plan.layout.total_rows)
+            ids = docs.doc_of(plan.local_rows) + 1
+            real = inputs.padding
+            if real is not None and real.pad_rows:
+                ids = np.where(plan.local_rows >= real.rows, 0, ids)
+            doc_ids = torch.as_tensor(ids, device=dev)
+            pid = inputs.packed_seq_ids.reshape(-1, inputs.packed_seq_ids.shape[-1])
+            bad[2] = pid.shape[-1] != n_local or (pid != doc_ids).any()
+        if inputs.attention_mask is not None:
+            am = inputs.attention_mask.reshape(-1, inputs.attention_mask.shape[-1])
+            if am.shape[-1] != n_local:
+                bad[1] = True
+            else:
+                bad[1] = ((am == 0) if doc_ids is None else am.bool() != (doc_ids > 0)).any()
+        return list(zip(bad, V41_VALUE_MESSAGES))
 
 
 V41_VALUE_MESSAGES = (

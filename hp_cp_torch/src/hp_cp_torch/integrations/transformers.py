@@ -48,8 +48,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,15 +61,16 @@ from hp_cp_core import (
     LayerSpec,
     stage1_compress_with_halo,
 )
+from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
+from hp_cp_torch.attention import chunk_columns
 from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
+from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.kernels.smallop import gather_rows
-from hp_cp_torch.model_adapter import ModelAdapter
-from hp_cp_torch.precision import uses_model_precision
+from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
 from hp_cp_torch.training import cp_causal_lm_loss, cp_shift_labels, cp_sum_gradients
-from hp_cp_torch.validation import rows_hint
+from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
 # re-exported: the training helpers (hp_cp_torch.training) and HF's layout
 # (hp_cp_torch.hf_layout) serve any model, so they live outside the model files
@@ -165,38 +165,50 @@ def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
 
 
 @dataclass
-class RopeForwardState:
-    """One forward of a V4 layer (HF's, NeMo's, VeOmni's), from its forward to its stage hooks
-    (``call.extra["state"]``).
+class ModelCallInputs(LayerInputs):
+    """A transformers / NeMo / VeOmni attention layer's call: the base's inputs and the rest.
 
     Attributes:
-        cos, sin: the RoPE tables of the local rows.
-        position_ids: the local rows' positions ``[1 or B, L]``.
-        rotary: the compressors' rotary module (NeMo), else ``None``.
-        qr: the query's low-rank residual ``[L, B, q_lora]`` (computed while the halo
-            travels, or passed in).
-        indexer_q: the indexer's roped queries ``[B, L, H_I, D_I]`` (CSA), else ``None``.
-        query: the queries ``[L, B, H, D]`` (computed while the slots travel, or passed in).
+        position_embeddings: the RoPE tables the model computed (HF's ``(cos, sin)`` or a
+            dict of them by layer type; NeMo GLM-5's ``freqs_cis``).
+        attention_mask: the mask the model passed down, or ``None``.
+        past_key_values: a KV cache (refused), or ``None``.
+        kwargs: the call's other keyword arguments.
     """
 
-    cos: Any
-    sin: Any
-    position_ids: Any
+    position_embeddings: Any = None
+    attention_mask: Any = None
+    past_key_values: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RopeForwardState(ForwardState):
+    """One forward of a V4 layer (HF's, NeMo's, VeOmni's): the base's fields and the RoPE.
+
+    Attributes:
+        cos, sin: the RoPE tables of the local rows (set by ``project``).
+        rotary: the compressors' rotary module (NeMo), else ``None``.
+        qr: the query's low-rank residual ``[B, L, q_lora]`` (computed while the halo
+            travels).
+    """
+
+    cos: Any = None
+    sin: Any = None
     rotary: Any = None
     qr: Any = None
-    indexer_q: Any = None
-    query: Any = None
 
 
 class DeepseekV4AttentionAdapter(ModelAdapter):
-    """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``).
+    """The model adapter of transformers' ``DeepseekV4Attention`` (batch-major ``[B, S,
+    hidden]``): its call, checks, projections, compressors, indexer and tail; the machinery
+    is :class:`~hp_cp_torch.model_adapter.ModelAdapter`'s. NeMo's, VeOmni's and the DSA
+    adapters derive from it (the same call shape and checks)."""
 
-    A :class:`~hp_cp_torch.model_adapter.ModelAdapter` that still overrides the machinery
-    methods (its forward computes the queries while the exchanges travel, and its checks read
-    HF's masks and position ids); NeMo's, VeOmni's and the DSA adapters derive from it."""
+    state_class = RopeForwardState
 
     model_precision_attention = True
-    """``attention_precision="model"`` runs :meth:`eager_attention` (Note [Attention
+    """``attention_precision="model"`` runs :meth:`model_attention` (Note [Attention
     precision] in :mod:`hp_cp_torch.precision`)."""
 
     packed_topk_row = "document"
@@ -223,9 +235,6 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
         "boundaries as hp_cp_cu_seqlens=...)."
     )
     """The error for position ids that are not this rank's global rows."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
 
     def apply_rope(self, *args: Any) -> Any:
         """The modeling file's ``apply_rotary_pos_emb`` (a generated copy uses its own)."""
@@ -281,101 +290,49 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
                 call,
             )
 
-    def indexer_queries(
-        self, xb: torch.Tensor, qrb: torch.Tensor, position_ids: torch.Tensor
-    ) -> torch.Tensor:
+    def index_queries(self, state: RopeForwardState) -> torch.Tensor:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
-        ix = self.module.compressor.indexer
+        ix, x = self.module.compressor.indexer, state.hidden
         with torch.no_grad():
-            batch, length = xb.shape[:2]
-            cos_q, sin_q = ix.rotary_emb(
-                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
-            )
-            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
-            return self.apply_rope(q, cos_q, sin_q).transpose(1, 2)
+            cos, sin = ix.rotary_emb(x, position_ids=state.positions, layer_type=ix.rope_layer_type)
+            q = ix.q_b_proj(state.qr).view(*x.shape[:2], -1, ix.head_dim).transpose(1, 2)
+            return self.apply_rope(q, cos, sin).transpose(1, 2)
 
-    def select(
-        self,
-        xb: torch.Tensor,
-        qrb: torch.Tensor,
-        position_ids: torch.Tensor,
-        call: DeepSeekV4CPContext,
-    ) -> torch.Tensor:
-        """Indexer top-k of the local queries over their visible slots (global slot ids)."""
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
         ix = self.module.compressor.indexer
-        prepared = call.extra["state"].indexer_q
-        with torch.no_grad():
-            q = self.indexer_queries(xb, qrb, position_ids) if prepared is None else prepared
-            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
-            return select_topk_chunked(
-                lambda lo, hi, s0, s1: self.score(ix, q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
-                call.plan,
-                int(ix.index_topk),
-                call.config.query_chunk,
-                batch=xb.shape[0],
-                one_process_row=self.packed_topk_row,  # the model's torch.topk row, exact ties too
-                sequence_rows=call.sequence_rows,
-                cu_seqlens=call.cu_seqlens,
-                score_heads=int(ix.num_heads),
-            )
+        return self.score(ix, state.index_queries[:, lo:hi], keys, state.hidden[:, lo:hi])
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
-        m = self.module
-        state: RopeForwardState = call.extra["state"]
-        if query is None:  # computed while the exchanges travelled
-            query, qr = state.query, state.qr
-        cos, sin, position_ids = state.cos, state.sin, state.position_ids
-        selected = None
-        if call.cmp_idx_global is not None:
-            selected = self.select(x.transpose(0, 1), qr.transpose(0, 1), position_ids, call)
-        cmp = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
-        q = query.transpose(0, 1)  # [B, L, H, D]
-        ori = ori_ext.transpose(0, 1)  # [B, E, D]
-        # attention dropout in training: only HF's own op sequence applies it
-        dropout = m.training and m.attention_dropout > 0
-        if not uses_model_precision(call.config) and not dropout:
-            o = run_sparse_attention(
-                q,
-                ori,
-                cmp,
-                call.plan,
-                selected,
-                m.sinks,
-                m.scaling,
-                kernel=call.config.attention_kernel,
-                query_chunk=call.config.query_chunk,
-            )
-        else:
-            o = self.eager_attention(q, ori, cmp, call.plan, selected, call.config.query_chunk)
-        return self.output(o, cos, sin)
+    def index_topk(self) -> int:
+        return int(self.module.compressor.indexer.index_topk)
 
-    def eager_attention(
-        self,
-        q: torch.Tensor,
-        ori: torch.Tensor,
-        cmp: torch.Tensor | None,
-        plan: Any,
-        selected: torch.Tensor | None,
-        query_chunk: int,
-    ) -> torch.Tensor:
+    def index_heads(self) -> int:
+        return int(self.module.compressor.indexer.num_heads)
+
+    def sink(self) -> torch.Tensor:
+        return self.module.sinks
+
+    def scale(self) -> float:
+        return float(self.module.scaling)
+
+    def model_attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
         """HF's ``eager_attention_forward`` on gathered columns instead of a dense mask.
 
         Each query attends to its plan columns (window, then the indexer picks for CSA or
         every visible slot for HCA); the op sequence and dtypes are HF's: logits in the
         model dtype, the ``sinks`` logit column inside the max, softmax in the logits' dtype,
-        dropout, probabilities cast to the value dtype. Query chunks bound the memory.
+        probabilities cast to the value dtype (dropout in training is refused). Query chunks
+        bound the memory.
         """
-        m = self.module
+        m, q, ori, cmp = self.module, request.q, request.ori_ext, request.cmp_kv
         batch, n_ext = q.shape[0], ori.shape[1]
         pool = ori if cmp is None else torch.cat([ori, cmp], dim=1)
         if pool.shape[1] == 0:
             pool = pool.new_zeros((batch, 1, pool.shape[-1]))
-        columns = PlanColumns(plan, n_ext)
-        p_drop = m.attention_dropout if m.training else 0.0
+        columns = PlanColumns(request.plan, n_ext)
         outs = []
-        for lo, hi in columns.chunks(query_chunk):
+        for lo, hi in columns.chunks(request.query_chunk):
             window, slots = chunk_columns(
-                columns, lo, hi, selected, cmp is not None, batch, q.device
+                columns, lo, hi, request.selected, cmp is not None, batch, q.device
             )
             cols = [window] if slots is None else [window, slots]
             idx = torch.cat(cols, dim=-1)  # [B, l, K]
@@ -388,15 +345,14 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             sinks = m.sinks.reshape(1, 1, -1, 1).expand(batch, hi - lo, -1, 1)
             logits = torch.cat([logits, sinks], dim=-1)
             logits = logits - logits.max(dim=-1, keepdim=True).values
-            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-            probs = F.dropout(probs, p=p_drop, training=m.training).to(kv.dtype)
+            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
             outs.append(torch.matmul(probs, kv))  # [B, l, H, D]
         return torch.cat(outs, dim=1)
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, state: RopeForwardState) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped ``o_a_proj``, ``o_b_proj`` (HF's tail)."""
         m = self.module
-        o = self.apply_rope(o.transpose(1, 2), cos, -sin).transpose(1, 2)
+        o = self.apply_rope(o.transpose(1, 2), state.cos, -state.sin).transpose(1, 2)
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.o_b_proj(m.o_a_proj(grouped).flatten(2))
 
@@ -412,27 +368,37 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
         """The layer's attention dropout probability (refused in training)."""
         return float(self.module.attention_dropout)
 
-    def check_inputs(
+    def read_inputs(
         self,
-        cp_forward: Any,
-        group: Any,
         hidden_states: Any,
-        position_embeddings: Any,
-        position_ids: Any,
-        attention_mask: Any,
-        past_key_values: Any,
-        *,
-        cu_seqlens: Any = None,
-        problems: Iterable[str] = (),
-    ) -> DeepSeekV4CPContext:
-        """Reject what CP cannot compute, on every rank, before any exchange
-        (:meth:`~hp_cp_torch.model_adapter.ModelAdapter.agree_inputs`): no RoPE tables, a
-        cache, dropout in training, and (read on the device) a mask that hides a token or
-        position ids that are not the plan's. ``problems``: a subclass's own findings."""
-        problems = list(problems)
-        if position_embeddings is None:
+        position_embeddings: Any = None,
+        position_ids: Any = None,
+        attention_mask: Any = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> ModelCallInputs:
+        return ModelCallInputs(
+            hidden_states,
+            position_ids,
+            kwargs.get(CU_SEQLENS_KWARG),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            kwargs=kwargs,
+        )
+
+    def check_tensors(self, inputs: ModelCallInputs, group: Any) -> TensorChecks:
+        where = f"{self.layer_name()} under CP"
+        packed = inputs.cu_seqlens is not None
+        device = getattr(group, "device", None)
+        return check_hidden_states(device, where, inputs.hidden, self.hidden_size(), packed)
+
+    def problems(self, inputs: ModelCallInputs) -> list[str]:
+        """No RoPE tables, a KV cache, attention dropout in training."""
+        problems = []
+        if inputs.position_embeddings is None:
             problems.append(self.NO_ROPE_HINT)
-        if past_key_values is not None:
+        if inputs.past_key_values is not None:
             problems.append(
                 "got a KV cache (past_key_values); caches and generation are not supported "
                 "under CP. Call the model with use_cache=False (config.use_cache defaults to "
@@ -444,89 +410,49 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
                 f"attention dropout ({dropout}) in training is not supported; set "
                 "config.attention_dropout=0.0 or call model.eval()."
             )
+        return problems
 
-        def value_checks(plan: Any) -> list[tuple[Any, str]]:
-            bad_positions: Any = False
-            if position_ids is not None:
-                want = torch.as_tensor(plan.positions, device=position_ids.device)
-                got = position_ids.reshape(-1, position_ids.shape[-1])
-                bad_positions = got.shape[-1] != plan.n_local or (got != want).any()
-            return [
-                (_mask_is_unsupported(attention_mask), self.MASK_HINT),
-                (bad_positions, self.POSITIONS_HINT),
-            ]
+    def value_checks(self, inputs: ModelCallInputs, plan: Any) -> list[tuple[Any, str]]:
+        """A mask that hides a token; position ids that are not the plan's."""
+        position_ids, bad_positions = inputs.position_ids, False
+        if position_ids is not None:
+            want = torch.as_tensor(plan.positions, device=position_ids.device)
+            got = position_ids.reshape(-1, position_ids.shape[-1])
+            bad_positions = got.shape[-1] != plan.n_local or (got != want).any()
+        return [
+            (_mask_is_unsupported(inputs.attention_mask), self.MASK_HINT),
+            (bad_positions, self.POSITIONS_HINT),
+        ]
 
-        return self.agree_inputs(
-            cp_forward,
-            group,
-            hidden_states,
-            cu_seqlens=cu_seqlens,
-            problems=problems,
-            value_checks=value_checks,
-            seen=(id(attention_mask), id(position_ids), rows_hint(hidden_states, 1)),
-        )
+    def checked_objects(self, inputs: ModelCallInputs) -> tuple[Any, ...]:
+        return (id(inputs.attention_mask), id(inputs.position_ids), rows_hint(inputs.hidden, 1))
 
-    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        m = self.module
-        adapter = self
+    def project(self, state: RopeForwardState) -> Projection:
+        """HF's projections: the shared KV now; the query residual and the indexer's queries
+        while the halo travels, the queries while the slots do (Note [Overlapped exchanges]
+        in hp_cp_core.collectives; each holds work with a gradient, so backward overlaps both
+        exchanges too)."""
+        m, rope, x = self.module, self.apply_rope, state.hidden
+        tables = state.inputs.position_embeddings
+        state.cos, state.sin = tables[m.rope_layer_type] if isinstance(tables, dict) else tables
+        shape = (*x.shape[:2], -1, m.head_dim)
+        kv = rope(m.kv_norm(m.kv_proj(x)).view(shape).transpose(1, 2), state.cos, state.sin)
+        projection = Projection(None, kv[:, 0])  # [B, L, D]
 
-        def forward(
-            hidden_states,
-            position_embeddings=None,
-            position_ids=None,
-            attention_mask=None,
-            past_key_values=None,
-            **kwargs,
-        ):
-            call = adapter.check_inputs(
-                cp_forward,
-                group,
-                hidden_states,
-                position_embeddings,
-                position_ids,
-                attention_mask,
-                past_key_values,
-                cu_seqlens=kwargs.get("hp_cp_cu_seqlens"),
-            )
-            if position_ids is None:
-                position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
-            if isinstance(position_embeddings, dict):
-                position_embeddings = position_embeddings[m.rope_layer_type]
-            cos, sin = position_embeddings
-            apply_rope = adapter.apply_rope
-            batch, length = hidden_states.shape[:2]
-            shape = (batch, length, -1, m.head_dim)
-            kv = m.kv_norm(m.kv_proj(hidden_states)).view(shape).transpose(1, 2)
-            kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
-            state = RopeForwardState(cos, sin, position_ids)  # filled while exchanges travel
+        def residual_and_indexer_queries() -> None:
+            state.qr = m.q_a_norm(m.q_a_proj(x))
+            if self.is_csa:
+                state.index_queries = self.index_queries(state)
 
-            # Note [Overlapped exchanges] in hp_cp_core.collectives: the query residual and
-            # the indexer's queries while the halo travels, the queries while the slots do.
-            # Each window holds work with a gradient, so backward overlaps both exchanges too.
-            def residual_and_indexer_queries() -> None:
-                q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
-                state.qr = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
-                if adapter.is_csa:
-                    state.indexer_q = adapter.indexer_queries(
-                        hidden_states, q_residual, position_ids
-                    )
+        def queries() -> None:
+            q = m.q_b_norm(m.q_b_proj(state.qr).view(shape).transpose(1, 2))
+            projection.query = rope(q, state.cos, state.sin).transpose(1, 2)  # [B, L, H, D]
 
-            def queries() -> None:
-                q = m.q_b_norm(m.q_b_proj(state.qr.transpose(0, 1)).view(shape).transpose(1, 2))
-                state.query = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
+        projection.local_work = (residual_and_indexer_queries, queries)
+        return projection
 
-            out = cp_forward(
-                None,  # the queries: computed while the exchanges travel (`state`)
-                kv[:, 0].transpose(0, 1),  # [L, B, D]
-                hidden_states.transpose(0, 1),  # [L, B, hidden]
-                None,
-                call=call,
-                local_work=(residual_and_indexer_queries, queries),
-                state=state,
-            )
-            return out, None  # HF returns (output, attn_weights)
-
-        return forward
+    def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
+        return out, None  # HF returns (output, attn_weights)
 
 
 def cp_causal_lm_batch(

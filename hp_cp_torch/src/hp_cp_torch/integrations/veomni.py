@@ -36,6 +36,7 @@ from hp_cp_core import enable_cp as _core_enable_cp
 from hp_cp_torch.deprecation import warn_deprecated
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
+    ModelCallInputs,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
@@ -118,22 +119,19 @@ class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         weights = ix.weights_proj(x).float() * ix.weights_scaling  # [B, l, H]
         return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
-    def make_forward(self, cp_forward: Any, group: Any) -> Any:
-        inner = super().make_forward(cp_forward, group)
-
-        def forward(hidden_states, *args, **kwargs):
-            problem = _veomni_sp_problem()
-            if problem is not None:
-                raise HpCpError(f"DeepseekV4Attention layer {self.module.layer_idx}: {problem}")
-            for key in ("packed_sequence_slices", "packed_compression_metadata"):
-                if kwargs.get(key) is not None:
-                    raise HpCpError(
-                        f"got VeOmni's {key} under hp_cp: pass the batch of cp_veomni_batch "
-                        "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
-                    )
-            return inner(hidden_states, *args, **kwargs)
-
-        return forward
+    def problems(self, inputs: ModelCallInputs) -> list[str]:
+        """The HF adapter's, VeOmni's own sequence parallelism, and its packing metadata."""
+        problems = super().problems(inputs)
+        problem = _veomni_sp_problem()
+        if problem is not None:
+            problems.append(problem)
+        for key in ("packed_sequence_slices", "packed_compression_metadata"):
+            if inputs.kwargs.get(key) is not None:
+                problems.append(
+                    f"got VeOmni's {key} under hp_cp: pass the batch of cp_veomni_batch "
+                    "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
+                )
+        return problems
 
 
 def enable_cp(model: Any, mesh: Any, config: DeepSeekV4CPConfig | None = None) -> Any:
