@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from torch import nn
 
-import hp_cp_core
 from hp_cp_core import (
     CPHandle,
     DeepSeekV4CPContext,
@@ -50,8 +49,9 @@ from hp_cp_core import (
     cu_seqlens_from_lengths,
     stage1_compress_with_halo,
 )
-from hp_cp_torch.deprecation import warn_deprecated
-from hp_cp_torch.integrations.nemo_automodel_dsa import is_dsa_model
+from hp_cp_torch.deprecation import nemo_cp_batch
+from hp_cp_torch.deprecation import nemo_disable_cp as disable_cp
+from hp_cp_torch.deprecation import nemo_enable_cp as enable_cp
 from hp_cp_torch.integrations.nemo_automodel_v41 import is_v41_model, v41_batch_inputs
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
@@ -62,6 +62,7 @@ from hp_cp_torch.integrations.transformers import (
     cp_sum_gradients,
 )
 from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "NemoDeepseekV4AttentionAdapter",
@@ -86,15 +87,9 @@ def _nemo() -> Any:
 
 
 def nemo_adapter_for(module: Any) -> Any:
-    """The adapter for a NeMo Automodel ``DeepseekV4Attention``, else ``None``.
-
-    Never imports NeMo: a module can only be an instance of its class once NeMo is imported.
-    """
-    layers = sys.modules.get(LAYERS)
-    cls = getattr(layers, "DeepseekV4Attention", None) if layers is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return NemoDeepseekV4AttentionAdapter(module)
+    """The adapter for a NeMo Automodel ``DeepseekV4Attention``, else ``None`` (never
+    imports NeMo)."""
+    return registered_adapter(module, NemoDeepseekV4AttentionAdapter)
 
 
 def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offset: int) -> Any:
@@ -289,32 +284,6 @@ def _as_numpy(value: Any) -> Any:
     return value
 
 
-def _attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [mod for mod in model.modules() if nemo_adapter_for(mod) is not None]
-
-
-def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's
-    DeepSeek V4, V4.1 and GLM-5 (the adapters' ``prepare_model``: NeMo's own CP refused,
-    V4.1's Engram hash, GLM-5's positions, V3.2 refused with the reason).
-
-    This one still names the NeMo layer it found none of before calling it.
-    """
-    warn_deprecated("hp_cp_torch.integrations.nemo_automodel.enable_cp", "hp_cp_core.enable_cp")
-    if not (is_v41_model(model) or is_dsa_model(model)) and not _attention_layers(model):
-        raise HpCpError(
-            f"found no NeMo Automodel DeepseekV4Attention in a `{type(model).__name__}`; pass "
-            "nemo_automodel's DeepseekV4ForCausalLM, DeepseekV4Model or a DeepseekV4Attention."
-        )
-    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-
-
-def disable_cp(handle: CPHandle) -> None:
-    """Deprecated (0.3.0): ``hp_cp_core.disable_cp(handle)``, which this calls."""
-    warn_deprecated("hp_cp_torch.integrations.nemo_automodel.disable_cp", "hp_cp_core.disable_cp")
-    hp_cp_core.disable_cp(handle)
-
-
 # --------------------------------------------------------------------------- batches
 
 
@@ -383,28 +352,3 @@ def cp_nemo_batch(
     out["labels"] = batch.labels
     out["n_tokens"] = batch.n_tokens
     return out
-
-
-def nemo_cp_batch(
-    handle: CPHandle,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    *,
-    seq_lens: Any = None,
-    packed_seq_ids: Any = None,
-    ignore_index: int = -100,
-) -> dict[str, Any]:
-    """Deprecated (0.3.0): :func:`cp_nemo_batch`, the same call under the name every
-    stack's batch helper now has (``cp_<stack>_batch``)."""
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel.nemo_cp_batch",
-        "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch",
-    )
-    return cp_nemo_batch(
-        handle,
-        input_ids,
-        labels,
-        seq_lens=seq_lens,
-        packed_seq_ids=packed_seq_ids,
-        ignore_index=ignore_index,
-    )

@@ -43,12 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
-import hp_cp_core
-from hp_cp_core import CPHandle, HpCpError
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_core import CPHandle
+from hp_cp_torch.deprecation import enable_cp_dsa
 from hp_cp_torch.integrations.transformers import ModelCallInputs
 from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter, DSAForwardState
-from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.model_adapter import ForwardState, Projection, refuse
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "V32_NOT_CAUSAL",
@@ -77,11 +77,8 @@ V32_NOT_CAUSAL = (
 plugin's discovery, so by ``hp_cp_core.enable_cp`` too)."""
 
 
-class NemoDeepseekV32Refusal:
-    """Registered for NeMo's ``DeepseekV32MLA``: refuses it (:data:`V32_NOT_CAUSAL`)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        raise HpCpError(V32_NOT_CAUSAL)
+NemoDeepseekV32Refusal = refuse(V32_NOT_CAUSAL)
+"""Registered for NeMo's ``DeepseekV32MLA``: refuses it (:data:`V32_NOT_CAUSAL`)."""
 
 
 def nemo_dsa_adapter_for(module: Any) -> Any:
@@ -90,13 +87,7 @@ def nemo_dsa_adapter_for(module: Any) -> Any:
     Raises:
         HpCpError: ``module`` is NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`).
     """
-    for path, name in ((GLM_LAYERS, "GlmMoeDsaMLA"), (V32_LAYERS, "DeepseekV32MLA")):
-        cls = getattr(sys.modules.get(path), name, None)
-        if cls is not None and isinstance(module, cls):
-            if path == V32_LAYERS:
-                raise HpCpError(V32_NOT_CAUSAL)
-            return NemoGlmDsaAttentionAdapter(module)
-    return None
+    return registered_adapter(module, NemoGlmDsaAttentionAdapter, NemoDeepseekV32Refusal)
 
 
 def is_dsa_model(model: Any) -> bool:
@@ -147,8 +138,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 hook = mod.register_forward_pre_hook(_pass_positions, with_kwargs=True)
                 handle.on_disable(hook.remove)
 
-    @property
-    def scaling(self) -> float:
+    def scale(self) -> float:
         return float(self.module.softmax_scale)
 
     def layer_name(self) -> str:
@@ -293,21 +283,3 @@ class NemoDSACallInputs(ModelCallInputs):
 def _pass_positions(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
     """Forward pre-hook of a ``GlmMoeDsaModel``: its layers get the ``position_ids`` too."""
     return args, {**kwargs, POSITIONS_KWARG: kwargs.get("position_ids")}
-
-
-def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's GLM-5
-    the same way (:meth:`NemoGlmDsaAttentionAdapter.prepare_model`: the positions pre-hook,
-    V3.2 refused with :data:`V32_NOT_CAUSAL`); this one still names the GLM-5 layer it found
-    none of before calling it.
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel_dsa.enable_cp_dsa", "hp_cp_core.enable_cp"
-    )
-    layers = [mod for mod in model.modules() if nemo_dsa_adapter_for(mod) is not None]
-    if not layers:
-        raise HpCpError(
-            f"found no NeMo Automodel GlmMoeDsaMLA in a `{type(model).__name__}`; pass "
-            "nemo_automodel's GlmMoeDsaForCausalLM, GlmMoeDsaModel or a GlmMoeDsaMLA."
-        )
-    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")

@@ -77,7 +77,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import hp_cp_core
 from hp_cp_core import (
     CPBatch,
     CPHandle,
@@ -89,9 +88,11 @@ from hp_cp_core import (
 )
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
+from hp_cp_torch.adapter import install_forward
 from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_torch.deprecation import enable_cp_v41, nemo_v41_cp_batch
 from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
 __all__ = [
@@ -117,11 +118,7 @@ def _quantize(values: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 def nemo_v41_adapter_for(module: Any) -> Any:
     """The adapter for a NeMo ``DeepseekV41Attention``, else ``None`` (never imports NeMo)."""
-    mod = sys.modules.get(ATTENTION)
-    cls = getattr(mod, "DeepseekV41Attention", None) if mod is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return NemoDeepseekV41AttentionAdapter(module)
+    return registered_adapter(module, NemoDeepseekV41AttentionAdapter)
 
 
 def is_v41_model(model: Any) -> bool:
@@ -228,9 +225,6 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             index_block=block,
             reuses=reuses,
         )
-
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key  # [L, B, D]: the roped, fp8-quantized window KV
 
     def _latent(self, rows: torch.Tensor) -> torch.Tensor:
         """NeMo's ``_Compressor`` on sequence-major rows ``[n, B, hidden]``: ``[B, n//r, D]``."""
@@ -578,24 +572,6 @@ def _check_candidates(layers: list[nn.Module]) -> None:
             )
 
 
-def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's
-    DeepSeek V4.1 the same way (:func:`prepare_v41_model`: NeMo's own CP and an unplannable
-    candidate schedule refused, the Engram hash under CP, the guard); this one still names
-    the V4.1 layer it found none of before calling it.
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel_v41.enable_cp_v41", "hp_cp_core.enable_cp"
-    )
-    layers = [mod for mod in model.modules() if nemo_v41_adapter_for(mod) is not None]
-    if not layers:
-        raise HpCpError(
-            f"found no NeMo Automodel DeepseekV41Attention in a `{type(model).__name__}`; pass "
-            "nemo_automodel's DeepseekV41ForCausalLM, DeepseekV41Model or a layer."
-        )
-    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-
-
 def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
     """The model-level part of V4.1 under CP, whichever ``enable_cp`` was called: refuse
     NeMo's own CP and a candidate schedule hp_cp cannot plan, run every Engram hash under CP
@@ -609,17 +585,7 @@ def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandl
     for hasher in [mod for mod in model.modules() if type(mod).__name__ == "DeepseekV41NgramHash"]:
         if handle.group.size == 1 and handle.config.single_rank_bypass:
             continue
-        had = "forward" in hasher.__dict__
-        previous = hasher.__dict__.get("forward")
-        hasher.forward = EngramHashCP(hasher, handle)
-
-        def undo(mod: nn.Module = hasher, had: bool = had, previous: Any = previous) -> None:
-            if had:
-                mod.forward = previous
-            else:
-                del mod.forward
-
-        handle.on_disable(undo)
+        handle.on_disable(install_forward(hasher, EngramHashCP(hasher, handle)))
 
     def guard(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if kwargs.get("cp_group") is not None or any(
@@ -647,25 +613,4 @@ def v41_batch_inputs(handle: CPHandle, batch: CPBatch, input_ids: torch.Tensor) 
         out["packed_seq_ids"] = handle.shard(ids_t, 1)
         out["attention_mask"] = out["packed_seq_ids"] > 0
         handle.sequence.record_documents(plan.cu_seqlens)
-    return out
-
-
-def nemo_v41_cp_batch(
-    handle: CPHandle,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None,
-    cu: np.ndarray | None,
-    shifted: torch.Tensor,
-    ignore_index: int,
-) -> dict[str, Any]:
-    """Deprecated (0.3.0): :func:`~hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch`
-    lays out V4.1 batches too (``shifted`` is ignored: the one batch path shifts)."""
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel_v41.nemo_v41_cp_batch",
-        "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch",
-    )
-    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu, ignore_index=ignore_index)
-    out = v41_batch_inputs(handle, batch, input_ids)
-    out["labels"] = batch.labels
-    out["n_tokens"] = batch.n_tokens
     return out

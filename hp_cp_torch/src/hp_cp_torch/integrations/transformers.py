@@ -47,7 +47,6 @@ one of HF's data-parallel axes and gives the loss its scale (:class:`HFCPLayout`
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,20 +54,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import (
-    DeepSeekV4CPContext,
-    HpCpError,
-    LayerSpec,
-    stage1_compress_with_halo,
-)
+from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_torch.deprecation import cp_causal_lm_batch
 from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
 from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.kernels.smallop import gather_rows
 from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.training import cp_causal_lm_loss, cp_shift_labels, cp_sum_gradients
 from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
@@ -94,16 +89,9 @@ def _hf() -> Any:
 
 
 def hf_adapter_for(module: Any) -> Any:
-    """The adapter for a transformers ``DeepseekV4Attention``, else ``None``.
-
-    Never imports the DeepSeek V4 modeling file itself: a module can only be an instance of
-    its class once something else imported it.
-    """
-    modeling = sys.modules.get(MODELING)
-    cls = getattr(modeling, "DeepseekV4Attention", None) if modeling is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return DeepseekV4AttentionAdapter(module)
+    """The adapter for a transformers ``DeepseekV4Attention``, else ``None`` (never imports
+    the modeling file)."""
+    return registered_adapter(module, DeepseekV4AttentionAdapter)
 
 
 def _compress_rows(
@@ -267,9 +255,6 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             has_indexer=self.is_csa,
             force_unfused=True,
         )
-
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key  # [L, B, D]: the single roped KV head (K == V)
 
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         comp, overlap = self.module.compressor, self.is_csa
@@ -453,29 +438,3 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
 
     def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
         return out, None  # HF returns (output, attn_weights)
-
-
-def cp_causal_lm_batch(
-    handle: Any,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> dict[str, torch.Tensor]:
-    """Deprecated (0.3.0): ``handle.batch(input_ids, labels=labels)``, the one batch path
-    (:meth:`hp_cp_core.CPHandle.batch`), gives the same tensors as a
-    :class:`~hp_cp_core.CPBatch`.
-
-    Returns:
-        ``input_ids``, ``position_ids``, ``labels`` (this rank's rows) and ``n_tokens``.
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.transformers.cp_causal_lm_batch",
-        "handle.batch(input_ids, labels=labels)",
-    )
-    batch = handle.batch(input_ids, labels=labels, ignore_index=ignore_index)
-    return {
-        "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
-        "labels": batch.labels,
-        "n_tokens": batch.n_tokens,
-    }

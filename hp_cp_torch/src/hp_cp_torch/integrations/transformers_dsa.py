@@ -48,13 +48,11 @@ packing detects them from ``position_ids``. Not supported under CP (an
 :class:`~hp_cp_core.HpCpError` on every rank, before any exchange): a KV cache, attention
 masks that hide tokens (padding; use ``handle.batch``'s trailing padding), attention
 dropout in training.
-
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +63,7 @@ from torch import nn
 from hp_cp_core import DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_torch.deprecation import cp_dsa_batch
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     ModelCallInputs,
@@ -76,6 +74,7 @@ from hp_cp_torch.integrations.transformers import (
 from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
 from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "DSAAttentionAdapter",
@@ -94,17 +93,9 @@ MODELINGS = {
 
 
 def dsa_adapter_for(module: Any) -> Any:
-    """The adapter for a transformers DSA attention layer (V3.2 or GLM-5), else ``None``.
-
-    Never imports a modeling file: a module can only be an instance of its class once
-    something else imported it.
-    """
-    for cls_name, path in MODELINGS.items():
-        modeling = sys.modules.get(path)
-        cls = getattr(modeling, cls_name, None) if modeling is not None else None
-        if cls is not None and isinstance(module, cls):
-            return DSAAttentionAdapter(module, path)
-    return None
+    """The adapter for a transformers DSA attention layer (V3.2 or GLM-5), else ``None``
+    (never imports a modeling file)."""
+    return registered_adapter(module, DSAAttentionAdapter)
 
 
 @dataclass(kw_only=True)
@@ -141,11 +132,6 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
 
     def _mod(self) -> Any:
         return importlib.import_module(self.modeling)
-
-    @property
-    def scaling(self) -> float:
-        """The attention's softmax scale (``qk_head_dim ** -0.5``, with YaRN's mscale)."""
-        return float(self.module.scaling)
 
     @property
     def shared(self) -> bool:
@@ -262,9 +248,6 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
     def sink(self) -> None:
         return None  # MLA has no sink
 
-    def scale(self) -> float:
-        return self.scaling
-
     def attend(
         self, request: AttentionRequest, state: DSAForwardState, call: DeepSeekV4CPContext
     ) -> torch.Tensor:
@@ -273,7 +256,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         m, q = self.module, state.query
         q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         dims = MLADims(
-            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, self.scaling
+            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, self.scale()
         )
         latent, selected = request.cmp_kv, request.selected.to(q.device)
         rows = chunk_rows(request.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
@@ -300,7 +283,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
             bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
             k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
-            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * self.scaling + bias
+            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * self.scale() + bias
             w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
         return torch.cat(outs, dim=2)
@@ -322,34 +305,3 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
 
     def finish(self, out: torch.Tensor, state: DSAForwardState) -> Any:
         return (out, None, state.selected) if self.glm else (out, None)
-
-
-def cp_dsa_batch(
-    handle: Any,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    *,
-    cu_seqlens: Any = None,
-    ignore_index: int = -100,
-) -> dict[str, Any]:
-    """Deprecated (0.3.0): ``handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens)``,
-    the one batch path (:meth:`hp_cp_core.CPHandle.batch`); pass
-    ``**batch.model_inputs()`` to the model.
-
-    Returns:
-        ``input_ids``, ``position_ids``, ``labels``, ``n_tokens`` and ``model_kwargs``
-        (``{"hp_cp_cu_seqlens": ...}`` when packed, else empty).
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.transformers_dsa.cp_dsa_batch",
-        "handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens)",
-    )
-    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
-    kwargs = {} if batch.cu_seqlens is None else {CU_SEQLENS_KWARG: batch.cu_seqlens}
-    return {
-        "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
-        "labels": batch.labels,
-        "n_tokens": batch.n_tokens,
-        "model_kwargs": kwargs,
-    }

@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import CPBatch, DeepSeekV4CPConfig, HpCpError, cu_seqlens_from_positions
-from hp_cp_core import disable_cp as _core_disable_cp
-from hp_cp_core import enable_cp as _core_enable_cp
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_core import CPBatch, HpCpError, cu_seqlens_from_positions
+from hp_cp_torch.deprecation import veomni_disable_cp as disable_cp
+from hp_cp_torch.deprecation import veomni_enable_cp as enable_cp
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     ModelCallInputs,
@@ -41,6 +40,7 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "VEOMNI_MODELING",
@@ -93,11 +93,7 @@ def prepare_veomni_model(model: nn.Module, layers: list[nn.Module], handle: Any)
 
 def veomni_adapter_for(module: Any) -> Any:
     """The adapter for a VeOmni ``DeepseekV4Attention``, else ``None`` (never imports VeOmni)."""
-    modeling = sys.modules.get(VEOMNI_MODELING)
-    cls = getattr(modeling, "DeepseekV4Attention", None) if modeling is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return VeOmniDeepseekV4AttentionAdapter(module)
+    return registered_adapter(module, VeOmniDeepseekV4AttentionAdapter)
 
 
 class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
@@ -132,29 +128,6 @@ class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                     "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
                 )
         return problems
-
-
-def enable_cp(model: Any, mesh: Any, config: DeepSeekV4CPConfig | None = None) -> Any:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs VeOmni's
-    DeepSeek V4 the same way (:func:`prepare_veomni_model` refuses VeOmni's own CP /
-    Ulysses); this one also refuses a model built without VeOmni's modeling imported.
-    """
-    warn_deprecated("hp_cp_torch.integrations.veomni.enable_cp", "hp_cp_core.enable_cp")
-    problem = _veomni_sp_problem()
-    if problem is not None:
-        raise HpCpError(f"enable_cp on {type(model).__name__}: {problem}")
-    if VEOMNI_MODELING not in sys.modules:
-        raise HpCpError(
-            f"enable_cp: {VEOMNI_MODELING} is not imported; build the model from VeOmni "
-            "(or use hp_cp_core.enable_cp for the transformers model)."
-        )
-    return _core_enable_cp(model, mesh, config)
-
-
-def disable_cp(handle: Any) -> None:
-    """Deprecated (0.3.0): ``hp_cp_core.disable_cp(handle)``, which this calls."""
-    warn_deprecated("hp_cp_torch.integrations.veomni.disable_cp", "hp_cp_core.disable_cp")
-    _core_disable_cp(handle)
 
 
 VeOmniBatch = CPBatch
