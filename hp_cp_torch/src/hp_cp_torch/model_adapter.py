@@ -456,33 +456,34 @@ class ModelAdapter:
             problems=checks.problems,
             signature=checks.signature,
         )
+        memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
+        reuse = memo is not None and cp_forward.reuses_agreement()
+        across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
         if not check.ok:
+            if across:  # every rank defers one entry, whatever its own checks found
+                check.deferred = [(0, ())]
             return cp_forward.agree(check), None
         xb = x[None] if x.dim() == 2 else x  # [B, L, hidden]
         with_loss = self.indexer_loss_coeff() is not None
         mask, loss_rows = _loss_rows(cp_forward, xb, inputs.loss_mask, with_loss)
         extra = {"loss_rows": loss_rows}
-        memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
         seen = self.checked_objects(inputs)
-        reuse = memo is not None and cp_forward.reuses_agreement()
         # a group of one never reuses an agreement (there is none); a later layer of the same
         # forward (a higher index) given the very objects its first layer checked skips too
         same_forward = group.size == 1 and memo is not None and index > memo.checked_index
         if seen is not None and (reuse or same_forward) and memo.checked == seen:
             return cp_forward.agree(check, extra), mask  # checked by this forward's first layer
-        where = checks.where
-        flags = [
-            (bad, f"{where}: {message}") for bad, message in self.value_checks(inputs, check.plan)
-        ]
+        flags = self.value_checks(inputs, check.plan)
         if memo is not None:
             memo.checked = None
-        if not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks:
-            check.deferred = flags  # read in the agreement's one gather, on every rank
+        if across:  # one entry: the first failed check's number, read in the one gather
+            messages = tuple(f"{checks.where}: {message}" for _, message in flags)
+            check.deferred = [(_first_failed([bad for bad, _ in flags], x.device), messages)]
         elif flags:  # nothing to ride on: read here (a reused or local agreement)
             read = torch.stack([torch.as_tensor(bad, device=x.device) for bad, _ in flags])
             for bad, (_, message) in zip(read.cpu().tolist(), flags):
                 if bad:
-                    check.fail(message)
+                    check.fail(f"{checks.where}: {message}")
         call = cp_forward.agree(check, extra)
         if memo is not None:  # reached only when every flag was clear
             memo.checked, memo.checked_index = seen, index
@@ -524,6 +525,16 @@ class ModelAdapter:
             return adapter.finish(out, state)
 
         return forward
+
+
+def _first_failed(flags: list[Any], device: Any) -> Any:
+    """``k`` (a 0-dim int64 tensor on ``device``, not read): the number of the first failed
+    flag, 1-based; 0 when none failed (or there are none)."""
+    if not flags:
+        return 0
+    failed = torch.stack([torch.as_tensor(f, device=device).reshape(()).bool() for f in flags])
+    number = torch.arange(1, len(flags) + 1, device=device)
+    return torch.where(failed, number, len(flags) + 1).min() % (len(flags) + 1)
 
 
 def _loss_rows(cp_forward: Any, xb: torch.Tensor, loss_mask: Any, with_loss: bool) -> Any:

@@ -195,10 +195,6 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
 
     state_class = RopeForwardState
 
-    model_precision_attention = True
-    """``attention_precision="model"`` runs :meth:`model_attention` (Note [Attention
-    precision] in :mod:`hp_cp_torch.precision`)."""
-
     packed_topk_row = "document"
     """The indexer's top-k row of a packed document on one process (Note [The one-process
     top-k row] in :mod:`hp_cp_core.columns`): each document alone."""
