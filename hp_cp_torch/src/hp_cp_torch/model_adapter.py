@@ -40,6 +40,7 @@ none" (no indexer loss, no own op order).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -524,6 +525,8 @@ class ModelAdapter:
             )
             return adapter.finish(out, state)
 
+        own = inspect.signature(adapter.read_inputs)  # the layer's own arguments
+        forward.__signature__ = own.replace(return_annotation=inspect.Signature.empty)
         return forward
 
 
