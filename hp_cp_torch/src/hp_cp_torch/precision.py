@@ -59,12 +59,10 @@ def uses_model_precision(config: Any) -> bool:
 def has_model_attention(adapter: Any) -> bool:
     """Whether ``adapter`` has a copy of the model's own attention op sequence: it says so
     (:data:`MODEL_PATH_ATTR`) or overrides ``ModelAdapter.model_attention``."""
-    from hp_cp_torch.model_adapter import ModelAdapter
-
     if getattr(adapter, MODEL_PATH_ATTR, False):
         return True
-    own = getattr(type(adapter), "model_attention", None)
-    return isinstance(adapter, ModelAdapter) and own is not ModelAdapter.model_attention
+    owner = next((c for c in type(adapter).__mro__ if "model_attention" in vars(c)), None)
+    return owner is not None and owner.__module__ != "hp_cp_torch.model_adapter"
 
 
 def check_attention_precision(layers: Iterable[Any], adapters: Iterable[Any], config: Any) -> None:

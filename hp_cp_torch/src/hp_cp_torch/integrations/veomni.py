@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,7 +140,13 @@ def _packed_bounds(seq_len: int, position_ids: Any, cu_seq_lens: Any) -> Any:
     """VeOmni's packed row (``cu_seq_lens_q``, else per-document ``position_ids``) as
     boundaries for ``handle.batch``; ``None`` for a padded batch or a row of one document."""
     if cu_seq_lens is not None:
-        return torch.as_tensor(cu_seq_lens).reshape(-1).cpu().numpy()  # the core checks it
+        bounds = torch.as_tensor(cu_seq_lens).reshape(-1).cpu().numpy()
+        if bounds[0] != 0 or bounds[-1] != seq_len or (np.diff(bounds) < 0).any():
+            raise HpCpError(
+                f"cu_seq_lens must rise from 0 to the row length {seq_len}, got "
+                f"{bounds.tolist()}; pass VeOmni's cu_seq_lens_q of the whole packed row."
+            )
+        return bounds
     if position_ids is None:
         return None
     return cu_seqlens_from_positions(torch.as_tensor(position_ids).cpu().numpy(), seq_len)
