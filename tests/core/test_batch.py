@@ -166,3 +166,37 @@ def _config(layout: str):
     from hp_cp_core import CPConfig
 
     return CPConfig(layout=layout)
+
+
+def test_cu_seqlens_from_a_stacks_packed_format():
+    """The three packed formats a stack hands over (lengths, ids, per-document positions)
+    give the same boundaries, and each bad input names itself."""
+    from hp_cp_core import (
+        HpCpError,
+        cu_seqlens_from_ids,
+        cu_seqlens_from_lengths,
+        cu_seqlens_from_positions,
+    )
+
+    want = [0, 3, 3, 7, 12]
+    lengths = np.array([[3, 0, 4, 5, -1000, -1000]])
+    assert cu_seqlens_from_lengths(lengths, 12, unused=-1000).tolist() == want
+    ids = np.repeat([1, 3, 2], [3, 4, 5])
+    assert cu_seqlens_from_ids(ids, 12).tolist() == [0, 3, 7, 12]
+    positions = np.concatenate([np.arange(3), np.arange(4), np.arange(5)])[None]
+    assert cu_seqlens_from_positions(positions, 12).tolist() == [0, 3, 7, 12]
+    assert cu_seqlens_from_positions(np.arange(12), 12) is None  # one document
+    with pytest.raises(HpCpError, match="summing to the sequence length 13"):
+        cu_seqlens_from_lengths(lengths, 13, unused=-1000)
+    with pytest.raises(HpCpError, match="has 2 rows"):
+        cu_seqlens_from_lengths(np.ones((2, 6)), 12)
+    with pytest.raises(HpCpError, match="revisits a document"):
+        cu_seqlens_from_ids(np.array([1, 1, 2, 1]), 4)
+    with pytest.raises(HpCpError, match="11 entries"):
+        cu_seqlens_from_ids(ids[:11], 12)
+    with pytest.raises(HpCpError, match="must start at 0"):
+        cu_seqlens_from_positions(positions + 1, 12)
+    with pytest.raises(HpCpError, match="skip or repeat"):
+        cu_seqlens_from_positions(np.array([[0, 1, 1, 2]]), 4)
+    with pytest.raises(HpCpError, match="of 2 rows"):
+        cu_seqlens_from_positions(np.zeros((2, 4)), 4)

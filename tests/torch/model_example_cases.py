@@ -128,4 +128,93 @@ def params(model: Any) -> list[tuple[str, Any]]:
 def example_suite(world: int) -> dict[str, tuple[Any, tuple]]:
     if world > 4:
         return {}
-    return {c.name: (run_cp, (c,)) for c in example_cases(world)}
+    suite = {c.name: (run_cp, (c,)) for c in example_cases(world)}
+    if world <= 2:
+        suite[f"hooks-cp{world}"] = (run_hooks, (world,))
+    return suite
+
+
+# --------------------------------------------------------------------------- optional hooks
+
+
+def checked_adapter(layer: Any) -> Any:
+    """The example's adapter with the optional hooks a model may declare: ``problems`` (a
+    rank-local refusal), ``value_checks`` on the position ids (counted), ``checked_objects``
+    and a projection whose queries are made as ``local_work`` while the exchanges travel."""
+    from hp_cp_model_example.adapter import PooledAttentionAdapter
+
+    from hp_cp_torch.model_adapter import Projection
+
+    class CheckedAdapter(PooledAttentionAdapter):
+        refuse = False
+        value_checks_run = 0
+
+        def problems(self, inputs: Any) -> list[str]:
+            return ["was told to refuse on this rank"] if self.refuse else []
+
+        def value_checks(self, inputs: Any, plan: Any) -> list[tuple[Any, str]]:
+            self.value_checks_run += 1
+            pos = inputs.position_ids
+            if pos is None:
+                return []
+            want = torch.as_tensor(plan.positions)
+            return [((pos.reshape(-1, pos.shape[-1]) != want).any(), "pos is not the plan's")]
+
+        def checked_objects(self, inputs: Any) -> tuple[Any, ...]:
+            return (id(inputs.position_ids),)
+
+        def project(self, state: Any) -> Projection:
+            q, kv = self.module.project(state.hidden, state.positions)
+            projection = Projection(None, kv)
+
+            def queries() -> None:
+                projection.query = q
+
+            projection.local_work = (queries,)
+            return projection
+
+    return CheckedAdapter(layer)
+
+
+def run_hooks(world: int) -> dict:
+    """The optional hooks under CP (padded, cp = ``world``): the output equals the example's
+    (queries from ``local_work``); value checks run once per forward at cp 1 (the later
+    layers are handed the same objects); a bad ``pos`` or a refusal on the last rank only
+    raises the same ``HpCpError`` on every rank."""
+    from hp_cp_core import HpCpError
+    from hp_cp_torch.adapter import ADAPTER_ATTR
+
+    case = ExampleCase(world, "contiguous", False)
+    model = build()
+    adapters = [checked_adapter(layer) for layer in model.layers]
+    for layer, adapter in zip(model.layers, adapters):
+        layer.__dict__[ADAPTER_ATTR] = adapter  # set explicitly: the test removes it
+    x, _ = inputs(case)
+    config = DeepSeekV4CPConfig(query_chunk=40, single_rank_bypass=False)
+    res: dict[str, Any] = {"errors": {}}
+    try:
+        # each bad call on a fresh handle: its first forward agrees across ranks (a later
+        # forward of the same shapes reuses that agreement, and then only the bad rank raises)
+        for name in ("ok", "bad_pos", "refusal"):
+            handle = enable_cp(model, None, config)
+            res["cp_rank"], last = handle.group.rank, handle.group.rank == handle.group.size - 1
+            pos = handle.shard(torch.arange(ROWS)[None].expand(2, -1), 1)
+            adapters[0].refuse = name == "refusal" and last
+            try:
+                with torch.no_grad():
+                    out = model(
+                        handle.shard(x, 1), pos=pos + 1 if name == "bad_pos" and last else pos
+                    )
+                if name == "ok":
+                    res["out"] = handle.unshard(out, 1)
+                    res["value_checks_run"] = sum(a.value_checks_run for a in adapters)
+                else:
+                    res["errors"][name] = "no error"
+            except HpCpError as exc:
+                res["errors"][name] = str(exc)
+            finally:
+                disable_cp(handle)
+    finally:
+        for layer in model.layers:
+            layer.__dict__.pop(ADAPTER_ATTR, None)
+    return res

@@ -63,3 +63,26 @@ def test_the_modeling_file_knows_nothing_of_hp_cp() -> None:
     imports = [ln for ln in lines if ln.startswith(("import ", "from "))]
     assert imports and not [ln for ln in imports if "hp_cp" in ln], imports
     assert torch is not None
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_optional_hooks_run_once_in_the_base(world) -> None:
+    """A model's ``problems`` / ``value_checks`` / ``checked_objects`` and a projection's
+    ``local_work`` (``model_example_cases.checked_adapter``): the same output as one process,
+    a bad input or a refusal on the last rank only raises the same error on every rank, and
+    at cp 1 the value checks run once for the three layers handed the same ``pos``."""
+    from model_example_cases import ExampleCase
+
+    per_rank = result(SUITE, world, f"hooks-cp{world}")
+    got = next(r for r in per_rank if r["cp_rank"] == 0)
+    want = single_process(ExampleCase(world, "contiguous", False))
+    assert rel_err(got["out"], want["out"]) <= 1e-5
+    for name, words in (("bad_pos", "pos is not the plan's"), ("refusal", "told to refuse")):
+        messages = {r["errors"][name] for r in per_rank}
+        assert len(messages) == 1, messages  # every rank, the same error
+        message = messages.pop()
+        assert words in message and "PooledAttention under CP" in message, message
+    if world == 1:
+        assert got["value_checks_run"] == 1
+    else:  # each layer agrees across ranks in the first forward
+        assert all(r["value_checks_run"] == 3 for r in per_rank)

@@ -16,7 +16,14 @@ import pluggy
 
 from hp_cp_core.api import CPHandle, disable_cp, enable_cp
 from hp_cp_core.backend import Backend, Group
-from hp_cp_core.batch import BatchPlan, CPBatch, plan_batch
+from hp_cp_core.batch import (
+    BatchPlan,
+    CPBatch,
+    cu_seqlens_from_ids,
+    cu_seqlens_from_lengths,
+    cu_seqlens_from_positions,
+    plan_batch,
+)
 from hp_cp_core.compression import (
     build_global_compressed_kv_for_cp,
     select_and_pad_smallop,
@@ -79,6 +86,9 @@ __all__ = [
     "enable_cp",
     "hookimpl",
     "pad_for_cp",
+    "cu_seqlens_from_ids",
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_from_positions",
     "plan_batch",
     "plan_sharing",
     "select_and_pad_smallop",

@@ -35,10 +35,18 @@ from typing import Any
 
 import numpy as np
 
+from hp_cp_core.errors import HpCpError
 from hp_cp_core.layout import Documents
 from hp_cp_core.padding import CPPadding, pad_for_cp
 
-__all__ = ["BatchPlan", "CPBatch", "plan_batch"]
+__all__ = [
+    "BatchPlan",
+    "CPBatch",
+    "cu_seqlens_from_ids",
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_from_positions",
+    "plan_batch",
+]
 
 CU_SEQLENS_KWARG = "hp_cp_cu_seqlens"
 """The model keyword the shipped integrations read packed boundaries from."""
@@ -121,6 +129,89 @@ def plan_batch(
     last[ends[ends > 0] - 1] = True  # a document's last token predicts nothing
     source[last | (all_rows >= padding.rows)] = -1  # nor does the padding
     return BatchPlan(padding, cu, positions, documents, source)
+
+
+# ------------------------------------------------------------ a stack's packed format
+
+
+def cu_seqlens_from_lengths(
+    lengths: Any, total: int, *, unused: int | None = None, name: str = "seq_lens"
+) -> np.ndarray:
+    """Packed boundaries ``[0, ..., total]`` from document lengths (``[n]`` or ``[1, n]``;
+    entries equal to ``unused`` are skipped, NeMo's ``-1000``). Every token, padding
+    included, must belong to a document.
+
+    Raises:
+        HpCpError: several rows, a negative length, or lengths not summing to ``total``.
+    """
+    lens = np.asarray(lengths).astype(np.int64)
+    if lens.ndim == 2:
+        if lens.shape[0] != 1:
+            raise HpCpError(
+                f"{name} has {lens.shape[0]} rows; hp_cp packs one stream per step under CP: "
+                f"pass input_ids [1, S] with {name} [1, n_docs] (pack the rows into one)."
+            )
+        lens = lens[0]
+    if unused is not None:
+        lens = lens[lens != unused]
+    if lens.ndim != 1 or (lens < 0).any() or int(lens.sum()) != total:
+        skip = "" if unused is None else f" (unused entries {unused})"
+        raise HpCpError(
+            f"{name} {lens[:8].tolist()} must be non-negative document lengths{skip} summing "
+            f"to the sequence length {total}; got sum {int(lens.sum())}. Give every token, "
+            "padding included, to a document."
+        )
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
+def cu_seqlens_from_ids(ids: Any, total: int, *, name: str = "packed_seq_ids") -> np.ndarray:
+    """Packed boundaries from one document id per token (each document one contiguous run).
+
+    Raises:
+        HpCpError: not ``total`` ids, or a document that comes back after another started.
+    """
+    ids = np.asarray(ids).astype(np.int64).reshape(-1)
+    if ids.size != total:
+        raise HpCpError(
+            f"{name} has {ids.size} entries for a sequence of {total} tokens; pass one id per "
+            "token of the full (unsharded) sequence, shape [1, S]."
+        )
+    starts = np.flatnonzero(np.diff(ids)) + 1
+    runs = ids[np.concatenate([[0], starts])] if ids.size else ids
+    if np.unique(runs).size != runs.size:
+        raise HpCpError(
+            f"{name} revisits a document after another one started; each document must be "
+            "one contiguous run of equal ids."
+        )
+    return np.concatenate([[0], starts, [total]]).astype(np.int64)
+
+
+def cu_seqlens_from_positions(
+    positions: Any, total: int, *, name: str = "position_ids"
+) -> np.ndarray | None:
+    """Packed boundaries from per-document positions (``0, 1, ..`` restarting at 0 in every
+    document) of one row; ``None`` when the row is one document.
+
+    Raises:
+        HpCpError: several rows, or positions that do not count up from 0 per document.
+    """
+    pos = np.asarray(positions).astype(np.int64).reshape(-1, total)
+    if pos.shape[0] != 1:
+        raise HpCpError(
+            f"{name} of {pos.shape[0]} rows: packed input is one row; for a padded batch of "
+            f"several rows omit {name}."
+        )
+    starts = np.flatnonzero(pos[0] == 0)
+    if starts.size == 0 or starts[0] != 0:
+        raise HpCpError(f"packed {name} must start at 0 (they restart at 0 in every document).")
+    cu = np.append(starts, total)
+    doc_start = np.repeat(starts, np.diff(cu))
+    if not np.array_equal(pos[0], np.arange(total) - doc_start):
+        raise HpCpError(
+            f"{name} must count 0, 1, 2, ... within each document (the packed format); got "
+            "positions that skip or repeat."
+        )
+    return None if cu.size == 2 else cu
 
 
 @dataclass

@@ -118,7 +118,10 @@ class LocalCheck:
         deferred: ``(flag, message)`` of checks the backend computed on the device (a 0-dim
             tensor, true = failed) and did not read: they travel in the agreement collective
             (Note [Validate, agree, then communicate]), so they cost no host read of their
-            own. Every rank of a group must defer the same number of checks.
+            own. Every rank of a group must defer the same number of checks. ``message`` may
+            be a sequence of messages, ``flag`` then an integer code: 0 passed, ``k`` failed
+            with ``message[k - 1]`` (several checks in one entry, so a rank whose other
+            checks failed can defer the same number: ``(0, ())``).
     """
 
     n_local: int
@@ -128,7 +131,7 @@ class LocalCheck:
     plan: Any = None
     problems: list[tuple[type[HpCpError], str]] = field(default_factory=list)
     cause: BaseException | None = None
-    deferred: list[tuple[Any, str]] = field(default_factory=list)
+    deferred: list[tuple[Any, Any]] = field(default_factory=list)
 
     def fail(self, message: str, kind: type[HpCpError] = HpCpError) -> None:
         """Record a failed check (raised later, on every rank, by :func:`agree`)."""
@@ -453,11 +456,12 @@ def agree(
             ) from check.cause
     if check.deferred:  # device-side checks: read in the same collective, on every rank
         every = group.all_gather_meta(mine, device_flags=[f for f, _ in check.deferred])
-        flags = every[:, len(mine) :] != 0
+        codes = every[:, len(mine) :]
+        flags = codes != 0
         every = np.ascontiguousarray(every[:, : len(mine)])
-        for (_, message), bad in zip(check.deferred, flags[group.rank]):
-            if bad:
-                check.fail(message)
+        for (_, message), code in zip(check.deferred, codes[group.rank]):
+            if code:  # a message, or one of several: the code (1-based) says which
+                check.fail(message if isinstance(message, str) else message[int(code) - 1])
         every[flags.any(axis=1) & (every[:, 0] == 0), 0] = 1
     else:
         every = group.all_gather_meta(mine)

@@ -154,6 +154,8 @@ def select_topk_chunked(
     sequence_rows: int | None = None,
     cu_seqlens: Any = None,
     score_heads: int = 1,
+    row_hook: Any = None,
+    ascending: bool = False,
 ) -> torch.Tensor:
     """Indexer top-k of every local query over its visible slots only, chunk by chunk.
 
@@ -180,11 +182,19 @@ def select_topk_chunked(
             rows before ``handle.shard``'s padding) and ``call.cu_seqlens``.
         score_heads: the indexer heads ``score_fn`` scores before summing them: a chunk's
             ``rows * score_heads * slots`` stays under :data:`SCORE_HEAD_CELLS` as well.
+        row_hook: with ``one_process_row``, ``row_hook(row_scores, a, b, row)`` gets each
+            block of one-process rows (``[B, b - a, row.length]`` fp32, ``-inf`` where
+            invisible) of local queries ``a:b`` before the top-k and returns the scores to
+            pick from (a model's candidate mask, say); ``None``: the scores as they are.
+        ascending: the picks in ascending slot order (a model that calls ``torch.topk(...,
+            sorted=False)`` and sorts the ids), else in ``torch.topk``'s descending order.
 
     Returns:
         Global slot ids ``[B, L, topk]`` (``-1`` for empty picks): in descending-score order,
         lower id first on ties; with ``one_process_row``, the slots ``torch.topk`` keeps.
     """
+    if row_hook is not None and one_process_row is None:
+        raise ValueError("select_topk_chunked: row_hook needs one_process_row")
     columns = PlanColumns(plan, 0)
     out = None
     cells = min(SCORE_CHUNK_CELLS, SCORE_HEAD_CELLS // max(int(score_heads), 1))
@@ -195,14 +205,21 @@ def select_topk_chunked(
             rows_of = columns.topk_rows(
                 chunk.lo, chunk.hi, sequence_rows, packed_row=one_process_row, cu_seqlens=cu_seqlens
             )
-        out = _pick_chunk(score_fn, chunk, rows_of, topk, plan.n_local, out)
+        out = _pick_chunk(score_fn, chunk, rows_of, topk, plan.n_local, out, row_hook, ascending)
     if out is None:
         out = torch.full((1 if batch is None else batch, plan.n_local, topk), -1, dtype=torch.long)
     return out
 
 
 def _pick_chunk(
-    score_fn: Any, chunk: Any, rows_of: Any, topk: int, n_local: int, out: Any
+    score_fn: Any,
+    chunk: Any,
+    rows_of: Any,
+    topk: int,
+    n_local: int,
+    out: Any,
+    row_hook: Any = None,
+    ascending: bool = False,
 ) -> torch.Tensor:
     """Score one chunk, mask its invisible slots and write its picks into ``out`` (made here,
     ``[B, n_local, topk]`` of ``-1``, when ``None``): hp_cp's top-k, or, with ``rows_of`` (the
@@ -218,7 +235,7 @@ def _pick_chunk(
     del visible
     if rows_of is not None:
         for row in rows_of:
-            _topk_as_one_process(scores, chunk, row, topk, out)
+            _topk_as_one_process(scores, chunk, row, topk, out, row_hook, ascending)
         return out
     values, ids = deterministic_topk(scores, chunk.keep(topk))
     picks = torch.where(torch.isneginf(values), -1, ids + chunk.slot_start)
@@ -231,11 +248,18 @@ ONE_PROCESS_ROW_ELEMENTS = 1 << 24
 
 
 def _topk_as_one_process(
-    scores: torch.Tensor, chunk: Any, row: Any, topk: int, out: torch.Tensor
+    scores: torch.Tensor,
+    chunk: Any,
+    row: Any,
+    topk: int,
+    out: torch.Tensor,
+    row_hook: Any = None,
+    ascending: bool = False,
 ) -> None:
     """``torch.topk`` over the one-process row of the queries ``row.lo:row.hi`` (their
     scores ``scores[:, i]`` over the chunk's slots placed at their slot ids, ``-inf`` around
-    them), written into ``out`` as global slot ids (``-1``: an invisible pick)."""
+    them; through ``row_hook`` when given), written into ``out`` as global slot ids (``-1``:
+    an invisible pick), in ascending slot order with ``ascending``."""
     keep = row.keep(topk)
     if keep == 0:
         return
@@ -250,7 +274,12 @@ def _topk_as_one_process(
                 :, a - chunk.lo : b - chunk.lo, lo - chunk.slot_start : hi - chunk.slot_start
             ]
             full[..., lo - row.start : hi - row.start] = part
-        values, ids = torch.topk(full, keep, dim=-1)
+        if row_hook is not None:
+            full = row_hook(full, a, b, row)
+        values, ids = torch.topk(full, keep, dim=-1, sorted=not ascending)
+        if ascending:
+            ids = ids.sort(dim=-1).values
+            values = full.gather(-1, ids)
         out[:, a:b, :keep] = torch.where(torch.isneginf(values), -1, ids + row.start)
 
 

@@ -40,6 +40,7 @@ none" (no indexer loss, no own op order).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -50,8 +51,9 @@ from torch import nn
 from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
-from hp_cp_torch.kernels.registry import AttentionRequest, uses_model_op_order
-from hp_cp_torch.validation import check_reference_inputs, rows_hint
+from hp_cp_torch.kernels.registry import AttentionRequest
+from hp_cp_torch.precision import uses_model_precision
+from hp_cp_torch.validation import TensorChecks, check_reference_inputs, rows_hint
 
 __all__ = ["ForwardState", "LayerInputs", "ModelAdapter", "Projection"]
 
@@ -84,11 +86,16 @@ class Projection:
         kv: the shared KV head ``[B, L, D]`` (keys and values are one row), roped.
         index_input: what :meth:`ModelAdapter.index_queries` needs beyond the state (e.g. the
             query's low-rank residual), or ``None``.
+        local_work: work that needs no received row, run while the exchanges travel (Note
+            [Overlapped exchanges] in :mod:`hp_cp_core.collectives`): the first callable
+            during the halo exchange, the rest during the slot exchange. With it ``query``
+            may be ``None`` here, set on ``state.projection`` by the work.
     """
 
-    query: torch.Tensor
+    query: torch.Tensor | None
     kv: torch.Tensor
     index_input: Any = None
+    local_work: tuple[Callable[[], None], ...] = ()
 
 
 @dataclass
@@ -105,6 +112,8 @@ class ForwardState:
         projection: the layer's :class:`Projection` (set before the exchanges).
         loss_mask: ``[B, L]`` bool rows that count in the indexer loss, or ``None`` (all).
         index_queries: what :meth:`ModelAdapter.index_queries` returned.
+        selected: the picks this forward attended to (``[B, L, k]`` global slot ids), or
+            ``None`` (no indexer).
     """
 
     inputs: LayerInputs
@@ -113,6 +122,7 @@ class ForwardState:
     projection: Projection | None = None
     loss_mask: torch.Tensor | None = None
     index_queries: Any = None
+    selected: Any = None
 
 
 def _seq_major(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -261,12 +271,16 @@ class ModelAdapter:
 
     def record_indexer_loss(self, loss: torch.Tensor | None) -> None:
         """Keep this forward's indexer loss (the global mean, the same on every rank; ``None``
-        without one). Default: ``module.indexer_loss``."""
-        self.module.indexer_loss = loss
+        without one). Default: ``module.indexer_loss`` (``None`` is set only on a module that
+        has the attribute)."""
+        if loss is not None or hasattr(self.module, "indexer_loss"):
+            self.module.indexer_loss = loss
 
     def model_attention(self, request: AttentionRequest, state: ForwardState) -> Any:
-        """The model's own attention op order on the plan's columns (``attention_kernel=
-        "model_ops"``), or ``None`` (the default): it has none; the ``model_ops`` kernel runs."""
+        """The model's own attention op order, in the model's dtype, on the plan's columns
+        (``attention_kernel="model_ops"`` or ``attention_precision="model"``; Note [Attention
+        precision] in :mod:`hp_cp_torch.precision`), or ``None`` (the default): it has none;
+        the configured kernel runs (the ``model_ops`` kernel: the small-op one, in fp32)."""
         return None
 
     # ------------------------------------------------------------------ machinery
@@ -318,13 +332,13 @@ class ModelAdapter:
         """
         return 1
 
-    def attend(self, request: AttentionRequest, state: ForwardState, kernel: Any) -> torch.Tensor:
-        """Kernel ``kernel`` (a registered name) on ``request``; for one that asks for the
-        model's own op order, :meth:`model_attention` when the model has one."""
-        if uses_model_op_order(kernel):
-            own = self.model_attention(request, state)
-            if own is not None:
-                return own
+    def attend(
+        self, request: AttentionRequest, state: ForwardState, call: DeepSeekV4CPContext
+    ) -> torch.Tensor:
+        """The attention of ``request`` by the configured kernel (a registered name,
+        :mod:`hp_cp_torch.kernels.registry`); the result ``[B, L, H, D]`` goes to
+        :meth:`output`. A model whose attention is not the family's shared-KV attention (say,
+        MLA's latents) overrides it."""
         return run_sparse_attention(
             request.q,
             request.ori_ext,
@@ -333,25 +347,42 @@ class ModelAdapter:
             request.selected,
             request.sink,
             request.scale,
-            kernel=kernel,
+            kernel=call.config.attention_kernel,
             query_chunk=request.query_chunk,
         )
 
+    def selection(self, state: ForwardState, call: DeepSeekV4CPContext) -> torch.Tensor | None:
+        """The picks this forward attends to: those of the layer it shares them with
+        (``call.reused``, Note [Layers that share their indexer]), else :meth:`select`'s;
+        published for the layers that share them, and kept as ``state.selected``."""
+        if "selection" in call.reused:
+            selected = call.reused["selection"]
+        else:
+            if call.cmp_idx_global is not None and state.index_queries is None:
+                state.index_queries = self.index_queries(state)
+            selected = self.select(state, call)
+        if selected is not None and call.roles is not None and call.roles.publishes("selection"):
+            call.outputs["selection"] = selected
+        state.selected = selected
+        return selected
+
     def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> Any:
+        """Stage 4 on this rank's queries: the picks, the attention (a registered kernel, or
+        :meth:`model_attention` in the model's precision), :meth:`output`, the indexer loss.
+        ``query`` is ``None`` when :meth:`project` left it to its ``local_work``."""
         state = self.state(call)
-        if call.cmp_idx_global is not None and state.index_queries is None:
-            state.index_queries = self.index_queries(state)
-        selected = self.select(state, call)
-        q = query.transpose(0, 1)  # [B, L, H, D]
+        selected = self.selection(state, call)
+        q = state.projection.query if query is None else query.transpose(0, 1)
         kv_ext = ori_ext.transpose(0, 1)  # [B, E, D]
         cmp_kv = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
         sink, scale = self.sink(), self.scale()
         request = AttentionRequest(
             q, kv_ext, cmp_kv, call.plan, selected, sink, scale, call.config.query_chunk
         )
-        out = self.output(self.attend(request, state, call.config.attention_kernel), state)
-        coeff = self.indexer_loss_coeff() if selected is not None else None
-        if coeff is None:
+        o = self.model_attention(request, state) if uses_model_precision(call.config) else None
+        out = self.output(o if o is not None else self.attend(request, state, call), state)
+        coeff = self.indexer_loss_coeff()
+        if coeff is None or selected is None or call.cmp_idx_global is None:
             self.record_indexer_loss(None)
             return out
         student = self.index_scores_at(state, call.cmp_idx_global.transpose(0, 1), selected)
@@ -362,55 +393,151 @@ class ModelAdapter:
         self.record_indexer_loss(call.group.sum_detached(share))
         return attach_indexer_loss(out, share, coeff)
 
+    def check_tensors(self, inputs: LayerInputs, group: Any) -> TensorChecks:
+        """The input tensors' checks (dims, width, dtype, device, the per-row inputs' shapes)
+        and their signature, recorded, never raised (they are raised on every rank).
+
+        Called first in every CP forward, before any exchange. The default takes
+        ``x [B, L, hidden]`` (or ``[L, hidden]`` / ``[B, L, hidden]`` packed) of the
+        parameters' dtype and device, ``position_ids`` / ``loss_mask`` of one value per row.
+        """
+        return check_reference_inputs(
+            self.module,
+            getattr(group, "device", None),
+            inputs.hidden,
+            inputs.position_ids,
+            inputs.loss_mask,
+            inputs.cu_seqlens is not None,
+            hidden_size=self.hidden_size(),
+            where=f"{self.layer_name()} under CP",
+        )
+
+    def problems(self, inputs: LayerInputs) -> list[str]:
+        """What CP cannot compute in this call that the tensors do not show (a cache, dropout
+        in training, a framework's own CP switched on), as messages with the fix (the layer's
+        name is prepended). Called in every CP forward, before any exchange; raised on every
+        rank. Default: none."""
+        return []
+
+    def value_checks(self, inputs: LayerInputs, plan: Any) -> list[tuple[Any, str]]:
+        """Checks that read tensor values, as ``(flag, message)`` (a 0-dim bool tensor on
+        the device, or a bool; ``True`` fails): e.g. position ids against ``plan.positions``.
+        Called once the plan exists; the flags ride on the agreement's one gather (no host
+        read of their own). Default: none."""
+        return []
+
+    def checked_objects(self, inputs: LayerInputs) -> tuple[Any, ...] | None:
+        """The identities of what :meth:`value_checks` reads: a later layer of the same
+        forward handed the very same objects skips its value checks. ``None`` (the
+        default): never skip."""
+        return None
+
+    def agree_inputs(
+        self, cp_forward: Any, group: Any, inputs: LayerInputs
+    ) -> tuple[DeepSeekV4CPContext, torch.Tensor | None]:
+        """Check one forward's inputs on every rank, before any exchange, and agree on them
+        (Note [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`):
+        :meth:`check_tensors`, :meth:`problems`, the kernel, the plan, :meth:`value_checks`
+        (deferred into the agreement's gather, or read here once when the agreement is
+        reused or local) and the indexer loss's row count.
+
+        Returns:
+            The agreed context and the ``[B, L]`` rows that count in the indexer loss
+            (``None``: all, or no loss).
+        """
+        x = inputs.hidden
+        checks = self.check_tensors(inputs, group)
+        for message in self.problems(inputs):
+            checks.fail(message)
+        if isinstance(x, torch.Tensor):
+            checks.kernel(cp_forward.config.attention_kernel, x.device)
+        check = cp_forward.inspect(
+            rows_hint(x, -2),
+            checks.host_cu_seqlens(inputs.cu_seqlens),
+            problems=checks.problems,
+            signature=checks.signature,
+        )
+        memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
+        reuse = memo is not None and cp_forward.reuses_agreement()
+        across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
+        if not check.ok:
+            if across:  # every rank defers one entry, whatever its own checks found
+                check.deferred = [(0, ())]
+            return cp_forward.agree(check), None
+        xb = x[None] if x.dim() == 2 else x  # [B, L, hidden]
+        with_loss = self.indexer_loss_coeff() is not None
+        mask, loss_rows = _loss_rows(cp_forward, xb, inputs.loss_mask, with_loss)
+        extra = {"loss_rows": loss_rows}
+        seen = self.checked_objects(inputs)
+        # a group of one never reuses an agreement (there is none); a later layer of the same
+        # forward (a higher index) given the very objects its first layer checked skips too
+        same_forward = group.size == 1 and memo is not None and index > memo.checked_index
+        if seen is not None and (reuse or same_forward) and memo.checked == seen:
+            return cp_forward.agree(check, extra), mask  # checked by this forward's first layer
+        flags = self.value_checks(inputs, check.plan)
+        if memo is not None:
+            memo.checked = None
+        if across:  # one entry: the first failed check's number, read in the one gather
+            messages = tuple(f"{checks.where}: {message}" for _, message in flags)
+            check.deferred = [(_first_failed([bad for bad, _ in flags], x.device), messages)]
+        elif flags:  # nothing to ride on: read here (a reused or local agreement)
+            read = torch.stack([torch.as_tensor(bad, device=x.device) for bad, _ in flags])
+            for bad, (_, message) in zip(read.cpu().tolist(), flags):
+                if bad:
+                    check.fail(f"{checks.where}: {message}")
+        call = cp_forward.agree(check, extra)
+        if memo is not None:  # reached only when every flag was clear
+            memo.checked, memo.checked_index = seen, index
+        return call, mask
+
+    def begin(
+        self, cp_forward: Any, group: Any, inputs: LayerInputs
+    ) -> tuple[DeepSeekV4CPContext, ForwardState]:
+        """:meth:`agree_inputs`, then this forward's :attr:`state_class` (the rows batch-major,
+        the positions given or the plan's)."""
+        call, mask = self.agree_inputs(cp_forward, group, inputs)
+        x = inputs.hidden
+        xb = x[None] if x.dim() == 2 else x  # [B, L, hidden]
+        positions = inputs.position_ids
+        if positions is None:
+            positions = torch.as_tensor(call.positions, device=x.device)
+        positions = positions.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
+        return call, self.state_class(inputs, xb, positions, loss_mask=mask)
+
     def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
-        """The layer's forward under CP: read and check the inputs, agree on them across
-        ranks (Note [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`),
-        project, and run the core's CP forward with this forward's :class:`ForwardState`."""
+        """The layer's forward under CP: :meth:`read_inputs`, :meth:`begin` (check, agree,
+        state), :meth:`project`, the core's CP forward (the stages call :meth:`compress_main`,
+        :meth:`compress_indexer`, :meth:`run_attention`), :meth:`finish`."""
         adapter = self
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             inputs = adapter.read_inputs(*args, **kwargs)
-            x, packed = inputs.hidden, inputs.cu_seqlens is not None
-            checks = check_reference_inputs(
-                adapter.module,
-                getattr(group, "device", None),
-                x,
-                inputs.position_ids,
-                inputs.loss_mask,
-                packed,
-                hidden_size=adapter.hidden_size(),
-            )
-            if isinstance(x, torch.Tensor):
-                checks.kernel(cp_forward.config.attention_kernel, x.device)
-            check = cp_forward.inspect(
-                rows_hint(x, -2),
-                checks.host_cu_seqlens(inputs.cu_seqlens),
-                problems=checks.problems,
-                signature=checks.signature,
-            )
-            mask, loss_rows = None, None
-            with_loss = adapter.indexer_loss_coeff() is not None
-            if check.ok:
-                xb = x[None] if packed and x.dim() == 2 else x  # [B, L, hidden]
-                mask, loss_rows = _loss_rows(cp_forward, xb, inputs.loss_mask, with_loss)
-            call = cp_forward.agree(check, {"loss_rows": loss_rows})
-            positions = inputs.position_ids
-            if positions is None:
-                positions = torch.as_tensor(call.positions, device=x.device)
-            positions = positions.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
-            state = adapter.state_class(inputs, xb, positions, loss_mask=mask)
+            call, state = adapter.begin(cp_forward, group, inputs)
             state.projection = proj = adapter.project(state)
             out = cp_forward(
-                proj.query.transpose(0, 1),
+                None if proj.query is None else proj.query.transpose(0, 1),
                 proj.kv.transpose(0, 1),
-                xb.transpose(0, 1),
+                state.hidden.transpose(0, 1),
                 None,
                 call=call,
+                local_work=proj.local_work,
                 state=state,
             )
             return adapter.finish(out, state)
 
+        own = inspect.signature(adapter.read_inputs)  # the layer's own arguments
+        forward.__signature__ = own.replace(return_annotation=inspect.Signature.empty)
         return forward
+
+
+def _first_failed(flags: list[Any], device: Any) -> Any:
+    """``k`` (a 0-dim int64 tensor on ``device``, not read): the number of the first failed
+    flag, 1-based; 0 when none failed (or there are none)."""
+    if not flags:
+        return 0
+    failed = torch.stack([torch.as_tensor(f, device=device).reshape(()).bool() for f in flags])
+    number = torch.arange(1, len(flags) + 1, device=device)
+    return torch.where(failed, number, len(flags) + 1).min() % (len(flags) + 1)
 
 
 def _loss_rows(cp_forward: Any, xb: torch.Tensor, loss_mask: Any, with_loss: bool) -> Any:

@@ -170,3 +170,15 @@ def adapter_class_for(module: Any, registry: ModelRegistry | None = None) -> typ
     """
     claim = (registry or model_registry()).claim_for(module)
     return None if claim is None else claim.load()
+
+
+def registered_adapter(module: Any, *adapters: type) -> Any:
+    """``cls(module)`` when the entry points register one of ``adapters`` (exactly that
+    class) for ``module``'s class, else ``None``: a model file asks "is this my layer?"
+    without writing its modeling class paths a second time (they live in the entry points).
+
+    Raises:
+        HpCpError: as :func:`adapter_class_for`, or what the adapter raises (a refusal).
+    """
+    cls = adapter_class_for(module)
+    return cls(module) if cls is not None and cls in adapters else None

@@ -45,7 +45,8 @@ precision]."""
 
 MODEL_PATH_ATTR = "model_precision_attention"
 """An adapter class attribute: ``True`` where the adapter can run the model's own attention
-op sequence in the model's dtype (``attention_precision="model"``)."""
+op sequence in the model's dtype (``attention_precision="model"``); a
+:class:`~hp_cp_torch.model_adapter.ModelAdapter` says so by overriding ``model_attention``."""
 
 
 def uses_model_precision(config: Any) -> bool:
@@ -53,6 +54,15 @@ def uses_model_precision(config: Any) -> bool:
     ``attention_precision="model"``, or the ``"model_ops"`` kernel (the model's own op
     order, :func:`hp_cp_torch.kernels.registry.uses_model_op_order`)."""
     return config.attention_precision == "model" or uses_model_op_order(config.attention_kernel)
+
+
+def has_model_attention(adapter: Any) -> bool:
+    """Whether ``adapter`` has a copy of the model's own attention op sequence: it says so
+    (:data:`MODEL_PATH_ATTR`) or overrides ``ModelAdapter.model_attention``."""
+    if getattr(adapter, MODEL_PATH_ATTR, False):
+        return True
+    owner = next((c for c in type(adapter).__mro__ if "model_attention" in vars(c)), None)
+    return owner is not None and owner.__module__ != "hp_cp_torch.model_adapter"
 
 
 def check_attention_precision(layers: Iterable[Any], adapters: Iterable[Any], config: Any) -> None:
@@ -63,7 +73,7 @@ def check_attention_precision(layers: Iterable[Any], adapters: Iterable[Any], co
     lacking = [
         type(layer).__name__
         for layer, adapter in zip(layers, adapters)
-        if adapter is not None and not getattr(adapter, MODEL_PATH_ATTR, False)
+        if adapter is not None and not has_model_attention(adapter)
     ]
     if lacking:
         names = sorted(set(lacking))

@@ -15,7 +15,14 @@ import torch
 
 from hp_cp_core import HpCpError
 
-__all__ = ["TensorChecks", "check_csa_inputs", "check_reference_inputs", "is_dtensor", "rows_hint"]
+__all__ = [
+    "TensorChecks",
+    "check_csa_inputs",
+    "check_hidden_states",
+    "check_reference_inputs",
+    "is_dtensor",
+    "rows_hint",
+]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -176,6 +183,7 @@ def check_reference_inputs(
     packed: bool,
     *,
     hidden_size: int | None = None,
+    where: str | None = None,
 ) -> TensorChecks:
     """Inputs of a batch-major layer's CP forward (the reference layer's, a
     :class:`hp_cp_torch.model_adapter.ModelAdapter`'s): ``hidden_size`` (default
@@ -185,7 +193,7 @@ def check_reference_inputs(
     ``cu_seqlens`` (packed); ``position_ids`` and ``loss_mask`` hold one value per local row
     (``[L]`` or ``[B, L]``).
     """
-    checks = TensorChecks(device, f"{type(module).__name__} under CP")
+    checks = TensorChecks(device, where or f"{type(module).__name__} under CP")
     layout = (
         "[L, hidden] or [B, L, hidden] with cu_seqlens (packed local rows)"
         if packed
@@ -227,6 +235,30 @@ def check_reference_inputs(
         elif t.device != x.device:
             checks.fail(f"{name} is on {t.device} but x is on {x.device}; move it to {x.device}.")
     checks.sign({"x": x.transpose(0, 1) if x.dim() == 3 else x})
+    return checks
+
+
+def check_hidden_states(
+    device: torch.device | None, where: str, hidden: Any, width: int, packed: bool
+) -> TensorChecks:
+    """Inputs of a model's attention layer called as ``layer(hidden_states [B, L, hidden],
+    ...)`` (transformers' and NeMo's V4 / DSA layers): ``width`` is the model's hidden size;
+    packed input (``packed``) is one row, batch 1."""
+    checks = TensorChecks(device, where)
+    if not checks.tensor("hidden_states", hidden, (3,), "[B, L, hidden] (local rows)"):
+        return checks
+    if hidden.shape[-1] != width:
+        checks.fail(
+            f"hidden_states has hidden size {hidden.shape[-1]} (shape {list(hidden.shape)}); "
+            f"the model's hidden_size is {width}. Call the model, not the layer, or pass the "
+            "decoder layer's normalised input."
+        )
+    if packed and hidden.shape[0] != 1:
+        checks.fail(
+            f"packed input (cu_seqlens) needs batch size 1, got {hidden.shape[0]}; pack the "
+            "documents of a batch into one row."
+        )
+    checks.sign({"hidden_states": hidden.transpose(0, 1)})
     return checks
 
 

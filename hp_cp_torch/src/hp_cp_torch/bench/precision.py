@@ -340,32 +340,26 @@ def recording_one_process_picks(model: Any, store: dict[int, torch.Tensor]) -> I
 
 @contextlib.contextmanager
 def recording_selections(store: dict[int, list[tuple[Any, torch.Tensor]]]) -> Iterator[None]:
-    """CP's picks: the adapters' ``select`` wrapped for the duration of one run (measurement
-    only; the originals are back on exit). ``store[layer]`` gets ``(global rows, picks)``."""
-    from hp_cp_torch.integrations.transformers import DeepseekV4AttentionAdapter
-    from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter
+    """CP's picks: the adapters' ``select`` (:meth:`ModelAdapter.select`, whose indexer
+    scores every shipped adapter supplies) wrapped for the duration of one run (measurement
+    only; the original is back on exit). ``store[layer]`` gets ``(global rows, picks)``."""
+    from hp_cp_torch.model_adapter import ModelAdapter
 
-    originals = {
-        cls: cls.__dict__["select"] for cls in (DeepseekV4AttentionAdapter, DSAAttentionAdapter)
-    }
+    original = ModelAdapter.__dict__["select"]
 
-    def wrap(original: Any) -> Any:
-        def select(self: Any, *args: Any, **kwargs: Any) -> Any:
-            picks = original(self, *args, **kwargs)
-            call = kwargs.get("call", args[-1] if args else None)
-            rows = torch.as_tensor(call.plan.local_rows)  # global rows (positions restart)
-            store.setdefault(int(self.module.layer_idx), []).append((rows, picks[0].detach()))
+    def select(self: Any, state: Any, call: Any) -> Any:
+        picks = original(self, state, call)
+        if picks is None:  # a layer without an indexer
             return picks
-
-        return select
+        rows = torch.as_tensor(call.plan.local_rows)  # global rows (positions restart)
+        store.setdefault(int(self.module.layer_idx), []).append((rows, picks[0].detach()))
+        return picks
 
     try:
-        for cls, original in originals.items():
-            cls.select = wrap(original)
+        ModelAdapter.select = select
         yield
     finally:
-        for cls, original in originals.items():
-            cls.select = original
+        ModelAdapter.select = original
 
 
 def _visible(name: str, seq: int, cu: list[int] | None) -> torch.Tensor:

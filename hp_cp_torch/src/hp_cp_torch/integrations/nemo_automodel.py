@@ -34,31 +34,35 @@ V3.2 is refused there, with the reason.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-import hp_cp_core
 from hp_cp_core import (
     CPHandle,
     DeepSeekV4CPContext,
     HpCpError,
     LayerSpec,
+    cu_seqlens_from_ids,
+    cu_seqlens_from_lengths,
     stage1_compress_with_halo,
 )
-from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.deprecation import warn_deprecated
-from hp_cp_torch.integrations.nemo_automodel_dsa import is_dsa_model
+from hp_cp_torch.deprecation import nemo_cp_batch
+from hp_cp_torch.deprecation import nemo_disable_cp as disable_cp
+from hp_cp_torch.deprecation import nemo_enable_cp as enable_cp
 from hp_cp_torch.integrations.nemo_automodel_v41 import is_v41_model, v41_batch_inputs
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
+    ModelCallInputs,
     RopeForwardState,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "NemoDeepseekV4AttentionAdapter",
@@ -83,15 +87,9 @@ def _nemo() -> Any:
 
 
 def nemo_adapter_for(module: Any) -> Any:
-    """The adapter for a NeMo Automodel ``DeepseekV4Attention``, else ``None``.
-
-    Never imports NeMo: a module can only be an instance of its class once NeMo is imported.
-    """
-    layers = sys.modules.get(LAYERS)
-    cls = getattr(layers, "DeepseekV4Attention", None) if layers is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return NemoDeepseekV4AttentionAdapter(module)
+    """The adapter for a NeMo Automodel ``DeepseekV4Attention``, else ``None`` (never
+    imports NeMo)."""
+    return registered_adapter(module, NemoDeepseekV4AttentionAdapter)
 
 
 def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offset: int) -> Any:
@@ -156,48 +154,35 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
                 lambda rows, offset: _compress_rows(ix, rotary, rows, offset), x, halo_x, call
             )
 
-    def select(
-        self,
-        xb: torch.Tensor,
-        qrb: torch.Tensor,
-        position_ids: torch.Tensor,
-        call: DeepSeekV4CPContext,
-    ) -> torch.Tensor:
-        """NeMo's indexer top-k (``indexer_scores_torch``) over the visible slots only."""
-        ix = self.module.compressor.indexer
-        scores_fn = sys.modules[OPTIMIZED].indexer_scores_torch
-        cos, sin = call.extra["state"].cos, call.extra["state"].sin
+    def index_queries(self, state: RopeForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeMo's indexer queries (interleaved partial RoPE) and per-head weights."""
+        ix, x = self.module.compressor.indexer, state.hidden
         with torch.no_grad():
-            batch, length = xb.shape[:2]
-            q = ix.wq_b(qrb).view(batch, length, ix.n_heads, ix.head_dim).transpose(1, 2)
-            q = _nemo()._apply_partial_rope(q, cos, sin, ix.rope_head_dim).transpose(1, 2)
-            weights = ix.weights_proj(xb).float() * (ix.n_heads**-0.5)
-            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
-            return select_topk_chunked(
-                lambda lo, hi, s0, s1: scores_fn(
-                    q[:, lo:hi], keys[:, s0:s1], weights[:, lo:hi], ix.softmax_scale
-                ),
-                call.plan,
-                int(ix.index_topk),
-                call.config.query_chunk,
-                batch=batch,
-                one_process_row="document",  # the model's torch.topk row, exact ties too
-                sequence_rows=call.sequence_rows,
-                cu_seqlens=call.cu_seqlens,
-                score_heads=int(ix.n_heads),
-            )
+            q = ix.wq_b(state.qr).view(*x.shape[:2], ix.n_heads, ix.head_dim).transpose(1, 2)
+            q = _nemo()._apply_partial_rope(q, state.cos, state.sin, ix.rope_head_dim)
+            return q.transpose(1, 2), ix.weights_proj(x).float() * (ix.n_heads**-0.5)
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
+        """NeMo's ``indexer_scores_torch``."""
+        (q, weights), ix = state.index_queries, self.module.compressor.indexer
+        scores = sys.modules[OPTIMIZED].indexer_scores_torch
+        return scores(q[:, lo:hi], keys, weights[:, lo:hi], ix.softmax_scale)
+
+    def index_heads(self) -> int:
+        return int(self.module.compressor.indexer.n_heads)
+
+    def output(self, o: torch.Tensor, state: RopeForwardState) -> torch.Tensor:
         """NeMo's tail: inverse interleaved RoPE, grouped ``wo_a``, ``wo_b``."""
-        m = self.module
+        m, cos, sin = self.module, state.cos, state.sin
         o = _nemo()._apply_partial_rope(o.transpose(1, 2), cos, -sin, m.rope_head_dim)
         o = o.transpose(1, 2)
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.wo_b(m.wo_a(grouped).flatten(2))
 
-    def nemo_problems(self, kwargs: dict[str, Any], start_pos: int, rotary: Any) -> list[str]:
-        """What hp_cp cannot take from NeMo's attention call (recorded, raised on all ranks)."""
-        m, problems = self.module, []
+    def problems(self, inputs: NemoCallInputs) -> list[str]:
+        """The HF adapter's, and what hp_cp cannot take from NeMo's attention call."""
+        m, problems = self.module, super().problems(inputs)
+        kwargs, start_pos, rotary = inputs.kwargs, inputs.start_pos, inputs.rotary_compress
         if _nemo_cp_group(m, kwargs) is not None:
             problems.append(_NEMO_CP_ON)
         if kwargs.get("packed_seq_ids") is not None:
@@ -230,56 +215,53 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         hook = model.register_forward_pre_hook(guard, with_kwargs=True)
         handle.on_disable(hook.remove)
 
-    def make_forward(self, cp_forward: Any, group: Any) -> Any:
-        m = self.module
-        adapter = self
-
-        def forward(
+    def read_inputs(
+        self,
+        hidden_states: Any,
+        position_embeddings: Any = None,
+        attention_mask: Any = None,
+        position_embeddings_compress: Any = None,
+        rotary_compress: Any = None,
+        start_pos: int = 0,
+        position_ids: Any = None,
+        **kwargs: Any,
+    ) -> NemoCallInputs:
+        return NemoCallInputs(
             hidden_states,
-            position_embeddings=None,
-            attention_mask=None,
-            position_embeddings_compress=None,
-            rotary_compress=None,
-            start_pos=0,
-            position_ids=None,
-            **kwargs,
-        ):
-            call = adapter.check_inputs(
-                cp_forward,
-                group,
-                hidden_states,
-                position_embeddings,
-                position_ids,
-                attention_mask,
-                None,
-                cu_seqlens=kwargs.get("cu_seqlens"),
-                problems=adapter.nemo_problems(kwargs, start_pos, rotary_compress),
-            )
-            if position_ids is None:
-                position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
-            if m.compress_ratio and position_embeddings_compress is not None:
-                cos, sin = position_embeddings_compress
-            else:
-                cos, sin = position_embeddings
-            nemo = _nemo()
-            batch, length = hidden_states.shape[:2]
-            q_residual = m.q_norm(m.wq_a(hidden_states))
-            q = m.wq_b(q_residual).view(batch, length, m.num_heads, m.head_dim).transpose(1, 2)
-            kv = m.kv_norm(m.wkv(hidden_states)).view(batch, length, 1, m.head_dim).transpose(1, 2)
-            q = nemo._rms_norm_last_dim(q, m.config.rms_norm_eps)
-            q = nemo._apply_partial_rope(q, cos, sin, m.rope_head_dim)  # [B, H, L, D]
-            kv = nemo._apply_partial_rope(kv, cos, sin, m.rope_head_dim)  # [B, 1, L, D]
-            out = cp_forward(
-                q.permute(2, 0, 1, 3),  # sequence-major [L, B, H, D]
-                kv[:, 0].transpose(0, 1),  # [L, B, D]
-                hidden_states.transpose(0, 1),
-                q_residual.transpose(0, 1),
-                call=call,
-                state=RopeForwardState(cos, sin, position_ids, rotary=rotary_compress),
-            )
-            return out, None  # NeMo returns (output, attn_weights)
+            position_ids,
+            kwargs.get("cu_seqlens"),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            kwargs=kwargs,
+            position_embeddings_compress=position_embeddings_compress,
+            rotary_compress=rotary_compress,
+            start_pos=start_pos,
+        )
 
-        return forward
+    def project(self, state: RopeForwardState) -> Projection:
+        """NeMo's projections (RMS-normed, interleaved partial RoPE) on the local rows."""
+        m, nemo, x, inputs = self.module, _nemo(), state.hidden, state.inputs
+        tables = inputs.position_embeddings
+        if m.compress_ratio and inputs.position_embeddings_compress is not None:
+            tables = inputs.position_embeddings_compress
+        state.cos, state.sin = tables
+        state.rotary = inputs.rotary_compress
+        state.qr = m.q_norm(m.wq_a(x))
+        q = m.wq_b(state.qr).view(*x.shape[:2], m.num_heads, m.head_dim).transpose(1, 2)
+        kv = m.kv_norm(m.wkv(x)).view(*x.shape[:2], 1, m.head_dim).transpose(1, 2)
+        q = nemo._rms_norm_last_dim(q, m.config.rms_norm_eps)
+        q = nemo._apply_partial_rope(q, state.cos, state.sin, m.rope_head_dim)  # [B, H, L, D]
+        kv = nemo._apply_partial_rope(kv, state.cos, state.sin, m.rope_head_dim)  # [B, 1, L, D]
+        return Projection(q.transpose(1, 2), kv[:, 0])
+
+
+@dataclass
+class NemoCallInputs(ModelCallInputs):
+    """NeMo's ``DeepseekV4Attention`` call: HF's fields and NeMo's own."""
+
+    position_embeddings_compress: Any = None
+    rotary_compress: Any = None
+    start_pos: int = 0
 
 
 _NEMO_CP_ON = (
@@ -302,69 +284,7 @@ def _as_numpy(value: Any) -> Any:
     return value
 
 
-def _attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [mod for mod in model.modules() if nemo_adapter_for(mod) is not None]
-
-
-def enable_cp(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's
-    DeepSeek V4, V4.1 and GLM-5 (the adapters' ``prepare_model``: NeMo's own CP refused,
-    V4.1's Engram hash, GLM-5's positions, V3.2 refused with the reason).
-
-    This one still names the NeMo layer it found none of before calling it.
-    """
-    warn_deprecated("hp_cp_torch.integrations.nemo_automodel.enable_cp", "hp_cp_core.enable_cp")
-    if not (is_v41_model(model) or is_dsa_model(model)) and not _attention_layers(model):
-        raise HpCpError(
-            f"found no NeMo Automodel DeepseekV4Attention in a `{type(model).__name__}`; pass "
-            "nemo_automodel's DeepseekV4ForCausalLM, DeepseekV4Model or a DeepseekV4Attention."
-        )
-    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-
-
-def disable_cp(handle: CPHandle) -> None:
-    """Deprecated (0.3.0): ``hp_cp_core.disable_cp(handle)``, which this calls."""
-    warn_deprecated("hp_cp_torch.integrations.nemo_automodel.disable_cp", "hp_cp_core.disable_cp")
-    hp_cp_core.disable_cp(handle)
-
-
 # --------------------------------------------------------------------------- batches
-
-
-def _cu_from_seq_lens(seq_lens: Any, total: int) -> np.ndarray:
-    lens = np.asarray(_as_numpy(seq_lens)).astype(np.int64)
-    if lens.ndim == 2:
-        if lens.shape[0] != 1:
-            raise HpCpError(
-                f"seq_lens has {lens.shape[0]} rows; hp_cp packs one stream per step under CP: "
-                "pass input_ids [1, S] with seq_lens [1, n_docs] (pack the rows into one)."
-            )
-        lens = lens[0]
-    lens = lens[lens != SEQ_LENS_PADDING]
-    if lens.ndim != 1 or (lens < 0).any() or int(lens.sum()) != total:
-        raise HpCpError(
-            f"seq_lens {lens[:8].tolist()} must be non-negative document lengths (unused "
-            f"entries {SEQ_LENS_PADDING}) summing to the sequence length {total}; got sum "
-            f"{int(lens.sum())}. Give every token, padding included, to a document."
-        )
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-
-
-def _cu_from_packed_ids(packed_seq_ids: Any, total: int) -> np.ndarray:
-    ids = np.asarray(_as_numpy(packed_seq_ids)).astype(np.int64).reshape(-1)
-    if ids.size != total:
-        raise HpCpError(
-            f"packed_seq_ids has {ids.size} entries for a sequence of {total} tokens; pass one "
-            "id per token of the full (unsharded) sequence, shape [1, S]."
-        )
-    starts = np.flatnonzero(np.diff(ids)) + 1
-    runs = ids[np.concatenate([[0], starts])] if ids.size else ids
-    if np.unique(runs).size != runs.size:
-        raise HpCpError(
-            "packed_seq_ids revisits a document after another one started; each document must "
-            "be one contiguous run of equal ids."
-        )
-    return np.concatenate([[0], starts, [total]]).astype(np.int64)
 
 
 def cp_nemo_batch(
@@ -411,9 +331,9 @@ def cp_nemo_batch(
     total = int(input_ids.shape[1])
     cu = None
     if seq_lens is not None:
-        cu = _cu_from_seq_lens(seq_lens, total)
+        cu = cu_seqlens_from_lengths(_as_numpy(seq_lens), total, unused=SEQ_LENS_PADDING)
     elif packed_seq_ids is not None:
-        cu = _cu_from_packed_ids(packed_seq_ids, total)
+        cu = cu_seqlens_from_ids(_as_numpy(packed_seq_ids), total)
     if cu is not None and input_ids.shape[0] != 1:
         raise HpCpError(
             f"packed input has batch {input_ids.shape[0]}; pack the documents of a step into "
@@ -432,28 +352,3 @@ def cp_nemo_batch(
     out["labels"] = batch.labels
     out["n_tokens"] = batch.n_tokens
     return out
-
-
-def nemo_cp_batch(
-    handle: CPHandle,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    *,
-    seq_lens: Any = None,
-    packed_seq_ids: Any = None,
-    ignore_index: int = -100,
-) -> dict[str, Any]:
-    """Deprecated (0.3.0): :func:`cp_nemo_batch`, the same call under the name every
-    stack's batch helper now has (``cp_<stack>_batch``)."""
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel.nemo_cp_batch",
-        "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch",
-    )
-    return cp_nemo_batch(
-        handle,
-        input_ids,
-        labels,
-        seq_lens=seq_lens,
-        packed_seq_ids=packed_seq_ids,
-        ignore_index=ignore_index,
-    )

@@ -37,16 +37,18 @@ rank, before any exchange): NeMo's ``qkv_format="thd"`` batches, NeMo's own GLM 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-import hp_cp_core
-from hp_cp_core import CPHandle, HpCpError
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_core import CPHandle
+from hp_cp_torch.deprecation import enable_cp_dsa
+from hp_cp_torch.integrations.transformers import ModelCallInputs
 from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter, DSAForwardState
+from hp_cp_torch.model_adapter import ForwardState, Projection, refuse
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "V32_NOT_CAUSAL",
@@ -75,11 +77,8 @@ V32_NOT_CAUSAL = (
 plugin's discovery, so by ``hp_cp_core.enable_cp`` too)."""
 
 
-class NemoDeepseekV32Refusal:
-    """Registered for NeMo's ``DeepseekV32MLA``: refuses it (:data:`V32_NOT_CAUSAL`)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        raise HpCpError(V32_NOT_CAUSAL)
+NemoDeepseekV32Refusal = refuse(V32_NOT_CAUSAL)
+"""Registered for NeMo's ``DeepseekV32MLA``: refuses it (:data:`V32_NOT_CAUSAL`)."""
 
 
 def nemo_dsa_adapter_for(module: Any) -> Any:
@@ -88,13 +87,7 @@ def nemo_dsa_adapter_for(module: Any) -> Any:
     Raises:
         HpCpError: ``module`` is NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`).
     """
-    for path, name in ((GLM_LAYERS, "GlmMoeDsaMLA"), (V32_LAYERS, "DeepseekV32MLA")):
-        cls = getattr(sys.modules.get(path), name, None)
-        if cls is not None and isinstance(module, cls):
-            if path == V32_LAYERS:
-                raise HpCpError(V32_NOT_CAUSAL)
-            return NemoGlmDsaAttentionAdapter(module)
-    return None
+    return registered_adapter(module, NemoGlmDsaAttentionAdapter, NemoDeepseekV32Refusal)
 
 
 def is_dsa_model(model: Any) -> bool:
@@ -145,8 +138,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 hook = mod.register_forward_pre_hook(_pass_positions, with_kwargs=True)
                 handle.on_disable(hook.remove)
 
-    @property
-    def scaling(self) -> float:
+    def scale(self) -> float:
         return float(self.module.softmax_scale)
 
     def layer_name(self) -> str:
@@ -183,21 +175,17 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 k_pe = half_split(k_pe, freqs_cis, "bshd")
         return torch.cat([q_pe, q_nope], dim=-1), torch.cat([k_pe, k_nope], dim=-1)
 
-    def index_scorer(
-        self, q: torch.Tensor, keys: torch.Tensor, hidden_states: torch.Tensor
-    ) -> Callable[[int, int, int, int], torch.Tensor]:
+    def index_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        ix = self.module.indexer
+        return ix.weights_proj(hidden_states).float() * (ix.num_heads**-0.5)  # [B, L, H_I]
+
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
         """NeMo's dense indexer scores: one GEMM over (query, head) rows, ``softmax_scale``
         then ReLU in place, the per-head weights as a matmul."""
-        ix = self.module.indexer
-        weights = ix.weights_proj(hidden_states).float() * (ix.num_heads**-0.5)  # [B, L, H_I]
-
-        def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
-            rows = q[:, lo:hi]
-            s = torch.matmul(rows.float().flatten(-3, -2), keys[:, s0:s1].float().transpose(-1, -2))
-            s = s.unflatten(-2, (hi - lo, ix.num_heads)).mul_(ix.softmax_scale).relu_()
-            return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
-
-        return score
+        (q, weights), ix = state.index_queries, self.module.indexer
+        s = torch.matmul(q[:, lo:hi].float().flatten(-3, -2), keys.float().transpose(-1, -2))
+        s = s.unflatten(-2, (hi - lo, ix.num_heads)).mul_(ix.softmax_scale).relu_()
+        return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
 
     def expand_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """NeMo's dense path: ``kv_b_proj`` of every latent, ``k = [k_nope ; k_pe]``."""
@@ -209,11 +197,11 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         k_pe = k_pe.unsqueeze(2).expand(batch, n_slots, m.n_heads, m.qk_rope_head_dim)
         return torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2), v.transpose(1, 2)
 
-    def nemo_problems(
-        self, hidden_states: Any, freqs_cis: Any, attention_mask: Any, kwargs: dict
-    ) -> list[str]:
-        """What hp_cp cannot take from NeMo's call (recorded, raised on all ranks)."""
-        problems = []
+    def problems(self, inputs: NemoDSACallInputs) -> list[str]:
+        """The HF adapter's, and what hp_cp cannot take from NeMo's call."""
+        problems = super().problems(inputs)
+        hidden_states, freqs_cis = inputs.hidden, inputs.position_embeddings
+        attention_mask, kwargs = inputs.attention_mask, inputs.kwargs
         if kwargs.get(NEMO_DSA_CP_KWARG) is not None:
             problems.append(
                 "NeMo Automodel's own GLM DSA CP is switched on as well (the batch carries "
@@ -246,72 +234,52 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             )
         return problems
 
-    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        m = self.module
-        adapter = self
-
-        def forward(
+    def read_inputs(
+        self,
+        x: Any,
+        freqs_cis: Any = None,
+        attention_mask: Any = None,
+        prev_topk_indices: Any = None,
+        return_topk_indices: bool = False,
+        **kwargs: Any,
+    ) -> NemoDSACallInputs:
+        return NemoDSACallInputs(
             x,
-            freqs_cis=None,
-            attention_mask=None,
-            prev_topk_indices=None,
-            return_topk_indices=False,
-            **kwargs,
-        ):
-            position_ids = kwargs.get(POSITIONS_KWARG)
-            call = adapter.check_inputs(
-                cp_forward,
-                group,
-                x,
-                freqs_cis,
-                position_ids,
-                attention_mask,
-                None,
-                cu_seqlens=kwargs.get("cu_seqlens"),
-                problems=adapter.nemo_problems(x, freqs_cis, attention_mask, kwargs),
-            )
-            batch, length = x.shape[:-1]
-            q_resid = m.q_a_layernorm(m.q_a_proj(x))
-            q = m.q_b_proj(q_resid).view(batch, length, m.n_heads, m.qk_head_dim)
-            q_nope, q_pe = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-            kv = m.kv_a_proj_with_mqa(x)
-            kv, k_pe = torch.split(kv, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-            kv = m.kv_a_layernorm(kv)
-            q_pe = adapter.rope(q_pe, freqs_cis)
-            k_pe = adapter.rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
-            latent = torch.cat([kv, k_pe], dim=-1)  # [B, L, rank + rope]
-            state = DSAForwardState(
-                torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2),  # [B, H, L, D]
-                latent.transpose(0, 1),  # [L, B, ...]: the owned slots
-                x,
-            )
-            if not adapter.shared:
-                index_q, index_k = adapter.indexer_qk(x, q_resid, freqs_cis)
-                state.index_q, state.index_k = index_q, index_k.transpose(0, 1)
-            out = cp_forward(None, state.latent, x.transpose(0, 1), None, call=call, state=state)
-            return (out, state.selection) if return_topk_indices else out
+            kwargs.get(POSITIONS_KWARG),
+            kwargs.get("cu_seqlens"),
+            position_embeddings=freqs_cis,
+            attention_mask=attention_mask,
+            kwargs=kwargs,
+            return_topk_indices=return_topk_indices,
+        )
 
-        return forward
+    def project(self, state: DSAForwardState) -> Projection:
+        """NeMo's MLA projections (its complex RoPE on the rope slices)."""
+        m, x, freqs_cis = self.module, state.hidden, state.inputs.position_embeddings
+        batch, length = x.shape[:-1]
+        q_resid = m.q_a_layernorm(m.q_a_proj(x))
+        q = m.q_b_proj(q_resid).view(batch, length, m.n_heads, m.qk_head_dim)
+        q_nope, q_pe = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        kv, k_pe = torch.split(m.kv_a_proj_with_mqa(x), [m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        q_pe = self.rope(q_pe, freqs_cis)
+        k_pe = self.rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
+        state.query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, L, D]
+        if not self.shared:
+            self.prepare_indexer(state, q_resid, freqs_cis)
+        return Projection(None, torch.cat([m.kv_a_layernorm(kv), k_pe], dim=-1))
+
+    def finish(self, out: torch.Tensor, state: DSAForwardState) -> Any:
+        return (out, state.selected) if state.inputs.return_topk_indices else out
+
+
+@dataclass
+class NemoDSACallInputs(ModelCallInputs):
+    """NeMo's ``GlmMoeDsaMLA`` call: HF's fields (``freqs_cis`` as the RoPE tables) and
+    whether it returns its top-k."""
+
+    return_topk_indices: bool = False
 
 
 def _pass_positions(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
     """Forward pre-hook of a ``GlmMoeDsaModel``: its layers get the ``position_ids`` too."""
     return args, {**kwargs, POSITIONS_KWARG: kwargs.get("position_ids")}
-
-
-def enable_cp_dsa(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's GLM-5
-    the same way (:meth:`NemoGlmDsaAttentionAdapter.prepare_model`: the positions pre-hook,
-    V3.2 refused with :data:`V32_NOT_CAUSAL`); this one still names the GLM-5 layer it found
-    none of before calling it.
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel_dsa.enable_cp_dsa", "hp_cp_core.enable_cp"
-    )
-    layers = [mod for mod in model.modules() if nemo_dsa_adapter_for(mod) is not None]
-    if not layers:
-        raise HpCpError(
-            f"found no NeMo Automodel GlmMoeDsaMLA in a `{type(model).__name__}`; pass "
-            "nemo_automodel's GlmMoeDsaForCausalLM, GlmMoeDsaModel or a GlmMoeDsaMLA."
-        )
-    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")

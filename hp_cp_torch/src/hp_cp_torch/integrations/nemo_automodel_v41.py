@@ -74,9 +74,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-import hp_cp_core
 from hp_cp_core import (
     CPBatch,
     CPHandle,
@@ -86,13 +86,14 @@ from hp_cp_core import (
     LayerSpec,
     stage1_compress_with_halo,
 )
-from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
-from hp_cp_torch.attention import run_sparse_attention
-from hp_cp_torch.deprecation import warn_deprecated
-from hp_cp_torch.model_adapter import ModelAdapter
-from hp_cp_torch.validation import TensorChecks, rows_hint
+from hp_cp_torch.adapter import install_forward
+from hp_cp_torch.attention import select_topk_chunked
+from hp_cp_torch.deprecation import enable_cp_v41, nemo_v41_cp_batch
+from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_registry import registered_adapter
+from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
@@ -117,11 +118,7 @@ def _quantize(values: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 def nemo_v41_adapter_for(module: Any) -> Any:
     """The adapter for a NeMo ``DeepseekV41Attention``, else ``None`` (never imports NeMo)."""
-    mod = sys.modules.get(ATTENTION)
-    cls = getattr(mod, "DeepseekV41Attention", None) if mod is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return NemoDeepseekV41AttentionAdapter(module)
+    return registered_adapter(module, NemoDeepseekV41AttentionAdapter)
 
 
 def is_v41_model(model: Any) -> bool:
@@ -148,45 +145,49 @@ _NEMO_CP_ON = (
 )
 
 
-SCORE_CHUNK_ELEMENTS = 1 << 22
-"""Most ``queries x heads x row width`` indexer scores held at once (fp32: 16 MiB)."""
-
-
-def _chunked(rows: Any, query_chunk: int, heads: int) -> Any:
-    """``(row, lo, hi)``: each one-process top-k row's queries in chunks whose scores
-    (``[l, heads, width]``) stay under :data:`SCORE_CHUNK_ELEMENTS`."""
-    for row in rows:
-        step = max(1, min(int(query_chunk), SCORE_CHUNK_ELEMENTS // max(row.length * heads, 1)))
-        for lo in range(row.lo, row.hi, step):
-            yield row, lo, min(lo + step, row.hi)
-
-
 @dataclass
-class V41ForwardState:
-    """One forward of a V4.1 layer, from its forward to its stage hooks
-    (``call.extra["state"]``).
+class V41CallInputs(LayerInputs):
+    """NeMo's ``DeepseekV41Attention`` call: the base's inputs and NeMo's own.
 
     Attributes:
-        state: the ``DeepseekV41AttentionState`` NeMo's model passed in.
+        nemo_state: the ``DeepseekV41AttentionState`` NeMo's model passed in.
+        attention_mask, cp_group, packed_seq_ids: as NeMo passed them.
+        padding: the sequence's padding (``handle.shard``'s), for the mask check.
+        no_bounds: ``packed_seq_ids`` came without recorded packed boundaries.
+    """
+
+    nemo_state: Any = None
+    attention_mask: Any = None
+    cp_group: Any = None
+    packed_seq_ids: Any = None
+    padding: Any = None
+    no_bounds: bool = False
+
+
+@dataclass(kw_only=True)
+class V41ForwardState(ForwardState):
+    """One forward of a V4.1 layer: the base's fields and
+
+    Attributes:
         angles: the local rows' RoPE angles.
         valid: ``[B, L]`` bool, the rows the attention mask keeps.
         latents: each compressed segment's latent, by ``(offset, rows)`` (the main
             compressor's, reused by the indexer's).
-        next_state: the state this layer returns (set by ``run_attention``).
+        candidates: the candidate blocks this layer made or was handed, or ``None``.
+        next_state: the ``DeepseekV41AttentionState`` this layer returns.
     """
 
-    state: Any
-    angles: Any
-    valid: Any
+    angles: Any = None
+    valid: Any = None
     latents: dict[tuple[int, int], Any] = field(default_factory=dict)
+    candidates: Any = None
     next_state: Any = None
 
 
 class NemoDeepseekV41AttentionAdapter(ModelAdapter):
-    """Hooks for NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
+    """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    state_class = V41ForwardState
 
     @staticmethod
     def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
@@ -224,9 +225,6 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             index_block=block,
             reuses=reuses,
         )
-
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key  # [L, B, D]: the roped, fp8-quantized window KV
 
     def _latent(self, rows: torch.Tensor) -> torch.Tensor:
         """NeMo's ``_Compressor`` on sequence-major rows ``[n, B, hidden]``: ``[B, n//r, D]``."""
@@ -269,129 +267,154 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------ selection
 
-    def _score_rows(
-        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, width: int, vis: torch.Tensor
-    ) -> torch.Tensor:
-        """NeMo's indexer scores ``[B, l, width]`` of queries ``[B, l, H, Di]`` over a
-        document's slots: ``sum_h w * relu(q . k)`` for the ``keys`` it sees, -inf elsewhere."""
-        n = keys.shape[1]
-        scores = torch.einsum("bshd,btd->bsht", q, keys)
-        scores = (scores.relu() * w.unsqueeze(-1)).sum(dim=2)  # [B, l, n]
-        row = scores.new_full((*scores.shape[:2], width), float("-inf"))
-        row[..., :n] = scores
-        cols = torch.arange(width, device=row.device)
-        return row.masked_fill(cols[None, None, :] >= vis[None, :, None], float("-inf"))
-
-    def select(
-        self,
-        xb: torch.Tensor,
-        qrb: torch.Tensor,
-        angles: torch.Tensor,
-        keys: torch.Tensor,
-        candidates_in: torch.Tensor | None,
-        call: DeepSeekV4CPContext,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def select(self, state: V41ForwardState, call: DeepSeekV4CPContext) -> torch.Tensor | None:
         """The layer's selection ``[B, L, k]`` (global slot ids, ascending, -1 empty) and, for
-        the candidate source, its candidates ``[B, L, N]``; NeMo's indexer arithmetic and
-        calls on NeMo's candidate rows (see Note [NeMo DeepSeek V4.1 under CP])."""
-        ix = self.module.indexer
-        nemo = _attn_mod()
-        plan = call.plan
+        the candidate source, its candidates ``[B, L, N]`` (``state.candidates``): NeMo's
+        indexer scores ``sum_h w * relu(q . k)`` and its candidate blocks on the one-process
+        rows (``select_topk_chunked``'s ``row_hook``; Note [NeMo DeepSeek V4.1 under CP])."""
+        if call.cmp_idx_global is None:
+            return None
+        ix, nemo, plan = self.module.indexer, _attn_mod(), call.plan
+        xb, keys = state.hidden, call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
+        candidates_in = state.candidates = call.reused.get("candidates")
         with torch.no_grad():
-            batch, n_local = xb.shape[:2]
-            q = ix.wq_b(qrb).unflatten(-1, (ix.num_heads, ix.head_dim))
-            q = _quantize(nemo._apply_rope(q, angles), "mxfp4", 32)
+            batch, n_buf = xb.shape[0], keys.shape[1]
+            q = ix.wq_b(state.projection.index_input).unflatten(-1, (ix.num_heads, ix.head_dim))
+            q = _quantize(nemo._apply_rope(q, state.angles), "mxfp4", 32)
             w = ix.weights_proj(xb) * (ix.head_dim**-0.5 * ix.num_heads**-0.5)
-            n_buf = keys.shape[1]
-            k_max = int(ix.topk)
-            out = torch.full((batch, n_local, k_max), -1, dtype=torch.long, device=xb.device)
             cands = None
             if ix.is_candidate_source:
-                cands = torch.zeros((batch, n_local, n_buf), dtype=torch.bool, device=xb.device)
-            # Note [The one-process top-k row] in hp_cp_core.columns
-            rows = PlanColumns(plan, 0).topk_rows(0, n_local, call.sequence_rows)
-            for row_plan, lo, hi in _chunked(rows, call.config.query_chunk, ix.num_heads):
-                d0, width = row_plan.start, row_plan.length
-                if width <= 0 or hi <= lo:
-                    continue
-                count = np.minimum(plan.cmp_count[lo:hi], width)
-                vis = torch.as_tensor(count, device=xb.device)
-                seen = int(count.max()) if count.size else 0
-                row = self._score_rows(
-                    q[:, lo:hi], w[:, lo:hi], keys[:, d0 : d0 + seen], width, vis
+                cands = torch.zeros(
+                    (batch, plan.n_local, n_buf), dtype=torch.bool, device=xb.device
                 )
-                if ix.is_candidate_source:
-                    keep = nemo._select_candidate_blocks(
-                        row,
-                        vis.view(1, -1, 1).expand(batch, -1, 1),
-                        topk_blocks=ix.candidate_topk_blocks,
-                        block_size=ix.candidate_block_size,
-                    ) & torch.isfinite(row)
-                    stop = min(d0 + width, n_buf)
-                    cands[:, lo:hi, d0:stop] = keep[..., : stop - d0]
-                elif ix.uses_candidates:
-                    allowed = candidates_in[:, lo:hi, d0 : d0 + width]
-                    if allowed.shape[-1] < width:
-                        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
-                    row = row.masked_fill(~allowed, float("-inf"))
-                picked = row.topk(row_plan.keep(k_max), dim=-1, sorted=False)
-                ordered = picked.indices.sort(dim=-1).values
-                valid = torch.isfinite(row.gather(-1, ordered))
-                out[:, lo:hi, : ordered.shape[-1]] = torch.where(valid, ordered + d0, -1)
-            return out, cands
+
+            def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+                s = torch.einsum("bshd,btd->bsht", q[:, lo:hi], keys[:, s0:s1])
+                return (s.relu() * w[:, lo:hi].unsqueeze(-1)).sum(dim=2)
+
+            def candidates(row: torch.Tensor, a: int, b: int, where: Any) -> torch.Tensor:
+                d0, width = where.start, where.length
+                if not ix.is_candidate_source:  # only the source's candidate blocks compete
+                    allowed = candidates_in[:, a:b, d0 : d0 + width]
+                    allowed = F.pad(allowed, (0, width - allowed.shape[-1]))
+                    return row.masked_fill(~allowed, float("-inf"))
+                vis = torch.as_tensor(np.minimum(plan.cmp_count[a:b], width), device=row.device)
+                keep = nemo._select_candidate_blocks(
+                    row,
+                    vis.view(1, -1, 1).expand(batch, -1, 1),
+                    topk_blocks=ix.candidate_topk_blocks,
+                    block_size=ix.candidate_block_size,
+                ) & torch.isfinite(row)
+                stop = min(d0 + width, n_buf)
+                cands[:, a:b, d0:stop] = keep[..., : stop - d0]
+                return row
+
+            picks = select_topk_chunked(
+                score,
+                plan,
+                int(ix.topk),
+                call.config.query_chunk,
+                batch=batch,
+                one_process_row="document",
+                sequence_rows=call.sequence_rows,
+                score_heads=int(ix.num_heads),
+                row_hook=candidates if ix.is_candidate_source or ix.uses_candidates else None,
+                ascending=True,
+            )
+        if cands is not None:
+            state.candidates = cands
+        return picks.to(xb.device)
 
     # ------------------------------------------------------------------ attention
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
-        m = self.module
-        forward_state: V41ForwardState = call.extra["state"]
-        state, angles, valid = forward_state.state, forward_state.angles, forward_state.valid
-        role = self.role
-        selected = cmp = None
-        next_state = state
-        if role != "window":
-            # own or the owner's gathered buffers (Note [Layers that share their indexer])
-            cmp = call.cmp_kv_global.transpose(0, 1)  # [B, N, D]
-            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
-            candidates = call.reused.get("candidates")
-            if role in ("full", "reindex"):
-                selected, made = self.select(
-                    x.transpose(0, 1), qr.transpose(0, 1), angles, keys, candidates, call
-                )
-                if made is not None:
-                    candidates = made
-            else:
-                selected = call.reused["selection"]
-            for name, value in (("selection", selected), ("candidates", candidates)):
-                if call.roles.publishes(name):
-                    call.outputs[name] = value
-            next_state = type(state)(
-                compressed_kv=cmp,
-                index_keys=keys,
+    def selection(self, state: V41ForwardState, call: DeepSeekV4CPContext) -> Any:
+        """The base's (own picks, or the Reuse layer's owner's), the candidates published
+        too, and the ``DeepseekV41AttentionState`` this layer returns: its own or the
+        owner's gathered buffers (Note [Layers that share their indexer])."""
+        selected = super().selection(state, call)
+        state.next_state = nemo_state = state.inputs.nemo_state
+        if self.role != "window":
+            candidates = state.candidates
+            if candidates is None:
+                candidates = call.reused.get("candidates")
+            if call.roles.publishes("candidates"):
+                call.outputs["candidates"] = candidates
+            state.next_state = type(nemo_state)(
+                compressed_kv=call.cmp_kv_global.transpose(0, 1),  # [B, N, D]
+                index_keys=call.cmp_idx_global.transpose(0, 1),  # [B, N, Di]
                 topk_indices=selected,
                 candidates=candidates,
-                compression_ratio=int(m.compress_ratio),
+                compression_ratio=int(self.module.compress_ratio),
             )
-        o = run_sparse_attention(
-            query.transpose(0, 1),  # [B, L, H, D]
-            ori_ext.transpose(0, 1),  # [B, E, D]
-            cmp,
-            call.plan,
-            selected,
-            m.attn_sink,
-            m.head_dim**-0.5,
-            kernel=call.config.attention_kernel,
-            query_chunk=call.config.query_chunk,
+        return selected
+
+    def sink(self) -> torch.Tensor:
+        return self.module.attn_sink
+
+    def scale(self) -> float:
+        return self.module.head_dim**-0.5
+
+    def output(self, o: torch.Tensor, state: V41ForwardState) -> torch.Tensor:
+        """NeMo's ``_project_output`` (inverse RoPE, masked rows, grouped output)."""
+        o = o.to(state.projection.query.dtype)
+        return self.module._project_output(o, state.angles, state.valid)
+
+    def finish(self, out: torch.Tensor, state: V41ForwardState) -> Any:
+        return _attn_mod().DeepseekV41AttentionOutput(out, state.next_state)
+
+    # ------------------------------------------------------------------ the call
+
+    def read_inputs(
+        self,
+        hidden_states: Any,
+        *,
+        position_ids: Any,
+        state: Any,
+        attention_mask: Any = None,
+        cp_group: Any = None,
+        packed_seq_ids: Any = None,
+    ) -> V41CallInputs:
+        return V41CallInputs(
+            hidden_states,
+            position_ids,
+            nemo_state=state,
+            attention_mask=attention_mask,
+            cp_group=cp_group,
+            packed_seq_ids=packed_seq_ids,
         )
-        forward_state.next_state = next_state
-        return m._project_output(o.to(query.dtype), angles, valid)
+
+    def begin(self, cp_forward: Any, group: Any, inputs: V41CallInputs) -> Any:
+        """The base's, with the packed boundaries ``cp_nemo_batch`` recorded on the handle
+        (NeMo passes per-row document ids, not boundaries)."""
+        inputs.padding = cp_forward.sequence.padding
+        if inputs.packed_seq_ids is not None:
+            rows = rows_hint(inputs.hidden, 1) * group.size
+            inputs.cu_seqlens = cp_forward.sequence.documents(rows)
+            inputs.no_bounds = inputs.cu_seqlens is None
+        return super().begin(cp_forward, group, inputs)
+
+    def project(self, state: V41ForwardState) -> Projection:
+        """NeMo's projections: RoPE'd queries, the fp8-quantized window KV, the residual."""
+        m, nemo, x, mask = self.module, _attn_mod(), state.hidden, state.inputs.attention_mask
+        state.angles = m.rotary_emb(state.positions)
+        qr = m.q_norm(m.wq_a(x))
+        query = nemo._apply_rope(m.wq_b(qr).unflatten(-1, (m.num_heads, m.head_dim)), state.angles)
+        kv = _quantize(nemo._apply_rope(m.kv_norm(m.wkv(x)), state.angles), "fp8", 32)
+        state.valid = x.new_ones(x.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+        return Projection(query, kv, index_input=qr)
 
     # ------------------------------------------------------------------ checks
 
-    def problems(self, cp_group: Any) -> list[str]:
+    def problems(self, inputs: V41CallInputs) -> list[str]:
         """What hp_cp cannot take from NeMo's call (recorded, raised on every rank)."""
         m, out = self.module, []
-        if cp_group is not None or getattr(m, "cp_group", None) is not None:
+        if inputs.no_bounds:
+            out.append(
+                "got packed_seq_ids without the packed boundaries of the sequence: lay "
+                "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
+                "(it records them on the handle), not NeMo's own packer."
+            )
+        if inputs.cp_group is not None or getattr(m, "cp_group", None) is not None:
             out.append(_NEMO_CP_ON)
         if m.training and m.attention_dropout > 0:
             out.append(
@@ -400,133 +423,50 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             )
         return out
 
-    def make_forward(self, cp_forward: Any, group: Any) -> Any:
-        m = self.module
-        adapter = self
+    def layer_name(self) -> str:
+        return f"DeepseekV41Attention layer {self.module.layer_idx}"
 
-        def forward(
-            hidden_states,
-            *,
-            position_ids,
-            state,
-            attention_mask=None,
-            cp_group=None,
-            packed_seq_ids=None,
-        ):
-            call = adapter.check_inputs(
-                cp_forward, group, hidden_states, position_ids, state,
-                attention_mask, cp_group, packed_seq_ids,
-            )  # fmt: skip
-            nemo = _attn_mod()
-            angles = m.rotary_emb(position_ids.expand(hidden_states.shape[0], -1))
-            qr = m.q_norm(m.wq_a(hidden_states))
-            query = nemo._apply_rope(m.wq_b(qr).unflatten(-1, (m.num_heads, m.head_dim)), angles)
-            kv = _quantize(nemo._apply_rope(m.kv_norm(m.wkv(hidden_states)), angles), "fp8", 32)
-            if attention_mask is None:
-                valid = torch.ones(
-                    hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device
-                )
+    def hidden_size(self) -> int:
+        return int(self.module.wq_a.in_features)
+
+    def check_tensors(self, inputs: V41CallInputs, group: Any) -> TensorChecks:
+        where, packed = f"{self.layer_name()} under CP", inputs.cu_seqlens is not None
+        device = getattr(group, "device", None)
+        return check_hidden_states(device, where, inputs.hidden, self.hidden_size(), packed)
+
+    def value_checks(self, inputs: V41CallInputs, plan: Any) -> list[tuple[Any, str]]:
+        """The position ids, the mask and the document ids against the plan, on the device."""
+        n_local, dev, position_ids = plan.n_local, inputs.hidden.device, inputs.position_ids
+        want = torch.as_tensor(plan.positions, device=dev)
+        got = position_ids.reshape(-1, position_ids.shape[-1])
+        bad = [got.shape[-1] != n_local or (got != want).any(), False, False]
+        doc_ids = None
+        if inputs.cu_seqlens is not None:
+            docs = Documents.packed(inputs.cu_seqlens, plan.layout.total_rows)
+            ids = docs.doc_of(plan.local_rows) + 1
+            real = inputs.padding
+            if real is not None and real.pad_rows:
+                ids = np.where(plan.local_rows >= real.rows, 0, ids)
+            doc_ids = torch.as_tensor(ids, device=dev)
+            pid = inputs.packed_seq_ids.reshape(-1, inputs.packed_seq_ids.shape[-1])
+            bad[2] = pid.shape[-1] != n_local or (pid != doc_ids).any()
+        if inputs.attention_mask is not None:
+            am = inputs.attention_mask.reshape(-1, inputs.attention_mask.shape[-1])
+            if am.shape[-1] != n_local:
+                bad[1] = True
             else:
-                valid = attention_mask.bool()
-            forward_state = V41ForwardState(state, angles, valid)
-            out = cp_forward(
-                query.transpose(0, 1),  # [L, B, H, D]
-                kv.transpose(0, 1),  # [L, B, D]
-                hidden_states.transpose(0, 1),
-                qr.transpose(0, 1),
-                call=call,
-                state=forward_state,
-            )
-            return nemo.DeepseekV41AttentionOutput(out, forward_state.next_state)
+                bad[1] = ((am == 0) if doc_ids is None else am.bool() != (doc_ids > 0)).any()
+        return list(zip(bad, V41_VALUE_MESSAGES))
 
-        return forward
 
-    def check_inputs(
-        self,
-        cp_forward: Any,
-        group: Any,
-        hidden_states: Any,
-        position_ids: Any,
-        state: Any,
-        attention_mask: Any,
-        cp_group: Any,
-        packed_seq_ids: Any,
-    ) -> DeepSeekV4CPContext:
-        """Reject what CP cannot compute, on every rank, before any exchange (the flags that
-        read tensor values ride on the agreement's one gather)."""
-        m = self.module
-        where = f"DeepseekV41Attention layer {m.layer_idx} under CP"
-        checks = TensorChecks(getattr(group, "device", None), where)
-        ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
-        n_local = rows_hint(hidden_states, 1)
-        batch = rows_hint(hidden_states, 0)
-        cu = None
-        if packed_seq_ids is not None:
-            cu = cp_forward.sequence.documents(n_local * group.size)
-            if cu is None:
-                checks.fail(
-                    "got packed_seq_ids without the packed boundaries of the sequence: lay "
-                    "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
-                    "(it records them on the handle), not NeMo's own packer."
-                )
-            elif batch != 1:
-                checks.fail(f"packed input needs batch 1, got {batch}; pack into one row.")
-        if ok:
-            hidden = int(m.wq_a.in_features)
-            if hidden_states.shape[-1] != hidden:
-                checks.fail(
-                    f"hidden_states has hidden size {hidden_states.shape[-1]}; the model's is "
-                    f"{hidden}. Call the model, not the layer."
-                )
-            checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
-            checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
-        for message in self.problems(cp_group):
-            checks.fail(message)
-        check = cp_forward.inspect(
-            n_local, cu, problems=checks.problems, signature=checks.signature
-        )
-        bad: list[Any] = [False, False, False]
-        messages = (
-            f"{where}: got position_ids that are not the positions of the local rows: pass "
-            "the batch of cp_nemo_batch(handle, ...) (global rows; packed: restarting at 0 "
-            "in every document).",
-            f"{where}: got an attention_mask that hides real tokens; under CP only the "
-            "padding cp_nemo_batch appends may be masked (packed: its trailing document).",
-            f"{where}: got packed_seq_ids that do not match the recorded packed boundaries; "
-            "pass the batch of cp_nemo_batch(handle, ...) unchanged.",
-        )
-        if check.ok:
-            dev = hidden_states.device
-            plan = check.plan
-            want = torch.as_tensor(plan.positions, device=dev)
-            got = position_ids.reshape(-1, position_ids.shape[-1])
-            bad[0] = True if got.shape[-1] != n_local else (got != want).any()
-            doc_ids = None
-            if cu is not None:
-                docs = Documents.packed(cu, plan.layout.total_rows)
-                ids = docs.doc_of(plan.local_rows) + 1
-                real = cp_forward.sequence.padding
-                if real is not None and real.pad_rows:
-                    ids = np.where(plan.local_rows >= real.rows, 0, ids)
-                doc_ids = torch.as_tensor(ids, device=dev)
-                pid = packed_seq_ids.reshape(-1, packed_seq_ids.shape[-1])
-                bad[2] = True if pid.shape[-1] != n_local else (pid != doc_ids).any()
-            if attention_mask is not None:
-                am = attention_mask.reshape(-1, attention_mask.shape[-1])
-                if am.shape[-1] != n_local:
-                    bad[1] = True
-                elif doc_ids is not None:
-                    bad[1] = (am.bool() != (doc_ids > 0)).any()
-                else:
-                    bad[1] = (am == 0).any()
-        if group.size > 1 and cp_forward.config.check_inputs_across_ranks:
-            check.deferred = list(zip(bad, messages))
-        else:
-            flags = [bool(torch.as_tensor(b)) for b in bad]
-            for failed, message in zip(flags, messages):
-                if failed:
-                    check.fail(message)
-        return cp_forward.agree(check)
+V41_VALUE_MESSAGES = (
+    "got position_ids that are not the positions of the local rows: pass the batch of "
+    "cp_nemo_batch(handle, ...) (global rows; packed: restarting at 0 in every document).",
+    "got an attention_mask that hides real tokens; under CP only the padding cp_nemo_batch "
+    "appends may be masked (packed: its trailing document).",
+    "got packed_seq_ids that do not match the recorded packed boundaries; pass the batch of "
+    "cp_nemo_batch(handle, ...) unchanged.",
+)
 
 
 # --------------------------------------------------------------------------- Engram hash
@@ -632,24 +572,6 @@ def _check_candidates(layers: list[nn.Module]) -> None:
             )
 
 
-def enable_cp_v41(model: nn.Module, mesh: Any, config: Any = None) -> CPHandle:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs NeMo's
-    DeepSeek V4.1 the same way (:func:`prepare_v41_model`: NeMo's own CP and an unplannable
-    candidate schedule refused, the Engram hash under CP, the guard); this one still names
-    the V4.1 layer it found none of before calling it.
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel_v41.enable_cp_v41", "hp_cp_core.enable_cp"
-    )
-    layers = [mod for mod in model.modules() if nemo_v41_adapter_for(mod) is not None]
-    if not layers:
-        raise HpCpError(
-            f"found no NeMo Automodel DeepseekV41Attention in a `{type(model).__name__}`; pass "
-            "nemo_automodel's DeepseekV41ForCausalLM, DeepseekV41Model or a layer."
-        )
-    return hp_cp_core.enable_cp(model, mesh, config, backend="torch")
-
-
 def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
     """The model-level part of V4.1 under CP, whichever ``enable_cp`` was called: refuse
     NeMo's own CP and a candidate schedule hp_cp cannot plan, run every Engram hash under CP
@@ -663,17 +585,7 @@ def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandl
     for hasher in [mod for mod in model.modules() if type(mod).__name__ == "DeepseekV41NgramHash"]:
         if handle.group.size == 1 and handle.config.single_rank_bypass:
             continue
-        had = "forward" in hasher.__dict__
-        previous = hasher.__dict__.get("forward")
-        hasher.forward = EngramHashCP(hasher, handle)
-
-        def undo(mod: nn.Module = hasher, had: bool = had, previous: Any = previous) -> None:
-            if had:
-                mod.forward = previous
-            else:
-                del mod.forward
-
-        handle.on_disable(undo)
+        handle.on_disable(install_forward(hasher, EngramHashCP(hasher, handle)))
 
     def guard(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if kwargs.get("cp_group") is not None or any(
@@ -701,25 +613,4 @@ def v41_batch_inputs(handle: CPHandle, batch: CPBatch, input_ids: torch.Tensor) 
         out["packed_seq_ids"] = handle.shard(ids_t, 1)
         out["attention_mask"] = out["packed_seq_ids"] > 0
         handle.sequence.record_documents(plan.cu_seqlens)
-    return out
-
-
-def nemo_v41_cp_batch(
-    handle: CPHandle,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None,
-    cu: np.ndarray | None,
-    shifted: torch.Tensor,
-    ignore_index: int,
-) -> dict[str, Any]:
-    """Deprecated (0.3.0): :func:`~hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch`
-    lays out V4.1 batches too (``shifted`` is ignored: the one batch path shifts)."""
-    warn_deprecated(
-        "hp_cp_torch.integrations.nemo_automodel_v41.nemo_v41_cp_batch",
-        "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch",
-    )
-    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu, ignore_index=ignore_index)
-    out = v41_batch_inputs(handle, batch, input_ids)
-    out["labels"] = batch.labels
-    out["n_tokens"] = batch.n_tokens
     return out

@@ -47,32 +47,28 @@ one of HF's data-parallel axes and gives the loss its scale (:class:`HFCPLayout`
 from __future__ import annotations
 
 import importlib
-import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import (
-    CPHandle,
-    DeepSeekV4CPConfig,
-    DeepSeekV4CPContext,
-    HpCpError,
-    LayerSpec,
-    enable_cp,
-    stage1_compress_with_halo,
-)
+from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
+from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch.attention import chunk_columns, run_sparse_attention, select_topk_chunked
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_torch.attention import chunk_columns
+from hp_cp_torch.deprecation import cp_causal_lm_batch
+from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
+from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.kernels.smallop import gather_rows
-from hp_cp_torch.model_adapter import ModelAdapter
-from hp_cp_torch.precision import uses_model_precision
-from hp_cp_torch.validation import TensorChecks, rows_hint
+from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_registry import registered_adapter
+from hp_cp_torch.training import cp_causal_lm_loss, cp_shift_labels, cp_sum_gradients
+from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
+# re-exported: the training helpers (hp_cp_torch.training) and HF's layout
+# (hp_cp_torch.hf_layout) serve any model, so they live outside the model files
 __all__ = [
     "DeepseekV4AttentionAdapter",
     "HFCPLayout",
@@ -93,16 +89,9 @@ def _hf() -> Any:
 
 
 def hf_adapter_for(module: Any) -> Any:
-    """The adapter for a transformers ``DeepseekV4Attention``, else ``None``.
-
-    Never imports the DeepSeek V4 modeling file itself: a module can only be an instance of
-    its class once something else imported it.
-    """
-    modeling = sys.modules.get(MODELING)
-    cls = getattr(modeling, "DeepseekV4Attention", None) if modeling is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return DeepseekV4AttentionAdapter(module)
+    """The adapter for a transformers ``DeepseekV4Attention``, else ``None`` (never imports
+    the modeling file)."""
+    return registered_adapter(module, DeepseekV4AttentionAdapter)
 
 
 def _compress_rows(
@@ -164,39 +153,47 @@ def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
 
 
 @dataclass
-class RopeForwardState:
-    """One forward of a V4 layer (HF's, NeMo's, VeOmni's), from its forward to its stage hooks
-    (``call.extra["state"]``).
+class ModelCallInputs(LayerInputs):
+    """A transformers / NeMo / VeOmni attention layer's call: the base's inputs and the rest.
 
     Attributes:
-        cos, sin: the RoPE tables of the local rows.
-        position_ids: the local rows' positions ``[1 or B, L]``.
-        rotary: the compressors' rotary module (NeMo), else ``None``.
-        qr: the query's low-rank residual ``[L, B, q_lora]`` (computed while the halo
-            travels, or passed in).
-        indexer_q: the indexer's roped queries ``[B, L, H_I, D_I]`` (CSA), else ``None``.
-        query: the queries ``[L, B, H, D]`` (computed while the slots travel, or passed in).
+        position_embeddings: the RoPE tables the model computed (HF's ``(cos, sin)`` or a
+            dict of them by layer type; NeMo GLM-5's ``freqs_cis``).
+        attention_mask: the mask the model passed down, or ``None``.
+        past_key_values: a KV cache (refused), or ``None``.
+        kwargs: the call's other keyword arguments.
     """
 
-    cos: Any
-    sin: Any
-    position_ids: Any
+    position_embeddings: Any = None
+    attention_mask: Any = None
+    past_key_values: Any = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RopeForwardState(ForwardState):
+    """One forward of a V4 layer (HF's, NeMo's, VeOmni's): the base's fields and the RoPE.
+
+    Attributes:
+        cos, sin: the RoPE tables of the local rows (set by ``project``).
+        rotary: the compressors' rotary module (NeMo), else ``None``.
+        qr: the query's low-rank residual ``[B, L, q_lora]`` (computed while the halo
+            travels).
+    """
+
+    cos: Any = None
+    sin: Any = None
     rotary: Any = None
     qr: Any = None
-    indexer_q: Any = None
-    query: Any = None
 
 
 class DeepseekV4AttentionAdapter(ModelAdapter):
-    """Hooks for transformers' ``DeepseekV4Attention`` (batch-major ``[B, S, hidden]``).
+    """The model adapter of transformers' ``DeepseekV4Attention`` (batch-major ``[B, S,
+    hidden]``): its call, checks, projections, compressors, indexer and tail; the machinery
+    is :class:`~hp_cp_torch.model_adapter.ModelAdapter`'s. NeMo's, VeOmni's and the DSA
+    adapters derive from it (the same call shape and checks)."""
 
-    A :class:`~hp_cp_torch.model_adapter.ModelAdapter` that still overrides the machinery
-    methods (its forward computes the queries while the exchanges travel, and its checks read
-    HF's masks and position ids); NeMo's, VeOmni's and the DSA adapters derive from it."""
-
-    model_precision_attention = True
-    """``attention_precision="model"`` runs :meth:`eager_attention` (Note [Attention
-    precision] in :mod:`hp_cp_torch.precision`)."""
+    state_class = RopeForwardState
 
     packed_topk_row = "document"
     """The indexer's top-k row of a packed document on one process (Note [The one-process
@@ -222,9 +219,6 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
         "boundaries as hp_cp_cu_seqlens=...)."
     )
     """The error for position ids that are not this rank's global rows."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
 
     def apply_rope(self, *args: Any) -> Any:
         """The modeling file's ``apply_rotary_pos_emb`` (a generated copy uses its own)."""
@@ -258,9 +252,6 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             force_unfused=True,
         )
 
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key  # [L, B, D]: the single roped KV head (K == V)
-
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         comp, overlap = self.module.compressor, self.is_csa
         return stage1_compress_with_halo(
@@ -280,101 +271,49 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
                 call,
             )
 
-    def indexer_queries(
-        self, xb: torch.Tensor, qrb: torch.Tensor, position_ids: torch.Tensor
-    ) -> torch.Tensor:
+    def index_queries(self, state: RopeForwardState) -> torch.Tensor:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
-        ix = self.module.compressor.indexer
+        ix, x = self.module.compressor.indexer, state.hidden
         with torch.no_grad():
-            batch, length = xb.shape[:2]
-            cos_q, sin_q = ix.rotary_emb(
-                xb, position_ids=position_ids, layer_type=ix.rope_layer_type
-            )
-            q = ix.q_b_proj(qrb).view(batch, length, -1, ix.head_dim).transpose(1, 2)
-            return self.apply_rope(q, cos_q, sin_q).transpose(1, 2)
+            cos, sin = ix.rotary_emb(x, position_ids=state.positions, layer_type=ix.rope_layer_type)
+            q = ix.q_b_proj(state.qr).view(*x.shape[:2], -1, ix.head_dim).transpose(1, 2)
+            return self.apply_rope(q, cos, sin).transpose(1, 2)
 
-    def select(
-        self,
-        xb: torch.Tensor,
-        qrb: torch.Tensor,
-        position_ids: torch.Tensor,
-        call: DeepSeekV4CPContext,
-    ) -> torch.Tensor:
-        """Indexer top-k of the local queries over their visible slots (global slot ids)."""
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
         ix = self.module.compressor.indexer
-        prepared = call.extra["state"].indexer_q
-        with torch.no_grad():
-            q = self.indexer_queries(xb, qrb, position_ids) if prepared is None else prepared
-            keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
-            return select_topk_chunked(
-                lambda lo, hi, s0, s1: self.score(ix, q[:, lo:hi], keys[:, s0:s1], xb[:, lo:hi]),
-                call.plan,
-                int(ix.index_topk),
-                call.config.query_chunk,
-                batch=xb.shape[0],
-                one_process_row=self.packed_topk_row,  # the model's torch.topk row, exact ties too
-                sequence_rows=call.sequence_rows,
-                cu_seqlens=call.cu_seqlens,
-                score_heads=int(ix.num_heads),
-            )
+        return self.score(ix, state.index_queries[:, lo:hi], keys, state.hidden[:, lo:hi])
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
-        m = self.module
-        state: RopeForwardState = call.extra["state"]
-        if query is None:  # computed while the exchanges travelled
-            query, qr = state.query, state.qr
-        cos, sin, position_ids = state.cos, state.sin, state.position_ids
-        selected = None
-        if call.cmp_idx_global is not None:
-            selected = self.select(x.transpose(0, 1), qr.transpose(0, 1), position_ids, call)
-        cmp = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
-        q = query.transpose(0, 1)  # [B, L, H, D]
-        ori = ori_ext.transpose(0, 1)  # [B, E, D]
-        # attention dropout in training: only HF's own op sequence applies it
-        dropout = m.training and m.attention_dropout > 0
-        if not uses_model_precision(call.config) and not dropout:
-            o = run_sparse_attention(
-                q,
-                ori,
-                cmp,
-                call.plan,
-                selected,
-                m.sinks,
-                m.scaling,
-                kernel=call.config.attention_kernel,
-                query_chunk=call.config.query_chunk,
-            )
-        else:
-            o = self.eager_attention(q, ori, cmp, call.plan, selected, call.config.query_chunk)
-        return self.output(o, cos, sin)
+    def index_topk(self) -> int:
+        return int(self.module.compressor.indexer.index_topk)
 
-    def eager_attention(
-        self,
-        q: torch.Tensor,
-        ori: torch.Tensor,
-        cmp: torch.Tensor | None,
-        plan: Any,
-        selected: torch.Tensor | None,
-        query_chunk: int,
-    ) -> torch.Tensor:
+    def index_heads(self) -> int:
+        return int(self.module.compressor.indexer.num_heads)
+
+    def sink(self) -> torch.Tensor:
+        return self.module.sinks
+
+    def scale(self) -> float:
+        return float(self.module.scaling)
+
+    def model_attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
         """HF's ``eager_attention_forward`` on gathered columns instead of a dense mask.
 
         Each query attends to its plan columns (window, then the indexer picks for CSA or
         every visible slot for HCA); the op sequence and dtypes are HF's: logits in the
         model dtype, the ``sinks`` logit column inside the max, softmax in the logits' dtype,
-        dropout, probabilities cast to the value dtype. Query chunks bound the memory.
+        probabilities cast to the value dtype (dropout in training is refused). Query chunks
+        bound the memory.
         """
-        m = self.module
+        m, q, ori, cmp = self.module, request.q, request.ori_ext, request.cmp_kv
         batch, n_ext = q.shape[0], ori.shape[1]
         pool = ori if cmp is None else torch.cat([ori, cmp], dim=1)
         if pool.shape[1] == 0:
             pool = pool.new_zeros((batch, 1, pool.shape[-1]))
-        columns = PlanColumns(plan, n_ext)
-        p_drop = m.attention_dropout if m.training else 0.0
+        columns = PlanColumns(request.plan, n_ext)
         outs = []
-        for lo, hi in columns.chunks(query_chunk):
+        for lo, hi in columns.chunks(request.query_chunk):
             window, slots = chunk_columns(
-                columns, lo, hi, selected, cmp is not None, batch, q.device
+                columns, lo, hi, request.selected, cmp is not None, batch, q.device
             )
             cols = [window] if slots is None else [window, slots]
             idx = torch.cat(cols, dim=-1)  # [B, l, K]
@@ -387,15 +326,14 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             sinks = m.sinks.reshape(1, 1, -1, 1).expand(batch, hi - lo, -1, 1)
             logits = torch.cat([logits, sinks], dim=-1)
             logits = logits - logits.max(dim=-1, keepdim=True).values
-            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-            probs = F.dropout(probs, p=p_drop, training=m.training).to(kv.dtype)
+            probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
             outs.append(torch.matmul(probs, kv))  # [B, l, H, D]
         return torch.cat(outs, dim=1)
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, state: RopeForwardState) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped ``o_a_proj``, ``o_b_proj`` (HF's tail)."""
         m = self.module
-        o = self.apply_rope(o.transpose(1, 2), cos, -sin).transpose(1, 2)
+        o = self.apply_rope(o.transpose(1, 2), state.cos, -state.sin).transpose(1, 2)
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.o_b_proj(m.o_a_proj(grouped).flatten(2))
 
@@ -411,498 +349,88 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
         """The layer's attention dropout probability (refused in training)."""
         return float(self.module.attention_dropout)
 
-    def check_inputs(
+    def read_inputs(
         self,
-        cp_forward: Any,
-        group: Any,
         hidden_states: Any,
-        position_embeddings: Any,
-        position_ids: Any,
-        attention_mask: Any,
-        past_key_values: Any,
-        *,
-        cu_seqlens: Any = None,
-        problems: Iterable[str] = (),
-    ) -> DeepSeekV4CPContext:
-        """Reject what CP cannot compute, on every rank, before any exchange.
+        position_embeddings: Any = None,
+        position_ids: Any = None,
+        attention_mask: Any = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> ModelCallInputs:
+        return ModelCallInputs(
+            hidden_states,
+            position_ids,
+            kwargs.get(CU_SEQLENS_KWARG),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            kwargs=kwargs,
+        )
 
-        ``cu_seqlens`` (packed documents) and ``problems`` (a subclass's own checks) go to
-        the same agreement.
-
-        The layer's own checks travel in the core's one agreement collective (see Note
-        [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`), so a problem
-        on one rank (say, padding only in its rows) makes every rank raise the same error.
-
-        Returns:
-            The agreed context (its plan's ``positions`` are the expected global rows).
-        """
+    def check_tensors(self, inputs: ModelCallInputs, group: Any) -> TensorChecks:
         where = f"{self.layer_name()} under CP"
-        checks = TensorChecks(getattr(group, "device", None), where)
-        for message in problems:
-            checks.fail(message)
-        ok = checks.tensor("hidden_states", hidden_states, (3,), "[B, L, hidden] (local rows)")
-        if ok:
-            hidden = self.hidden_size()
-            if hidden_states.shape[-1] != hidden:
-                checks.fail(
-                    f"hidden_states has hidden size {hidden_states.shape[-1]} (shape "
-                    f"{list(hidden_states.shape)}); the model's hidden_size is {hidden}. Call the "
-                    "model, not the layer, or pass the decoder layer's normalised input."
-                )
-            checks.sign({"hidden_states": hidden_states.transpose(0, 1)})
-            checks.kernel(cp_forward.config.attention_kernel, hidden_states.device)
-        if position_embeddings is None:
-            checks.fail(self.NO_ROPE_HINT)
-        if past_key_values is not None:
-            checks.fail(
+        packed = inputs.cu_seqlens is not None
+        device = getattr(group, "device", None)
+        return check_hidden_states(device, where, inputs.hidden, self.hidden_size(), packed)
+
+    def problems(self, inputs: ModelCallInputs) -> list[str]:
+        """No RoPE tables, a KV cache, attention dropout in training."""
+        problems = []
+        if inputs.position_embeddings is None:
+            problems.append(self.NO_ROPE_HINT)
+        if inputs.past_key_values is not None:
+            problems.append(
                 "got a KV cache (past_key_values); caches and generation are not supported "
                 "under CP. Call the model with use_cache=False (config.use_cache defaults to "
                 "True) and without past_key_values."
             )
         dropout = self.attention_dropout()
         if self.module.training and dropout > 0:
-            checks.fail(
+            problems.append(
                 f"attention dropout ({dropout}) in training is not supported; set "
                 "config.attention_dropout=0.0 or call model.eval()."
             )
-        if cu_seqlens is not None and ok and hidden_states.shape[0] != 1:
-            checks.fail(
-                f"packed input (cu_seqlens) needs batch size 1, got {hidden_states.shape[0]}; "
-                "pack the documents of a batch into one row."
-            )
-        cu = checks.host_cu_seqlens(cu_seqlens)
-        check = cp_forward.inspect(
-            rows_hint(hidden_states, 1), cu, problems=checks.problems, signature=checks.signature
-        )
-        memo = getattr(cp_forward, "memo", None)
-        seen = (id(attention_mask), id(position_ids), rows_hint(hidden_states, 1))
-        reuse = memo is not None and cp_forward.reuses_agreement()
-        # the mask and positions checks read tensor values: on the device, and read by the
-        # agreement's one gather (LocalCheck.deferred) when this layer agrees across ranks
-        across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
-        messages = (f"{where}: {self.MASK_HINT}", f"{where}: {self.POSITIONS_HINT}")
-        bad: list[Any] = [False, False]  # the same number of flags on every rank
-        index = getattr(cp_forward, "index", 0)
-        # a group of one never reuses an agreement (there is none); a later layer of the same
-        # forward (a higher index) given the very objects its first layer checked skips too
-        same_forward = group.size == 1 and memo is not None and index > memo.checked_index
-        if check.ok and (reuse or same_forward) and memo.checked == seen:
-            pass  # this forward's first layer checked these very objects; no host read
-        elif check.ok:  # the plan exists: compare the mask and positions with it
-            n_local = int(hidden_states.shape[1])
-            bad[0] = _mask_is_unsupported(attention_mask)
-            if position_ids is not None:
-                want = torch.as_tensor(check.plan.positions, device=position_ids.device)
-                got = position_ids.reshape(-1, position_ids.shape[-1])
-                bad[1] = True if got.shape[-1] != n_local else (got != want).any()
-            if not across:  # nothing to ride on: read here (a reused or local agreement)
-                dev = torch.stack([torch.as_tensor(b, device=hidden_states.device) for b in bad])
-                bad = [bool(b) for b in dev.cpu().tolist()]
-                for failed, message in zip(bad, messages):
-                    if failed:
-                        check.fail(message)
-                if memo is not None:
-                    memo.checked = None if any(bad) else seen
-                    memo.checked_index = index
-        if across:
-            check.deferred = list(zip(bad, messages))
-            if memo is not None:
-                memo.checked = None
-            call = cp_forward.agree(check)
-            if memo is not None:
-                memo.checked = seen  # every rank's flags were clear
-                memo.checked_index = index
-            return call
-        return cp_forward.agree(check)
+        return problems
 
-    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        m = self.module
-        adapter = self
+    def value_checks(self, inputs: ModelCallInputs, plan: Any) -> list[tuple[Any, str]]:
+        """A mask that hides a token; position ids that are not the plan's."""
+        position_ids, bad_positions = inputs.position_ids, False
+        if position_ids is not None:
+            want = torch.as_tensor(plan.positions, device=position_ids.device)
+            got = position_ids.reshape(-1, position_ids.shape[-1])
+            bad_positions = got.shape[-1] != plan.n_local or (got != want).any()
+        return [
+            (_mask_is_unsupported(inputs.attention_mask), self.MASK_HINT),
+            (bad_positions, self.POSITIONS_HINT),
+        ]
 
-        def forward(
-            hidden_states,
-            position_embeddings=None,
-            position_ids=None,
-            attention_mask=None,
-            past_key_values=None,
-            **kwargs,
-        ):
-            call = adapter.check_inputs(
-                cp_forward,
-                group,
-                hidden_states,
-                position_embeddings,
-                position_ids,
-                attention_mask,
-                past_key_values,
-                cu_seqlens=kwargs.get("hp_cp_cu_seqlens"),
-            )
-            if position_ids is None:
-                position_ids = torch.as_tensor(call.positions, device=hidden_states.device)[None]
-            if isinstance(position_embeddings, dict):
-                position_embeddings = position_embeddings[m.rope_layer_type]
-            cos, sin = position_embeddings
-            apply_rope = adapter.apply_rope
-            batch, length = hidden_states.shape[:2]
-            shape = (batch, length, -1, m.head_dim)
-            kv = m.kv_norm(m.kv_proj(hidden_states)).view(shape).transpose(1, 2)
-            kv = apply_rope(kv, cos, sin)  # [B, 1, L, D]
-            state = RopeForwardState(cos, sin, position_ids)  # filled while exchanges travel
+    def checked_objects(self, inputs: ModelCallInputs) -> tuple[Any, ...]:
+        return (id(inputs.attention_mask), id(inputs.position_ids), rows_hint(inputs.hidden, 1))
 
-            # Note [Overlapped exchanges] in hp_cp_core.collectives: the query residual and
-            # the indexer's queries while the halo travels, the queries while the slots do.
-            # Each window holds work with a gradient, so backward overlaps both exchanges too.
-            def residual_and_indexer_queries() -> None:
-                q_residual = m.q_a_norm(m.q_a_proj(hidden_states))
-                state.qr = q_residual.transpose(0, 1)  # [L, B, q_lora_rank]
-                if adapter.is_csa:
-                    state.indexer_q = adapter.indexer_queries(
-                        hidden_states, q_residual, position_ids
-                    )
+    def project(self, state: RopeForwardState) -> Projection:
+        """HF's projections: the shared KV now; the query residual and the indexer's queries
+        while the halo travels, the queries while the slots do (Note [Overlapped exchanges]
+        in hp_cp_core.collectives; each holds work with a gradient, so backward overlaps both
+        exchanges too)."""
+        m, rope, x = self.module, self.apply_rope, state.hidden
+        tables = state.inputs.position_embeddings
+        state.cos, state.sin = tables[m.rope_layer_type] if isinstance(tables, dict) else tables
+        shape = (*x.shape[:2], -1, m.head_dim)
+        kv = rope(m.kv_norm(m.kv_proj(x)).view(shape).transpose(1, 2), state.cos, state.sin)
+        projection = Projection(None, kv[:, 0])  # [B, L, D]
 
-            def queries() -> None:
-                q = m.q_b_norm(m.q_b_proj(state.qr.transpose(0, 1)).view(shape).transpose(1, 2))
-                state.query = apply_rope(q, cos, sin).permute(2, 0, 1, 3)  # [L, B, H, D]
+        def residual_and_indexer_queries() -> None:
+            state.qr = m.q_a_norm(m.q_a_proj(x))
+            if self.is_csa:
+                state.index_queries = self.index_queries(state)
 
-            out = cp_forward(
-                None,  # the queries: computed while the exchanges travel (`state`)
-                kv[:, 0].transpose(0, 1),  # [L, B, D]
-                hidden_states.transpose(0, 1),  # [L, B, hidden]
-                None,
-                call=call,
-                local_work=(residual_and_indexer_queries, queries),
-                state=state,
-            )
-            return out, None  # HF returns (output, attn_weights)
+        def queries() -> None:
+            q = m.q_b_norm(m.q_b_proj(state.qr).view(shape).transpose(1, 2))
+            projection.query = rope(q, state.cos, state.sin).transpose(1, 2)  # [B, L, H, D]
 
-        return forward
+        projection.local_work = (residual_and_indexer_queries, queries)
+        return projection
 
-
-# --------------------------------------------------------------------------- training
-
-
-def cp_shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """HF's causal-LM label shift, done on the FULL sequence before sharding.
-
-    Position t is trained to predict token t+1; the last position gets ``ignore_index``.
-    HF's ``ForCausalLMLoss`` shifts inside the loss, on whatever rows it is given: on a CP
-    shard that drops the target of each shard's last row and, load-balanced, pairs rows of
-    different chunks. Shift the full labels first, then ``handle.shard(shifted, 1)``.
-    """
-    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
-
-
-def cp_causal_lm_batch(
-    handle: Any,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    ignore_index: int = -100,
-) -> dict[str, torch.Tensor]:
-    """Deprecated (0.3.0): ``handle.batch(input_ids, labels=labels)``, the one batch path
-    (:meth:`hp_cp_core.CPHandle.batch`), gives the same tensors as a
-    :class:`~hp_cp_core.CPBatch`.
-
-    Returns:
-        ``input_ids``, ``position_ids``, ``labels`` (this rank's rows) and ``n_tokens``.
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.transformers.cp_causal_lm_batch",
-        "handle.batch(input_ids, labels=labels)",
-    )
-    batch = handle.batch(input_ids, labels=labels, ignore_index=ignore_index)
-    return {
-        "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
-        "labels": batch.labels,
-        "n_tokens": batch.n_tokens,
-    }
-
-
-def cp_causal_lm_loss(
-    logits_local: torch.Tensor,
-    labels_shifted_local: torch.Tensor,
-    n_tokens_global: int | torch.Tensor,
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """This rank's share of the global mean cross-entropy: ``sum over local tokens / N``.
-
-    Summed over the CP ranks it equals HF's loss on the full sequence (mean over the
-    ``N = (cp_shift_labels(labels) != ignore_index).sum()`` targets). Backward on each rank
-    and sum the gradients over the CP group (:func:`cp_sum_gradients`).
-
-    Args:
-        logits_local: ``[B, L, V]`` logits of this rank's rows.
-        labels_shifted_local: ``[B, L]`` this rank's rows of :func:`cp_shift_labels`.
-        n_tokens_global: number of non-ignored shifted labels of the whole batch.
-        ignore_index: label value that does not count.
-    """
-    logits = logits_local.float().reshape(-1, logits_local.shape[-1])
-    target = labels_shifted_local.reshape(-1).to(logits.device)
-    total = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
-    if torch.is_tensor(n_tokens_global):
-        n_tokens_global = n_tokens_global.to(total.device)
-    return total / n_tokens_global
-
-
-SUM_BUCKET_ELEMENTS = 1 << 25
-"""Most gradient entries :func:`cp_sum_gradients` sums in one collective (128 MiB of fp32):
-what it holds beyond the gradients stays under this, whatever the model's size."""
-
-
-def cp_sum_gradients(parameters: Iterable[torch.Tensor], group: Any = None) -> None:
-    """Sum ``.grad`` over the CP group in place, in fp32 (bf16 gradients are summed in fp32
-    and rounded once).
-
-    One collective for which parameters have a gradient, then one per
-    :data:`SUM_BUCKET_ELEMENTS` gradient entries (two in all for a model of up to 2^25
-    parameters). A parameter may have no gradient on some ranks (an expert no local token was
-    routed to); it counts as zero there, and stays ``None`` only where no rank has a
-    gradient. ``group`` is a torch ``ProcessGroup`` (``None``: the default group) or a 1-D
-    ``DeviceMesh``.
-    """
-    import torch.distributed as dist
-
-    if group is not None and hasattr(group, "get_group"):
-        group = group.get_group()
-    params = [p for p in parameters if p.requires_grad]
-    if not params:
-        return
-    device = params[0].device
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(present, group=group)
-    has = present.tolist()
-    bucket: list[int] = []
-    size = 0
-    for i, p in enumerate(params):
-        bucket.append(i)
-        size += p.numel()
-        last = i + 1 == len(params)
-        if last or size + params[i + 1].numel() > SUM_BUCKET_ELEMENTS:
-            _sum_bucket([params[j] for j in bucket], [has[j] for j in bucket], size, group)
-            bucket, size = [], 0
-
-
-def _sum_bucket(params: list[torch.Tensor], has: list[int], size: int, group: Any) -> None:
-    """One all-reduce of these parameters' gradients, as one fp32 buffer of ``size``."""
-    import torch.distributed as dist
-
-    flat = torch.zeros(size, dtype=torch.float32, device=params[0].device)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is not None:
-            flat[offset : offset + n].copy_(p.grad.reshape(-1))
-        offset += n
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p, present in zip(params, has):
-        n = p.numel()
-        if present:
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-        offset += n
-
-
-def freeze_csa_indexer(model: nn.Module) -> int:
-    """Freeze every CSA indexer parameter (``*.compressor.indexer.*``); returns how many.
-
-    HF's indexer only feeds integer top-k ids, so it never gets a gradient (under CP or not).
-    Frozen, it stays out of the optimizer, and the optimizer state (so a checkpoint) has the
-    same keys on every run, resumed or not, on any layout.
-    """
-    frozen = 0
-    for name, p in model.named_parameters():
-        if ".compressor.indexer." in name:
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
-
-
-# --------------------------------------------------------------- HF's DistributedConfig
-
-# HF's data-parallel axes: each rank of one holds a different batch (FSDP2 shards over both).
-HF_DP_AXES = ("dp_replicate", "fsdp")
-_WHY_NOT = {
-    "tp": "the tensor-parallel ranks of a group compute on the same batch (they split the "
-    "experts' weights, not the tokens)",
-    "ep": "the expert-parallel ranks route tokens between experts of the same batches; its "
-    "groups do not match HF's data-parallel groups",
-    "efsdp": "it is the FSDP axis of the experts only; its groups differ from the dense "
-    "model's data-parallel groups",
-    "pp": "pipeline stages hold different layers, not different tokens",
-}
-
-
-@dataclass(frozen=True)
-class HFCPLayout:
-    """CP on one data-parallel axis of a model HF loaded with a ``DistributedConfig``.
-
-    Attributes:
-        axis: HF's mesh axis the CP ranks span (``"fsdp"`` or ``"dp_replicate"``).
-        cp_mesh: the 1-D CP mesh (this rank's group along ``axis``), what ``enable_cp`` takes.
-        dp_mesh: the 1-D mesh of the real data-parallel ranks (HF's other data-parallel axis):
-            ranks holding different batches, over which the target count is summed.
-        grad_divide_factor: what HF's FSDP2 divides every gradient by, ``dp_replicate_size *
-            fsdp_size``: it counts the CP ranks, which hold shares of the same sequences.
-    """
-
-    axis: str
-    cp_mesh: Any
-    dp_mesh: Any
-    grad_divide_factor: int
-
-    @property
-    def cp_size(self) -> int:
-        return int(self.cp_mesh.size())
-
-    @property
-    def dp_size(self) -> int:
-        """Number of different batches (data-parallel replicas, each split over CP ranks)."""
-        return int(self.dp_mesh.size())
-
-    def enable_cp(self, model: nn.Module, config: DeepSeekV4CPConfig | None = None) -> CPHandle:
-        """``enable_cp(model, self.cp_mesh, config)`` and :func:`freeze_csa_indexer`."""
-        handle = enable_cp(model, self.cp_mesh, config)
-        freeze_csa_indexer(model)
-        return handle
-
-    def global_tokens(self, n_tokens: torch.Tensor) -> torch.Tensor:
-        """Sum of the replicas' target counts (``handle.batch(...).n_tokens``) over
-        the data-parallel ranks only (a CP group counts its sequences once); a collective."""
-        import torch.distributed as dist
-
-        total = torch.as_tensor(n_tokens).clone()
-        dist.all_reduce(total, group=self.dp_mesh.get_group())
-        return total
-
-    def causal_lm_loss(
-        self,
-        logits_local: torch.Tensor,
-        labels_shifted_local: torch.Tensor,
-        n_tokens: torch.Tensor,
-        ignore_index: int = -100,
-    ) -> torch.Tensor:
-        """This rank's loss to call ``backward()`` on (a collective: every rank calls it).
-
-        :func:`cp_causal_lm_loss` over the targets of the global batch (``n_tokens``: this
-        replica's count, summed by :meth:`global_tokens`) times :attr:`grad_divide_factor`:
-        HF's FSDP2 averages the gradients over that many ranks, so the averaged gradient is
-        the gradient of the global mean loss. The mean of these losses over the
-        data-parallel x CP ranks is the global mean loss (:meth:`global_loss`).
-        """
-        n_global = self.global_tokens(n_tokens)
-        share = cp_causal_lm_loss(logits_local, labels_shifted_local, n_global, ignore_index)
-        return share * self.grad_divide_factor
-
-    def global_loss(self, loss: torch.Tensor) -> float:
-        """The global mean loss from every rank's :meth:`causal_lm_loss` (a collective)."""
-        import torch.distributed as dist
-
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self.cp_mesh.get_group())
-        dist.all_reduce(total, group=self.dp_mesh.get_group())
-        return float(total) / self.grad_divide_factor
-
-
-def _hf_mesh_manager(model: nn.Module) -> tuple[Any, Any]:
-    """HF's mesh manager and ``DistributedConfig`` of a model loaded with one (clear errors)."""
-    import transformers
-
-    version = getattr(transformers, "__version__", "?")
-    config = getattr(getattr(model, "config", None), "distributed_config", None)
-    manager = getattr(model, "_mesh_manager", None)
-    if config is None and manager is None:
-        raise HpCpError(
-            f"{type(model).__name__} was not loaded with a DistributedConfig (its "
-            "config.distributed_config is None). Load it with "
-            "from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=...)), or, "
-            "without HF's parallelism, call enable_cp(model, mesh) on your own mesh."
-        )
-    sizes = ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size", "ep_size")
-    if manager is None or not callable(getattr(manager, "get_mesh", None)):
-        raise HpCpError(
-            f"{type(model).__name__} has a DistributedConfig but no mesh manager "
-            f"(model._mesh_manager.get_mesh) that hp_cp reads in transformers {version}; this "
-            "transformers release lays its meshes out differently. Install transformers 5.23 "
-            "(pip install 'hp-cp-torch[transformers]'), or build the CP mesh yourself and "
-            "call enable_cp(model, mesh)."
-        )
-    if any(not isinstance(getattr(config, s, None), int) for s in sizes):
-        raise HpCpError(
-            f"the DistributedConfig of {type(model).__name__} lacks one of {sizes} in "
-            f"transformers {version}; hp_cp supports transformers 5.23's DistributedConfig."
-        )
-    return manager, config
-
-
-def _check_attention_replicated(model: nn.Module) -> None:
-    """CP runs the attention on whole heads: refuse a ``tp_plan`` that shards it (no collective)."""
-    from torch.distributed.tensor import DTensor
-
-    for name, p in getattr(model, "named_parameters", lambda: ())():
-        if ".self_attn." not in name or not isinstance(p, DTensor):
-            continue
-        if "tp" in (p.device_mesh.mesh_dim_names or ()):
-            raise HpCpError(
-                f"cp_layout_from_hf_model: the attention parameter {name} is sharded over HF's "
-                "'tp' axis (a tp_plan rule names it); CP needs the attention replicated on the "
-                "tensor-parallel ranks. Drop the attention rules from DistributedConfig(tp_plan="
-                "...) (the default DeepSeek V4 plan shards only the experts)."
-            )
-
-
-def cp_layout_from_hf_model(model: nn.Module, axis: str = "fsdp") -> HFCPLayout:
-    """The CP mesh, data-parallel mesh and loss scale for a model HF parallelised itself.
-
-    For a model loaded with ``from_pretrained(path, distributed_config=DistributedConfig(...))``
-    (TP / EP on the experts, FSDP2 by HF, attention replicated), CP splits each sequence
-    over the ranks of one of HF's data-parallel axes: ``"fsdp"`` or ``"dp_replicate"``
-    (HSDP); the other one keeps different batches. The tensor-parallel ranks of a CP rank
-    share its rows, as they share its batch without CP. Every rank then::
-
-        layout = cp_layout_from_hf_model(model, axis="fsdp")
-        handle = layout.enable_cp(model)  # enable_cp(model, layout.cp_mesh), indexer frozen
-        batch = handle.batch(input_ids)  # this replica's sequences
-        out = model(**batch.model_inputs(), use_cache=False)
-        loss = layout.causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
-        loss.backward()
-
-    The batches differ across :attr:`HFCPLayout.dp_mesh` and are the same on the ranks of a
-    CP group (and of a TP group). The checks need no collective, so a bad ``axis`` raises
-    the same :class:`~hp_cp_core.HpCpError` on every rank.
-
-    Raises:
-        HpCpError: the model was not loaded with a ``DistributedConfig``, ``axis`` is not one
-            of HF's data-parallel axes (``"tp"``, ``"ep"``, ``"efsdp"``, ``"pp"``, unknown),
-            a ``tp_plan`` shards the attention, ``pp_size > 1``, or this transformers
-            release lays out its meshes differently.
-    """
-    manager, config = _hf_mesh_manager(model)
-    if axis not in HF_DP_AXES:
-        why = _WHY_NOT.get(axis, "it is not an axis of HF's device mesh")
-        raise HpCpError(
-            f"cp_layout_from_hf_model(axis={axis!r}): CP cannot run on {axis!r}: {why}. One "
-            "sequence's shards must sit on ranks that hold the same batch and differ only in "
-            f"their rows: pass axis='fsdp' or axis='dp_replicate' (HF's data-parallel axes; "
-            f"this model has fsdp_size={config.fsdp_size}, "
-            f"dp_replicate_size={config.dp_replicate_size})."
-        )
-    if config.pp_size != 1:
-        raise HpCpError(
-            f"cp_layout_from_hf_model: DistributedConfig(pp_size={config.pp_size}) is not "
-            "supported with CP; use pp_size=1."
-        )
-    _check_attention_replicated(model)
-    other = HF_DP_AXES[1 - HF_DP_AXES.index(axis)]
-    try:
-        cp_mesh, dp_mesh = manager.get_mesh(axis), manager.get_mesh(other)
-    except (KeyError, ValueError, RuntimeError) as exc:
-        raise HpCpError(
-            f"cp_layout_from_hf_model: transformers' mesh manager has no {axis!r} / {other!r} "
-            f"axes ({type(exc).__name__}: {exc}); hp_cp supports transformers 5.23's layout."
-        ) from exc
-    return HFCPLayout(
-        axis=axis,
-        cp_mesh=cp_mesh,
-        dp_mesh=dp_mesh,
-        grad_divide_factor=int(config.dp_replicate_size * config.fsdp_size),
-    )
+    def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
+        return out, None  # HF returns (output, attn_weights)

@@ -48,14 +48,11 @@ packing detects them from ``position_ids``. Not supported under CP (an
 :class:`~hp_cp_core.HpCpError` on every rank, before any exchange): a KV cache, attention
 masks that hide tokens (padding; use ``handle.batch``'s trailing padding), attention
 dropout in training.
-
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,16 +63,18 @@ from torch import nn
 from hp_cp_core import DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_torch.deprecation import cp_dsa_batch
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
+    ModelCallInputs,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
-from hp_cp_torch.precision import uses_model_precision
+from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "DSAAttentionAdapter",
@@ -94,43 +93,31 @@ MODELINGS = {
 
 
 def dsa_adapter_for(module: Any) -> Any:
-    """The adapter for a transformers DSA attention layer (V3.2 or GLM-5), else ``None``.
-
-    Never imports a modeling file: a module can only be an instance of its class once
-    something else imported it.
-    """
-    for cls_name, path in MODELINGS.items():
-        modeling = sys.modules.get(path)
-        cls = getattr(modeling, cls_name, None) if modeling is not None else None
-        if cls is not None and isinstance(module, cls):
-            return DSAAttentionAdapter(module, path)
-    return None
+    """The adapter for a transformers DSA attention layer (V3.2 or GLM-5), else ``None``
+    (never imports a modeling file)."""
+    return registered_adapter(module, DSAAttentionAdapter)
 
 
-@dataclass
-class DSAForwardState:
-    """One forward of a DSA layer (transformers' V3.2 / GLM-5, NeMo's GLM-5), from its forward
-    to its stage hooks (``call.extra["state"]``).
+@dataclass(kw_only=True)
+class DSAForwardState(ForwardState):
+    """One forward of a DSA layer (transformers' V3.2 / GLM-5, NeMo's GLM-5): the base's
+    fields (``projection.kv`` the local rows' latents ``[B, L, kv_lora_rank + rope]``, the
+    owned slots; ``index_queries`` the indexer's roped queries and per-head weights) and:
 
     Attributes:
         query: the queries ``[B, H, L, qk_head_dim]``.
-        latent: the local rows' latents ``[L, B, kv_lora_rank + rope]`` (the owned slots).
-        hidden_states: the layer input ``[B, L, hidden]``.
-        index_q: the indexer's roped queries ``[B, L, H_I, D_I]`` (a layer that selects).
         index_k: the indexer's keys ``[L, B, D_I]`` (its owned slots).
-        selection: the top-k this forward used ``[B, L, k]`` (set by ``run_attention``).
     """
 
-    query: torch.Tensor
-    latent: torch.Tensor
-    hidden_states: torch.Tensor
-    index_q: Any = None
+    query: Any = None
     index_k: Any = None
-    selection: Any = None
 
 
 class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
-    """Hooks for ``DeepseekV32Attention`` / ``GlmMoeDsaAttention`` (batch-major)."""
+    """The model adapter of ``DeepseekV32Attention`` / ``GlmMoeDsaAttention`` (batch-major):
+    MLA's projections, the indexer, attention on the latents."""
+
+    state_class = DSAForwardState
 
     packed_topk_row = "stream"
     """HF's one-process packed mask is block-diagonal over one row of the packed stream."""
@@ -147,11 +134,6 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         return importlib.import_module(self.modeling)
 
     @property
-    def scaling(self) -> float:
-        """The attention's softmax scale (``qk_head_dim ** -0.5``, with YaRN's mscale)."""
-        return float(self.module.scaling)
-
-    @property
     def shared(self) -> bool:
         """A GLM-5 ``"shared"`` layer: no indexer of its own, the previous full layer's picks."""
         return self.module.indexer is None
@@ -165,17 +147,60 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             reuses=("selection",) if self.shared else (),
         )
 
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key  # [L, B, kv_lora_rank + rope]: no window reads it, it is the slot too
-
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         # ratio 1: the slots a rank owns are its rows, ascending (= local order, any layout)
-        return call.extra["state"].latent
+        return self.state(call).projection.kv.transpose(0, 1)
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        return call.extra["state"].index_k
+        return self.state(call).index_k
 
     # ------------------------------------------------------------------ local projections
+
+    def read_inputs(
+        self,
+        hidden_states: Any,
+        position_embeddings: Any = None,
+        attention_mask: Any = None,
+        past_key_values: Any = None,
+        position_ids: Any = None,
+        prev_topk_indices: Any = None,
+        **kwargs: Any,
+    ) -> ModelCallInputs:
+        return ModelCallInputs(
+            hidden_states,
+            position_ids,
+            kwargs.get(CU_SEQLENS_KWARG),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            kwargs=kwargs,
+        )
+
+    def project(self, state: DSAForwardState) -> Projection:
+        """HF's MLA projections: the queries, the latents (the owned slots) and, on a layer
+        with its own indexer, the indexer's queries and keys."""
+        m, x = self.module, state.hidden
+        batch, length = x.shape[:-1]
+        cos, sin = state.inputs.position_embeddings
+        q_resid = m.q_a_layernorm(m.q_a_proj(x))
+        q_states = m.q_b_proj(q_resid).view(batch, length, -1, m.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q_states, [m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        kv_pass, k_rot = torch.split(
+            m.kv_a_proj_with_mqa(x), [m.kv_lora_rank, m.qk_rope_head_dim], -1
+        )
+        k_rot = k_rot.view(batch, 1, length, m.qk_rope_head_dim)
+        q_rot, k_rot = self._mod().apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        state.query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, L, qk_head_dim]
+        if not self.shared:
+            self.prepare_indexer(state, q_resid, cos, sin)
+        return Projection(None, torch.cat([m.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1))
+
+    def prepare_indexer(self, state: DSAForwardState, q_resid: torch.Tensor, *rope: Any) -> None:
+        """The indexer's queries, per-head weights (``state.index_queries``) and keys."""
+        index_q, index_k = self.indexer_qk(state.hidden, q_resid, *rope)
+        state.index_k = index_k.transpose(0, 1)
+        with torch.no_grad():
+            state.index_queries = (index_q, self.index_weights(state.hidden))
 
     def indexer_qk(
         self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cos: Any, sin: Any
@@ -197,99 +222,68 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
         return q, k
 
-    def index_scorer(
-        self, q: torch.Tensor, keys: torch.Tensor, hidden_states: torch.Tensor
-    ) -> Callable[[int, int, int, int], torch.Tensor]:
-        """``score(lo, hi, s0, s1)``: the indexer scores ``[B, hi - lo, s1 - s0]`` of local
-        queries ``lo:hi`` (``q`` ``[B, L, H_I, D_I]``) over tokens ``s0:s1`` (``keys``
-        ``[B, N, D_I]``), HF's op sequence; called under ``torch.no_grad``."""
+    def index_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The indexer's per-head weights ``[B, L, H_I]`` (fp32)."""
         ix = self.module.indexer
         weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
-        weights = weights * (ix.n_heads**-0.5)  # [B, L, H_I]
+        return weights * (ix.n_heads**-0.5)
 
-        def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
-            k = keys[:, s0:s1]
-            s = torch.matmul(q[:, lo:hi].float(), k.transpose(-1, -2).float().unsqueeze(1))
-            s = s.mul_(ix.softmax_scale).relu_()  # [B, l, H_I, n]; HF's ops, in place
-            return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
+        """HF's indexer scores of local queries ``lo:hi`` over ``keys`` (in place, fp32)."""
+        (q, weights), ix = state.index_queries, self.module.indexer
+        s = torch.matmul(q[:, lo:hi].float(), keys.transpose(-1, -2).float().unsqueeze(1))
+        s = s.mul_(ix.softmax_scale).relu_()  # [B, l, H_I, n]; HF's ops, in place
+        return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
 
-        return score
+    def index_topk(self) -> int:
+        return int(self.module.indexer.index_topk)
 
     def index_heads(self) -> int:
         """The indexer's heads (transformers names them ``n_heads``, NeMo ``num_heads``)."""
         ix = self.module.indexer
         return int(getattr(ix, "n_heads", None) or ix.num_heads)
 
-    def select(self, call: DeepSeekV4CPContext) -> torch.Tensor:
-        """Indexer top-k ``[B, L, topk]`` (global token ids, ``-1`` = none) of the local
-        queries over the tokens each sees, the model's scores, the tokens its ``torch.topk``
-        keeps on one process (the row of the whole sequence or packed stream)."""
-        state: DSAForwardState = call.extra["state"]
-        q, hs = state.index_q, state.hidden_states
-        keys = call.cmp_idx_global.transpose(0, 1)  # [B, N, D_I]
-        with torch.no_grad():
-            return select_topk_chunked(
-                self.index_scorer(q, keys, hs),
-                call.plan,
-                int(self.module.indexer.index_topk),
-                call.config.query_chunk,
-                batch=q.shape[0],
-                one_process_row=self.packed_topk_row,  # the model's torch.topk row
-                sequence_rows=call.sequence_rows,
-                cu_seqlens=call.cu_seqlens,
-                score_heads=self.index_heads(),
-            )
+    # ------------------------------------------------------------------ attention
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> torch.Tensor:
-        m = self.module
-        state: DSAForwardState = call.extra["state"]
-        if "selection" in call.reused:
-            selected = call.reused["selection"]
-        else:
-            selected = self.select(call)
-        if call.roles is not None and call.roles.publishes("selection"):
-            call.outputs["selection"] = selected
-        state.selection = selected
-        latent = call.cmp_kv_global.transpose(0, 1)  # [B, N, kv_lora_rank + rope]
-        q = state.query  # [B, H, L, qk_head_dim]
-        if uses_model_precision(call.config):
-            o = self.expanded_attention(q, latent, selected.to(q.device), call)
-        else:
-            q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-            dims = MLADims(
-                m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, self.scaling
-            )
-            rows = chunk_rows(
-                call.config.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1]
-            )
-            chunks = PlanColumns(call.plan, 0).chunks(rows)
-            o = latent_attention(
-                q_pass, q_rot, latent, selected.to(q.device), m.kv_b_proj.weight, dims, chunks
-            )  # [B, H, L, v_head_dim]
-        return m.o_proj(o.transpose(1, 2).reshape(q.shape[0], call.plan.n_local, -1))
+    def sink(self) -> None:
+        return None  # MLA has no sink
 
-    def expanded_attention(
-        self, q: torch.Tensor, latent: torch.Tensor, selected: torch.Tensor, call: Any
+    def attend(
+        self, request: AttentionRequest, state: DSAForwardState, call: DeepSeekV4CPContext
     ) -> torch.Tensor:
+        """Attention on the gathered latents (:func:`hp_cp_torch.latent_attention`):
+        ``[B, H, L, v_head_dim]``."""
+        m, q = self.module, state.query
+        q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        dims = MLADims(
+            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, self.scale()
+        )
+        latent, selected = request.cmp_kv, request.selected.to(q.device)
+        rows = chunk_rows(request.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
+        chunks = PlanColumns(request.plan, 0).chunks(rows)
+        return latent_attention(q_pass, q_rot, latent, selected, m.kv_b_proj.weight, dims, chunks)
+
+    def model_attention(self, request: AttentionRequest, state: DSAForwardState) -> torch.Tensor:
         """transformers' op order (``attention_kernel="model_ops"``): every gathered latent
         through ``expand_kv``, each query chunk's dense row over the tokens up to its last
         visible one, the unselected at ``finfo.min``. The closest to transformers' rounding
         (Note [DSA attention on the latents]); keeps the expanded keys and each chunk's
         weights for backward, ``O(S * S / cp)`` a rank."""
+        q, latent, plan = state.query, request.cmp_kv, request.plan
+        selected = request.selected.to(q.device)
         batch = latent.shape[0]
         key_states, value_states = self.expand_latents(latent)
-        plan = call.plan
         stop = plan.cmp_start + plan.cmp_count
         neg = torch.finfo(q.dtype).min
         outs = []
-        for lo, hi in PlanColumns(plan, 0).chunks(call.config.query_chunk):
+        for lo, hi in PlanColumns(plan, 0).chunks(request.query_chunk):
             s1 = max(int(stop[lo:hi].max()) if hi > lo else 0, 1)
             sel = selected[:, lo:hi]  # [B, l, k]
             keep = torch.zeros((batch, hi - lo, s1 + 1), dtype=torch.bool, device=q.device)
             keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
             bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
             k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
-            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * self.scaling + bias
+            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * self.scale() + bias
             w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
         return torch.cat(outs, dim=2)
@@ -305,87 +299,9 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
         )
 
-    # ----------------------------------------------------------------------- the forward
+    def output(self, o: torch.Tensor, state: DSAForwardState) -> torch.Tensor:
+        """``o_proj`` of the heads' values ``o [B, H, L, v_head_dim]``."""
+        return self.module.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
 
-    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        m = self.module
-        adapter = self
-
-        def forward(
-            hidden_states,
-            position_embeddings=None,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=None,
-            prev_topk_indices=None,
-            **kwargs,
-        ):
-            call = adapter.check_inputs(
-                cp_forward,
-                group,
-                hidden_states,
-                position_embeddings,
-                position_ids,
-                attention_mask,
-                past_key_values,
-                cu_seqlens=kwargs.get("hp_cp_cu_seqlens"),
-            )
-            mod = adapter._mod()
-            batch, length = hidden_states.shape[:-1]
-            cos, sin = position_embeddings
-            q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
-            q_states = m.q_b_proj(q_resid).view(batch, length, -1, m.qk_head_dim).transpose(1, 2)
-            q_pass, q_rot = torch.split(q_states, [m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-            compressed_kv = m.kv_a_proj_with_mqa(hidden_states)
-            kv_pass, k_rot = torch.split(compressed_kv, [m.kv_lora_rank, m.qk_rope_head_dim], -1)
-            k_pass = m.kv_a_layernorm(kv_pass)  # [B, L, kv_lora_rank]
-            k_rot = k_rot.view(batch, 1, length, m.qk_rope_head_dim)
-            q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-            latent = torch.cat([k_pass, k_rot[:, 0]], dim=-1)  # [B, L, rank + rope]
-            state = DSAForwardState(
-                torch.cat((q_pass, q_rot), dim=-1),  # [B, H, L, qk_head_dim]
-                latent.transpose(0, 1),  # [L, B, ...]: the owned slots
-                hidden_states,
-            )
-            if not adapter.shared:
-                index_q, index_k = adapter.indexer_qk(hidden_states, q_resid, cos, sin)
-                state.index_q, state.index_k = index_q, index_k.transpose(0, 1)
-            out = cp_forward(
-                None, state.latent, hidden_states.transpose(0, 1), None, call=call, state=state
-            )
-            if adapter.glm:
-                return out, None, state.selection
-            return out, None
-
-        return forward
-
-
-def cp_dsa_batch(
-    handle: Any,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    *,
-    cu_seqlens: Any = None,
-    ignore_index: int = -100,
-) -> dict[str, Any]:
-    """Deprecated (0.3.0): ``handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens)``,
-    the one batch path (:meth:`hp_cp_core.CPHandle.batch`); pass
-    ``**batch.model_inputs()`` to the model.
-
-    Returns:
-        ``input_ids``, ``position_ids``, ``labels``, ``n_tokens`` and ``model_kwargs``
-        (``{"hp_cp_cu_seqlens": ...}`` when packed, else empty).
-    """
-    warn_deprecated(
-        "hp_cp_torch.integrations.transformers_dsa.cp_dsa_batch",
-        "handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens)",
-    )
-    batch = handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
-    kwargs = {} if batch.cu_seqlens is None else {CU_SEQLENS_KWARG: batch.cu_seqlens}
-    return {
-        "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
-        "labels": batch.labels,
-        "n_tokens": batch.n_tokens,
-        "model_kwargs": kwargs,
-    }
+    def finish(self, out: torch.Tensor, state: DSAForwardState) -> Any:
+        return (out, None, state.selected) if self.glm else (out, None)

@@ -26,20 +26,22 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import CPBatch, DeepSeekV4CPConfig, HpCpError
-from hp_cp_core import disable_cp as _core_disable_cp
-from hp_cp_core import enable_cp as _core_enable_cp
-from hp_cp_torch.deprecation import warn_deprecated
+from hp_cp_core import CPBatch, HpCpError, cu_seqlens_from_positions
+from hp_cp_torch.deprecation import veomni_disable_cp as disable_cp
+from hp_cp_torch.deprecation import veomni_enable_cp as enable_cp
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
+    ModelCallInputs,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "VEOMNI_MODELING",
@@ -92,11 +94,7 @@ def prepare_veomni_model(model: nn.Module, layers: list[nn.Module], handle: Any)
 
 def veomni_adapter_for(module: Any) -> Any:
     """The adapter for a VeOmni ``DeepseekV4Attention``, else ``None`` (never imports VeOmni)."""
-    modeling = sys.modules.get(VEOMNI_MODELING)
-    cls = getattr(modeling, "DeepseekV4Attention", None) if modeling is not None else None
-    if cls is None or not isinstance(module, cls):
-        return None
-    return VeOmniDeepseekV4AttentionAdapter(module)
+    return registered_adapter(module, VeOmniDeepseekV4AttentionAdapter)
 
 
 class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
@@ -118,45 +116,19 @@ class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         weights = ix.weights_proj(x).float() * ix.weights_scaling  # [B, l, H]
         return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
-    def make_forward(self, cp_forward: Any, group: Any) -> Any:
-        inner = super().make_forward(cp_forward, group)
-
-        def forward(hidden_states, *args, **kwargs):
-            problem = _veomni_sp_problem()
-            if problem is not None:
-                raise HpCpError(f"DeepseekV4Attention layer {self.module.layer_idx}: {problem}")
-            for key in ("packed_sequence_slices", "packed_compression_metadata"):
-                if kwargs.get(key) is not None:
-                    raise HpCpError(
-                        f"got VeOmni's {key} under hp_cp: pass the batch of cp_veomni_batch "
-                        "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
-                    )
-            return inner(hidden_states, *args, **kwargs)
-
-        return forward
-
-
-def enable_cp(model: Any, mesh: Any, config: DeepSeekV4CPConfig | None = None) -> Any:
-    """Deprecated (0.3.0): ``hp_cp_core.enable_cp(model, mesh, config)`` runs VeOmni's
-    DeepSeek V4 the same way (:func:`prepare_veomni_model` refuses VeOmni's own CP /
-    Ulysses); this one also refuses a model built without VeOmni's modeling imported.
-    """
-    warn_deprecated("hp_cp_torch.integrations.veomni.enable_cp", "hp_cp_core.enable_cp")
-    problem = _veomni_sp_problem()
-    if problem is not None:
-        raise HpCpError(f"enable_cp on {type(model).__name__}: {problem}")
-    if VEOMNI_MODELING not in sys.modules:
-        raise HpCpError(
-            f"enable_cp: {VEOMNI_MODELING} is not imported; build the model from VeOmni "
-            "(or use hp_cp_core.enable_cp for the transformers model)."
-        )
-    return _core_enable_cp(model, mesh, config)
-
-
-def disable_cp(handle: Any) -> None:
-    """Deprecated (0.3.0): ``hp_cp_core.disable_cp(handle)``, which this calls."""
-    warn_deprecated("hp_cp_torch.integrations.veomni.disable_cp", "hp_cp_core.disable_cp")
-    _core_disable_cp(handle)
+    def problems(self, inputs: ModelCallInputs) -> list[str]:
+        """The HF adapter's, VeOmni's own sequence parallelism, and its packing metadata."""
+        problems = super().problems(inputs)
+        problem = _veomni_sp_problem()
+        if problem is not None:
+            problems.append(problem)
+        for key in ("packed_sequence_slices", "packed_compression_metadata"):
+            if inputs.kwargs.get(key) is not None:
+                problems.append(
+                    f"got VeOmni's {key} under hp_cp: pass the batch of cp_veomni_batch "
+                    "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
+                )
+        return problems
 
 
 VeOmniBatch = CPBatch
@@ -164,40 +136,20 @@ VeOmniBatch = CPBatch
 (a plain alias)."""
 
 
-def _packed_bounds(
-    seq_len: int, position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None
-) -> list[int] | None:
+def _packed_bounds(seq_len: int, position_ids: Any, cu_seq_lens: Any) -> Any:
+    """VeOmni's packed row (``cu_seq_lens_q``, else per-document ``position_ids``) as
+    boundaries for ``handle.batch``; ``None`` for a padded batch or a row of one document."""
     if cu_seq_lens is not None:
-        bounds = [int(b) for b in torch.as_tensor(cu_seq_lens).reshape(-1).tolist()]
-        if (
-            bounds[0] != 0
-            or bounds[-1] != seq_len
-            or any(b > a for a, b in zip(bounds[1:], bounds))
-        ):
+        bounds = torch.as_tensor(cu_seq_lens).reshape(-1).cpu().numpy()
+        if bounds[0] != 0 or bounds[-1] != seq_len or (np.diff(bounds) < 0).any():
             raise HpCpError(
-                f"cu_seq_lens must rise from 0 to the row length {seq_len}, got {bounds}; pass "
-                "VeOmni's cu_seq_lens_q of the whole packed row."
+                f"cu_seq_lens must rise from 0 to the row length {seq_len}, got "
+                f"{bounds.tolist()}; pass VeOmni's cu_seq_lens_q of the whole packed row."
             )
         return bounds
     if position_ids is None:
         return None
-    pos = torch.as_tensor(position_ids).reshape(-1, seq_len)
-    if pos.shape[0] != 1:
-        raise HpCpError(
-            f"position_ids of {pos.shape[0]} rows: packed input is one row; for a padded "
-            "batch of several rows omit position_ids."
-        )
-    starts = torch.nonzero(pos[0] == 0).flatten().tolist()
-    if not starts or starts[0] != 0:
-        raise HpCpError("packed position_ids must start at 0 (VeOmni resets them per document).")
-    bounds = [*starts, seq_len]
-    want = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
-    if not torch.equal(pos[0].cpu(), want):
-        raise HpCpError(
-            "position_ids must count 0, 1, 2, ... within each document (VeOmni's packed "
-            "format); got positions that skip or repeat."
-        )
-    return None if len(bounds) == 2 else bounds
+    return cu_seqlens_from_positions(torch.as_tensor(position_ids).cpu().numpy(), seq_len)
 
 
 def cp_veomni_batch(
