@@ -21,15 +21,19 @@ method                  what the model computes
 ``sink`` / ``scale``    the attention's per-head sink logits and softmax scale
 ``output``              the attention result ``[B, L, H, D]`` -> the layer's output
 ``finish``              the layer's return value (default: the output)
-``model_attention``     optional: the model's own attention op order (``"model_ops"``)
+``model_attention``     optional: the model's own attention op order, in its dtype
+``problems``            optional: what CP cannot compute in this call (a cache, dropout...)
+``value_checks``        optional: checks that read tensor values (positions against the plan)
+``check_tensors``       optional: the input tensors' checks (default: ``x [B, L, hidden]``)
 ======================  ====================================================================
 
-Everything else is machinery, here once: the input checks and their agreement across ranks
-(before any exchange), the compressor's halo and the slot exchange (the core), the indexer's
-selection over the visible slots (with the one-process top-k row when the model's own
-``torch.topk`` ties must be matched), the attention kernel (:mod:`hp_cp_torch.kernels.registry`),
-the indexer loss, install and undo. One forward's values travel in a typed
-:class:`ForwardState` (``call.extra["state"]``), not in string-keyed dictionaries.
+Everything else is machinery, here once: running the input checks and agreeing on them
+across ranks (before any exchange; :meth:`ModelAdapter.agree_inputs`), the compressor's halo
+and the slot exchange (the core), the indexer's selection over the visible slots (with the
+one-process top-k row when the model's own ``torch.topk`` ties must be matched), the
+attention kernel (:mod:`hp_cp_torch.kernels.registry`), the indexer loss, install and undo.
+One forward's values travel in a typed :class:`ForwardState` (``call.extra["state"]``), not
+in string-keyed dictionaries.
 
 Rows, positions and documents: ``compress`` is called once per document segment that starts
 on a block boundary, with ``start`` the document-relative position of its first row (so a
@@ -134,9 +138,11 @@ class ModelAdapter:
     """Base of every model adapter: the model's math as methods, the CP machinery once.
 
     Subclass it, set :attr:`claims` (or name the class in the entry point), and override the
-    model-math methods. The machinery methods (:meth:`make_forward`, :meth:`compress_main`,
-    :meth:`compress_indexer`, :meth:`run_attention`, :meth:`extract_ori_kv`) are what the
-    torch plugin's hooks call; a model does not override them.
+    model-math methods. The machinery methods (:meth:`make_forward`, :meth:`begin`,
+    :meth:`agree_inputs`, :meth:`selection`, :meth:`compress_main`, :meth:`compress_indexer`,
+    :meth:`run_attention`, :meth:`extract_ori_kv`) are what the torch plugin's hooks call; a
+    model does not override them (V4.1 extends :meth:`selection` and :meth:`begin` for its
+    candidate blocks and recorded boundaries).
 
     Args:
         module: the layer this adapter drives (one adapter per layer, built at install).
