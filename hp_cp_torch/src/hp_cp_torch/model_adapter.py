@@ -338,11 +338,9 @@ class ModelAdapter:
         """
         return 1
 
-    def attend(
-        self, request: AttentionRequest, state: ForwardState, call: DeepSeekV4CPContext
-    ) -> torch.Tensor:
-        """The attention of ``request`` by the configured kernel (a registered name,
-        :mod:`hp_cp_torch.kernels.registry`); the result ``[B, L, H, D]`` goes to
+    def attend(self, request: AttentionRequest, state: ForwardState, kernel: Any) -> torch.Tensor:
+        """The attention of ``request`` by ``kernel`` (the configured kernel's registered
+        name, :mod:`hp_cp_torch.kernels.registry`); the result ``[B, L, H, D]`` goes to
         :meth:`output`. A model whose attention is not the family's shared-KV attention (say,
         MLA's latents) overrides it."""
         return run_sparse_attention(
@@ -353,7 +351,7 @@ class ModelAdapter:
             request.selected,
             request.sink,
             request.scale,
-            kernel=call.config.attention_kernel,
+            kernel=kernel,
             query_chunk=request.query_chunk,
         )
 
@@ -386,7 +384,9 @@ class ModelAdapter:
             q, kv_ext, cmp_kv, call.plan, selected, sink, scale, call.config.query_chunk
         )
         o = self.model_attention(request, state) if uses_model_precision(call.config) else None
-        out = self.output(o if o is not None else self.attend(request, state, call), state)
+        out = self.output(
+            o if o is not None else self.attend(request, state, call.config.attention_kernel), state
+        )
         coeff = self.indexer_loss_coeff()
         if coeff is None or selected is None or call.cmp_idx_global is None:
             self.record_indexer_loss(None)

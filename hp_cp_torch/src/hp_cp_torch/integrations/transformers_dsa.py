@@ -249,7 +249,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         return None  # MLA has no sink
 
     def attend(
-        self, request: AttentionRequest, state: DSAForwardState, call: DeepSeekV4CPContext
+        self, request: AttentionRequest, state: DSAForwardState, kernel: Any
     ) -> torch.Tensor:
         """Attention on the gathered latents (:func:`hp_cp_torch.latent_attention`):
         ``[B, H, L, v_head_dim]``."""
