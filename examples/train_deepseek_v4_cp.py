@@ -26,6 +26,7 @@ Needs ``pip install ./hp_cp_core ./hp_cp_torch[train]``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -327,9 +328,21 @@ def plot_losses(losses: list[float], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    train(parse_args(argv))
+    # Everything that held a process group (model, optimizer, CP handle, meshes) died with
+    # train's frame; cycles go now, so gloo's threads end in destroy_process_group, not at
+    # interpreter exit (where a rank can abort with "terminate called without an active
+    # exception"). The barrier keeps every rank's teardown after the last collective of all.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    """The recipe: build, parallelise, (resume,) train, (save,) plot. Leaves the process group
+    up; :func:`main` tears it down."""
     from tqdm import tqdm
 
-    args = parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     overrides = json.loads(args.config.read_text()) if args.config else {}
     text = None
@@ -404,7 +417,6 @@ def main(argv: list[str] | None = None) -> None:
         title = f"DeepSeek V4, dp {dp} x cp {handle.cp_size}, seq {args.seq_len}"
         plot_losses(losses, args.plot, title)
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; curve: {args.plot}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """CP next to Hugging Face's own parallelism (4 ranks): TP on the experts, FSDP2 by HF, CP on
 HF's ``fsdp`` axis. Run: torchrun --standalone --nproc-per-node 4 hf_distributed_config.py"""
 
+import gc
 import tempfile
 
 import torch
@@ -41,4 +42,6 @@ for step in range(2):
     if dist.get_rank() == 0:
         print(f"step {step}: loss {total:.4f}")
 dist.barrier()  # every rank done before any tears its process group down
+del model, handle, layout, optimizer, batch, out, loss  # all that holds the process group,
+gc.collect()  # cycles too: its threads end in destroy_process_group, not at exit
 dist.destroy_process_group()

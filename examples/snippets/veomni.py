@@ -4,6 +4,8 @@ torchrun --nproc-per-node 2 --no-python python -P examples/snippets/veomni.py
 (-P: this file is named veomni.py, so its folder must not shadow the veomni package)
 """
 
+import gc
+
 import torch
 import torch.distributed as dist
 from veomni.distributed.parallel_state import init_parallel_state
@@ -40,4 +42,6 @@ if dist.get_rank() == 0:
     print(f"loss {float(total):.4f} over {int(batch.n_tokens)} targets, cp {handle.cp_size}")
 disable_cp(handle)
 dist.barrier()  # every rank done before any tears its process group down
+del model, handle, batch, out, loss  # all that holds the process group (CP state, graph),
+gc.collect()  # cycles too: its threads end in destroy_process_group, not at exit
 dist.destroy_process_group()
