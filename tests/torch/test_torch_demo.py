@@ -128,3 +128,55 @@ def test_a_rank_that_returns_early_keeps_the_store_up_for_the_rest():
     from hp_cp_torch.cli.launch import run_ranks
 
     assert run_ranks(2, _late_group, timeout=120) == [0, 1]
+
+
+_ORPHAN_JOB = """
+import os, sys, time
+from hp_cp_torch.cli.launch import run_ranks
+
+def wait_forever(rank, world, folder):
+    with open(os.path.join(folder, f"{rank}.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    run_ranks(2, wait_forever, sys.argv[1], timeout=900)
+"""
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a container's init may never reap one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_ranks_die_with_the_process_that_launched_them(tmp_path):
+    """A killed launcher (``kill -9`` of ``hp-cp bench``, say) leaves no rank running on."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "job.py"
+    script.write_text(_ORPHAN_JOB)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert all(_running(pid) for pid in ranks)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in ranks if _running(pid)]
+    for pid in left:  # do not leave them to the next test either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"

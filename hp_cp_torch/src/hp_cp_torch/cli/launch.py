@@ -6,9 +6,12 @@ a process group costs seconds. A rank that hangs is killed after ``timeout`` and
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -25,6 +28,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1
+"""Linux ``prctl`` option: the signal a process gets when its parent dies."""
+
+
+def _die_with_parent(parent: int) -> None:
+    """On Linux, have the kernel kill this rank when the process that launched it dies, and
+    leave at once if it has already died (elsewhere the parent's own cleanup is all)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no libc prctl: the parent's cleanup still runs
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _worker(
     rank: int,
     world: int,
@@ -33,7 +52,10 @@ def _worker(
     args: tuple,
     out_dir: str,
     pg_timeout: float | None = None,
+    parent: int | None = None,
 ) -> None:
+    if parent is not None:
+        _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     timeout = (
@@ -90,18 +112,18 @@ def run_ranks(
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = _free_port()
-        procs = [
-            ctx.Process(target=_worker, args=(k, world, port, fn, args, out_dir, pg_timeout))
-            for k in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        hung = [k for k, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        job = (world, port, fn, args, out_dir, pg_timeout, os.getpid())
+        procs = [ctx.Process(target=_worker, args=(k, *job)) for k in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+            hung = [k for k, p in enumerate(procs) if p.is_alive()]
+        finally:  # also on Ctrl-C or an error here: no rank outlives its job
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {timeout}s (hang)")
         results = []
