@@ -142,13 +142,13 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         )
 
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        comp, rotary = self.module.compressor, call.extra["state"].rotary
+        comp, rotary = self.module.compressor, self.state(call).rotary
         return stage1_compress_with_halo(
             lambda rows, offset: _compress_rows(comp, rotary, rows, offset), x, halo_x, call
         )
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        ix, rotary = self.module.compressor.indexer, call.extra["state"].rotary
+        ix, rotary = self.module.compressor.indexer, self.state(call).rotary
         with torch.no_grad():  # the indexer only feeds integer top-k ids (no gradient in NeMo)
             return stage1_compress_with_halo(
                 lambda rows, offset: _compress_rows(ix, rotary, rows, offset), x, halo_x, call

@@ -239,7 +239,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         """The owned slots: NeMo's latent, roped at each group's first position, nvfp4."""
         rope = _attn_mod()._apply_rope
-        cache = call.extra["state"].latents
+        cache = self.state(call).latents
 
         def compress(rows: torch.Tensor, offset: int) -> torch.Tensor:
             latent = self._latent(rows)
@@ -253,7 +253,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         """The owned slots' index keys: ``mxfp4(rope(k_norm(wk(latent))))``, no gradient
         (NeMo's indexer is frozen and runs under ``no_grad``)."""
         ix, rope = self.module.indexer, _attn_mod()._apply_rope
-        cache = call.extra["state"].latents
+        cache = self.state(call).latents
 
         def keys(rows: torch.Tensor, offset: int) -> torch.Tensor:
             latent = cache.get((int(offset), int(rows.shape[0])))
