@@ -124,7 +124,8 @@ def test_load_balanced_with_odd_local_length(host: PluginHost) -> None:
         "and handle.padding(rows).cu_seqlens(cu) the packed boundaries."
     )
     errors, elapsed = run_each_rank(host, 2, lambda k: (_x(3), None), layout="load_balanced")
-    assert_every_rank_raised(errors, elapsed, fix + " (The 2 ranks hold 3 local rows each.)")
+    held = " (This rank holds 3 local rows: 6 in all if each of the 2 ranks holds as many.)"
+    assert_every_rank_raised(errors, elapsed, fix + held)
     handle = enable_cp(
         fb.ToyAttention(),
         fb.FakeMesh(fb.FakeWorld(2), 0),

@@ -109,8 +109,8 @@ def test_rows_must_fill_the_layout_and_cu_seqlens() -> None:
     assert check.message == (
         "a load_balanced layout over cp=2 ranks needs the sequence length to be a multiple of "
         "4; got 6 rows. Pad it at the end: handle.shard(t, dim, pad_value=...) pads tensors "
-        "and handle.padding(rows).cu_seqlens(cu) the packed boundaries. (The 2 ranks hold 3 "
-        "local rows each.)"
+        "and handle.padding(rows).cu_seqlens(cu) the packed boundaries. (This rank holds 3 "
+        "local rows: 6 in all if each of the 2 ranks holds as many.)"
     )
     check = LocalCheck(n_local=3, cu_seqlens=np.array([0, 4]))
     assert check_rows(LocalCheck(n_local=3), 2, "contiguous")
@@ -430,6 +430,11 @@ def test_failures_take_precedence_over_disagreement() -> None:
         {"problem": "cu_seqlens must start at 0.", "facts": {"rows": "3"}},
     ]
     assert agreement_message(reports, [1], ["rows"]) == (
+        "CP input check failed on rank 1 of 2 (every rank raises this error): cu_seqlens must "
+        "start at 0. The ranks' inputs also differ: local rows per rank [4, 3]."
+    )
+    reports[1]["facts"]["tensors"] = "x float16"  # only the rows are added
+    assert agreement_message(reports, [1], ["tensors"]) == (
         "CP input check failed on rank 1 of 2 (every rank raises this error): cu_seqlens must "
         "start at 0."
     )

@@ -241,7 +241,11 @@ def check_rows(check: LocalCheck, cp_size: int, layout: str) -> bool:
     try:
         SequenceLayout(layout, cp_size, total)
     except PlanError as exc:
-        check.fail(f"{exc} (The {cp_size} ranks hold {n} local rows each.)", PlanError)
+        check.fail(
+            f"{exc} (This rank holds {n} local rows: {total} in all if each of the {cp_size} "
+            "ranks holds as many.)",
+            PlanError,
+        )
         return False
     cu = check.cu_seqlens
     if cu is not None and int(cu[-1]) != total:
@@ -504,29 +508,39 @@ def agree(
 def agreement_message(reports: Sequence[dict], failed: list[int], differ: list[str]) -> str:
     """The one message every rank raises (a function of the gathered reports only)."""
     cp = len(reports)
-    if failed:
-        by_msg: dict[str, list[int]] = {}
-        for rank in failed:
-            by_msg.setdefault(reports[rank]["problem"], []).append(rank)
-        if len(failed) == cp and len(by_msg) == 1:
-            return next(iter(by_msg))  # the same problem everywhere: the message as it is
-        if len(by_msg) == 1:
-            ranks = failed
-            where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-            return (
-                f"CP input check failed on {where} of {cp} (every rank raises this error): "
-                f"{next(iter(by_msg))}"
-            )
-        parts = [
-            f"[{'rank ' + str(r[0]) if len(r) == 1 else 'ranks ' + str(r)}] {msg}"
-            for msg, r in by_msg.items()
-        ]
-        return (
-            f"CP input checks failed on ranks {failed} of {cp} (every rank raises this error): "
-            + " ".join(parts)
+
+    def listing(fields: Sequence[str]) -> str:
+        return "; ".join(
+            f"{LABELS[f]} per rank [{', '.join(r['facts'][f] for r in reports)}]" for f in fields
         )
-    listing = "; ".join(
-        f"{LABELS[f]} per rank [{', '.join(r['facts'][f] for r in reports)}]" for f in differ
-    )
+
+    if failed:  # a rank's own check of its rows assumes its peers hold as many
+        rows = "rows" in differ and all(int(r["facts"]["rows"]) > 0 for r in reports)
+        also = f" The ranks' inputs also differ: {listing(['rows'])}." if rows else ""
+        return _failures_message(reports, failed, cp) + also
     fixes = " ".join(FIXES[f] for f in differ)
-    return f"CP ranks were given inconsistent inputs: {listing}. {fixes}"
+    return f"CP ranks were given inconsistent inputs: {listing(differ)}. {fixes}"
+
+
+def _failures_message(reports: Sequence[dict], failed: list[int], cp: int) -> str:
+    """What every rank raises for the ranks in ``failed``: their problems, by message."""
+    by_msg: dict[str, list[int]] = {}
+    for rank in failed:
+        by_msg.setdefault(reports[rank]["problem"], []).append(rank)
+    if len(failed) == cp and len(by_msg) == 1:
+        return next(iter(by_msg))  # the same problem everywhere: the message as it is
+    if len(by_msg) == 1:
+        ranks = failed
+        where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        return (
+            f"CP input check failed on {where} of {cp} (every rank raises this error): "
+            f"{next(iter(by_msg))}"
+        )
+    parts = [
+        f"[{'rank ' + str(r[0]) if len(r) == 1 else 'ranks ' + str(r)}] {msg}"
+        for msg, r in by_msg.items()
+    ]
+    return (
+        f"CP input checks failed on ranks {failed} of {cp} (every rank raises this error): "
+        + " ".join(parts)
+    )

@@ -136,8 +136,8 @@ class ModelRegistry:
                 listing = " and ".join(c.describe() for c in found)
                 raise HpCpError(
                     f"two model adapters claim {class_name(cls)}: {listing} (entry points of "
-                    f"group {ENTRY_POINT_GROUP}). Uninstall one of them, or set the adapter "
-                    "explicitly on the module."
+                    f"group {ENTRY_POINT_GROUP}). Uninstall one of the two distributions "
+                    "(pip uninstall <name>): one class has one adapter."
                 )
             return found[0]
         return None

@@ -217,19 +217,24 @@ def check_reference_inputs(
                 f"the layer) with .to('{ref[1]}')."
             )
     batch, rows = (1, x.shape[0]) if x.dim() == 2 else (x.shape[0], x.shape[1])
+    shapes = (
+        f"[{rows}] or [{batch}, {rows}]"
+        if batch == 1
+        else f"[{rows}], [1, {rows}] or [{batch}, {rows}]"
+    )
     for name, t in (("position_ids", position_ids), ("loss_mask", loss_mask)):
         if t is None:
             continue
         if is_dtensor(t) or not isinstance(t, torch.Tensor):
             checks.fail(
                 f"{name} is a {type(t).__name__}; expected a plain torch.Tensor of one value "
-                f"per local row ([{rows}] or [{batch}, {rows}]). Shard it like x with "
+                f"per local row ({shapes}). Shard it like x with "
                 f"handle.shard({name}, seq_dim)."
             )
         elif t.numel() not in (rows, batch * rows) or (t.dim() and t.shape[-1] != rows):
             checks.fail(
                 f"{name} has shape {list(t.shape)} but x has {rows} local rows (batch {batch}); "
-                f"expected [{rows}] or [{batch}, {rows}]. Shard it like x with "
+                f"expected {shapes}. Shard it like x with "
                 f"handle.shard({name}, seq_dim)."
             )
         elif t.device != x.device:
