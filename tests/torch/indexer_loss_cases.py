@@ -10,6 +10,7 @@ nowhere.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from cases import Case, layer_config, make_inputs, parity_case
 
 from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+from hp_cp_torch.adapter import ReferenceLayerAdapter
 from hp_cp_torch.reference import DeepSeekV4Attention
 
 COEFFS = (0.01, 0.0)
@@ -89,7 +91,9 @@ def run_loss_case_cp(case: LossCase) -> dict:
         try:
             xl = handle.shard(x, dim).requires_grad_(True)
             local_mask = None if mask is None else handle.shard(mask, dim)
-            out = layer(xl, **_kwargs(cu, local_mask))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = layer(xl, **_kwargs(cu, local_mask))
             loss_value = float(layer.indexer_loss)
             layer.zero_grad(set_to_none=True)
             (out.float() * handle.shard(g, dim).float()).sum().backward()
@@ -110,8 +114,39 @@ def run_loss_case_cp(case: LossCase) -> dict:
             "zero": zero,
             "pgrads": summed,
             "gx": gx,
+            "student_warnings": _student_warnings(caught),
         }
     return res
+
+
+class _ScaledScoresAdapter(ReferenceLayerAdapter):
+    """The reference layer's adapter whose selection scores are twice the indexer's: the
+    default ``index_scores_at`` (DeepSeek's formula) no longer matches them."""
+
+    def index_scores(self, state: Any, lo: int, hi: int, keys: torch.Tensor) -> Any:
+        return 2.0 * super().index_scores(state, lo, hi, keys)
+
+
+def run_scaled_student(case: LossCase) -> list[str]:
+    """The warnings of two forwards of a layer whose ``index_scores`` disagree with the
+    default ``index_scores_at`` (the check warns once per layer)."""
+    x, cu, _, _ = inputs(case)
+    layer = build(case, COEFFS[0])
+    layer.__dict__["_hp_cp_adapter"] = _ScaledScoresAdapter(layer)  # as an explicit adapter
+    handle = enable_cp(layer, None, DeepSeekV4CPConfig(layout=case.base.layout))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                layer(handle.shard(x, 0 if case.base.packed else 1), **_kwargs(cu, None))
+    finally:
+        disable_cp(handle)
+        del layer.__dict__["_hp_cp_adapter"]
+    return _student_warnings(caught)
+
+
+def _student_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "index_scores_at" in str(w.message)]
 
 
 def single_device_loss(case: LossCase, coeff: float) -> dict:
@@ -129,4 +164,6 @@ def single_device_loss(case: LossCase, coeff: float) -> dict:
 
 
 def loss_suite(world: int) -> dict[str, tuple[Any, tuple]]:
-    return {c.name: (run_loss_case_cp, (c,)) for c in loss_cases(world)}
+    cases = loss_cases(world)
+    suite = {c.name: (run_loss_case_cp, (c,)) for c in cases}
+    return {**suite, "scaled-student": (run_scaled_student, (cases[0],))}

@@ -173,6 +173,7 @@ def test_cp_loss_and_gradients_match_single_device(world: int, case: LossCase) -
     for rank, got in enumerate(per_rank):
         loss = got[COEFFS[0]]["loss"]
         assert abs(loss - want["loss"]) <= 1e-5 * want["loss"], (rank, loss, want["loss"])
+    assert all(not got[c]["student_warnings"] for got in per_rank for c in COEFFS), per_rank
     got = per_rank[0][COEFFS[0]]
     for name, ref in want["pgrads"].items():
         err = rel_err(got["pgrads"][name], ref)
@@ -196,6 +197,17 @@ def test_cp_main_branch_is_untouched_and_coeff_zero_gives_zero_grads(
         assert all(zero["has_grad"].values()), (rank, zero["has_grad"])
         assert all(zero["zero"][n] for n in zero["has_grad"]), (rank, zero["zero"])
         assert zero["loss"] == pytest.approx(got[COEFFS[0]]["loss"], rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_student_that_scores_otherwise_than_the_selection_warns_once(world: int) -> None:
+    """An adapter whose ``index_scores`` differ from the default ``index_scores_at``
+    (DeepSeek's formula) would train another score: each rank warns, once per layer."""
+    for rank, caught in enumerate(result("indexer_loss", world, "scaled-student")):
+        assert len(caught) == 1, (rank, caught)
+        assert "differ from index_scores at the same picks" in caught[0], caught[0]
+        assert "override it" in caught[0], caught[0]
 
 
 def test_suite_covers_the_issue() -> None:

@@ -31,7 +31,11 @@ __all__ = [
     "indexer_kl_rows",
     "indexer_loss_share",
     "indexer_scores_at",
+    "student_mismatch",
 ]
+
+STUDENT_CHECK_ROWS = 8
+"""How many local queries :func:`student_mismatch` scores both ways."""
 
 
 def indexer_scores_at(
@@ -54,6 +58,38 @@ def indexer_scores_at(
     picked = gather_rows(keys, slots.clamp(min=0)).float()  # [B, S, k, Di]
     logits = torch.einsum("bshd,bskd->bshk", q_idx.float(), picked).relu()
     return torch.einsum("bshk,bsh->bsk", logits, weights.float())
+
+
+def student_mismatch(
+    index_scores: Any, keys: torch.Tensor, selected: torch.Tensor, student: torch.Tensor
+) -> str | None:
+    """How far the indexer loss's student (``index_scores_at``) is from the scores the
+    selection ranks by, at the same picks, for a few local queries; ``None`` when they agree.
+
+    ``index_scores(lo, hi, keys)`` are the selection's scores ``[B, hi - lo, N]``, ``keys
+    [B, N, D_I]`` all slots, ``selected [B, L, k]`` the picks (``-1``: none), ``student
+    [B, L, k]``. Tolerance: 1e-4 of the largest score in fp32, 3e-2 in 16-bit dtypes.
+    """
+    rows = torch.nonzero((selected[0] >= 0).any(-1)).flatten()
+    if rows.numel() == 0:
+        return None
+    lo = int(rows[0])
+    hi = min(lo + STUDENT_CHECK_ROWS, selected.shape[1])
+    with torch.no_grad():
+        picks = selected[:, lo:hi]
+        ref = index_scores(lo, hi, keys).float().gather(-1, picks.clamp(min=0))
+        got, ok = student[:, lo:hi].detach().float(), picks >= 0
+        err, size = (ref - got).abs()[ok].max(), ref.abs()[ok].max()
+    low = torch.finfo(keys.dtype).bits <= 16 or torch.finfo(student.dtype).bits <= 16
+    if float(err) <= (3e-2 if low else 1e-4) * float(size) + 1e-6:
+        return None
+    return (
+        f"the indexer loss's student scores (index_scores_at) differ from index_scores at the "
+        f"same picks by {float(err):.3g} (largest score {float(size):.3g}; queries "
+        f"{lo}..{hi - 1} of this rank): the loss trains another score than the selection "
+        "ranks by. The default index_scores_at is DeepSeek's sum_h w * relu(q . k) over "
+        "state.index_queries = (q, w); override it with your model's own scores at the picks."
+    )
 
 
 def indexer_kl_rows(

@@ -45,6 +45,7 @@ none" (no indexer loss, no own op order).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,7 +55,12 @@ from torch import nn
 
 from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
-from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, indexer_scores_at
+from hp_cp_torch.indexer_loss import (
+    attach_indexer_loss,
+    indexer_loss_share,
+    indexer_scores_at,
+    student_mismatch,
+)
 from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, check_reference_inputs, rows_hint
@@ -391,13 +397,35 @@ class ModelAdapter:
         if coeff is None or selected is None or call.cmp_idx_global is None:
             self.record_indexer_loss(None)
             return out
-        student = self.index_scores_at(state, call.cmp_idx_global.transpose(0, 1), selected)
+        keys = call.cmp_idx_global.transpose(0, 1)
+        student = self.index_scores_at(state, keys, selected)
+        self._check_student_once(state, keys, selected, student)
         share = indexer_loss_share(
             call, q, kv_ext, cmp_kv, selected, student, sink, scale, state.loss_mask
         )
         # the global mean, the same on every rank (Note [Indexer loss under CP]); no host sync
         self.record_indexer_loss(call.group.sum_detached(share))
         return attach_indexer_loss(out, share, coeff)
+
+    def _check_student_once(
+        self, state: ForwardState, keys: Any, selected: Any, student: Any
+    ) -> None:
+        """Warn (once per layer) when the default :meth:`index_scores_at` (DeepSeek's
+        formula) scores otherwise than the model's :meth:`index_scores`: its indexer loss
+        would silently train another score. A warning, not an error: a rank whose queries
+        have no picks cannot compare, and an error on some ranks only would hang the rest."""
+        if type(self).index_scores_at is not ModelAdapter.index_scores_at:
+            return
+        if self.__dict__.setdefault("_student_checked", False):
+            return
+        self.__dict__["_student_checked"] = True
+
+        def scores(lo: int, hi: int, keys: Any) -> Any:
+            return self.index_scores(state, lo, hi, keys)
+
+        problem = student_mismatch(scores, keys, selected, student)
+        if problem is not None:
+            warnings.warn(f"{self.layer_name()} under CP: {problem}", stacklevel=2)
 
     def check_tensors(self, inputs: LayerInputs, group: Any) -> TensorChecks:
         """The input tensors' checks (dims, width, dtype, device, the per-row inputs' shapes)
