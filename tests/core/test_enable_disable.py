@@ -95,8 +95,8 @@ def test_config_must_be_a_config(host: PluginHost) -> None:
     with pytest.raises(HpCpError) as err:
         enable_cp(fb.ToyAttention(), fb.FakeMesh(fb.FakeWorld(2), 0), {"layout": "x"}, plugins=host)
     assert str(err.value) == (
-        "config must be a DeepSeekV4CPConfig, got dict; build one with "
-        "DeepSeekV4CPConfig(layout=..., attention_kernel=...)."
+        "config must be a CPConfig, got dict; build one with "
+        "CPConfig(layout=..., attention_kernel=...)."
     )
 
 

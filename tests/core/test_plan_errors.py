@@ -163,15 +163,15 @@ def test_rank_and_cp_size_out_of_range() -> None:
     [
         (
             {"layout": "zigzag"},
-            "DeepSeekV4CPConfig.layout='zigzag' is not a layout; expected one of "
+            "CPConfig.layout='zigzag' is not a layout; expected one of "
             "('contiguous', 'load_balanced').",
         ),
         (
             {"attention_kernel": ""},
-            "DeepSeekV4CPConfig.attention_kernel='' is not a kernel name; pass the name of a "
+            "CPConfig.attention_kernel='' is not a kernel name; pass the name of a "
             "kernel the backend registers (a non-empty string).",
         ),
-        ({"query_chunk": 0}, "DeepSeekV4CPConfig.query_chunk must be >= 1, got 0."),
+        ({"query_chunk": 0}, "CPConfig.query_chunk must be >= 1, got 0."),
     ],
 )
 def test_bad_config_values(kwargs: dict, message: str) -> None:

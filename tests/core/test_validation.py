@@ -365,12 +365,12 @@ CU_FIX = (
         ),
         (
             "layout",
-            "CP ranks were given inconsistent inputs: DeepSeekV4CPConfig per rank "
-            "[DeepSeekV4CPConfig(layout='contiguous', attention_kernel='banded', "
-            "query_chunk=1024), DeepSeekV4CPConfig(layout='contiguous', attention_kernel="
-            "'banded', query_chunk=1024), DeepSeekV4CPConfig(layout='load_balanced', "
+            "CP ranks were given inconsistent inputs: CPConfig per rank "
+            "[CPConfig(layout='contiguous', attention_kernel='banded', "
+            "query_chunk=1024), CPConfig(layout='contiguous', attention_kernel="
+            "'banded', query_chunk=1024), CPConfig(layout='load_balanced', "
             "attention_kernel='banded', query_chunk=1024)]. Expected enable_cp to get the same "
-            "DeepSeekV4CPConfig (layout, attention_kernel, query_chunk) on every rank.",
+            "CPConfig on every rank: build it the same way everywhere.",
         ),
         (
             "tensors",

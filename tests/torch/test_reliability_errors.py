@@ -189,7 +189,7 @@ def _per_rank(world: int, good: str, odd: str) -> str:
 
 def disagreement_parts(world: int, variant: str) -> list[str]:
     total = 8 * world
-    cfg = "DeepSeekV4CPConfig(layout={!r}, attention_kernel={!r}, query_chunk=1024)"
+    cfg = "CPConfig(layout={!r}, attention_kernel={!r}, query_chunk=1024)"
     return {
         "rows": [f"local rows per rank {_per_rank(world, '8', '9')}", "handle.shard(tensor"],
         "batch": [
@@ -210,16 +210,16 @@ def disagreement_parts(world: int, variant: str) -> list[str]:
             "or None on every rank",
         ],
         "layout": [
-            "DeepSeekV4CPConfig per rank "
+            "CPConfig per rank "
             + _per_rank(
                 world,
                 cfg.format("contiguous", DEFAULT_KERNEL),
                 cfg.format("load_balanced", DEFAULT_KERNEL),
             ),
-            "the same DeepSeekV4CPConfig",
+            "the same CPConfig on every rank",
         ],
         "kernel": [
-            "DeepSeekV4CPConfig per rank "
+            "CPConfig per rank "
             + _per_rank(
                 world, cfg.format("contiguous", "smallop"), cfg.format("contiguous", "efficient")
             ),

@@ -300,8 +300,8 @@ def enable_cp(
     config = config if config is not None else CPConfig()
     if not isinstance(config, CPConfig):
         raise HpCpError(
-            f"config must be a DeepSeekV4CPConfig, got {type(config).__name__}; build one with "
-            "DeepSeekV4CPConfig(layout=..., attention_kernel=...)."
+            f"config must be a CPConfig, got {type(config).__name__}; build one with "
+            "CPConfig(layout=..., attention_kernel=...)."
         )
     host = plugins if plugins is not None else get_plugin_host()
     name, be = host.choose_backend(module, backend)

@@ -56,7 +56,8 @@ class CPConfig:
             before the first exchange, so that a bad input on one rank, or ranks given
             inconsistent inputs, make every rank raise ``HpCpError`` instead of hanging. See
             Note [Validate, agree, then communicate] in :mod:`hp_cp_core.validation`. Must be
-            the same on every rank.
+            the same on every rank: it is the one option the agreement cannot check (ranks
+            that differ on it run different collectives; gloo then aborts or waits).
         plan_cache_size: most plans kept per ``enable_cp`` handle (least recently used
             goes first). A plan holds O(L) index arrays per input shape (per ``cu_seqlens``
             when packed), so this bounds the cache's memory when every batch differs.
@@ -105,25 +106,22 @@ class CPConfig:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise HpCpError(
-                f"DeepSeekV4CPConfig.layout={self.layout!r} is not a layout; expected one of "
-                f"{LAYOUTS}."
+                f"CPConfig.layout={self.layout!r} is not a layout; expected one of {LAYOUTS}."
             )
         if not isinstance(self.attention_kernel, str) or not self.attention_kernel:
             raise HpCpError(
-                f"DeepSeekV4CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel "
+                f"CPConfig.attention_kernel={self.attention_kernel!r} is not a kernel "
                 "name; pass the name of a kernel the backend registers (a non-empty string)."
             )
         if self.attention_precision not in PRECISIONS:
             raise HpCpError(
-                f"DeepSeekV4CPConfig.attention_precision={self.attention_precision!r} is not a "
+                f"CPConfig.attention_precision={self.attention_precision!r} is not a "
                 f"precision; expected one of {PRECISIONS}."
             )
         if int(self.query_chunk) < 1:
-            raise HpCpError(f"DeepSeekV4CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")
+            raise HpCpError(f"CPConfig.query_chunk must be >= 1, got {self.query_chunk}.")
         if int(self.plan_cache_size) < 1:
-            raise HpCpError(
-                f"DeepSeekV4CPConfig.plan_cache_size must be >= 1, got {self.plan_cache_size}."
-            )
+            raise HpCpError(f"CPConfig.plan_cache_size must be >= 1, got {self.plan_cache_size}.")
 
 
 @dataclass(frozen=True)

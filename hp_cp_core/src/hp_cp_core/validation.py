@@ -76,7 +76,7 @@ LABELS = {
     "cu_seqlens": "cu_seqlens",
     "tensors": "tensor shapes (row dim left out) and dtypes",
     "spec": "layer spec",
-    "config": "DeepSeekV4CPConfig",
+    "config": "CPConfig",
 }
 
 FIXES = {
@@ -88,8 +88,8 @@ FIXES = {
     "sizes and dtype.",
     "spec": "Expected every rank to run the same layer (compress_ratio, window_size, "
     "indexer): build the model identically on every rank before enable_cp.",
-    "config": "Expected enable_cp to get the same DeepSeekV4CPConfig (layout, "
-    "attention_kernel, query_chunk) on every rank.",
+    "config": "Expected enable_cp to get the same CPConfig on every rank: build it the "
+    "same way everywhere.",
 }
 
 _KINDS = {1: HpCpError, 2: PlanError}
@@ -319,7 +319,7 @@ def agreed_config_text(config: CPConfig) -> str:
     if precision != "fp32":
         regather += f", attention_precision={precision!r}"
     return (
-        f"DeepSeekV4CPConfig(layout={config.layout!r}, attention_kernel="
+        f"CPConfig(layout={config.layout!r}, attention_kernel="
         f"{config.attention_kernel!r}, query_chunk={config.query_chunk}{regather})"
     )
 

@@ -438,7 +438,7 @@ class RegatherScope:
             if buffers is None:
                 raise HpCpError(
                     "a CP layer's attention backward ran before the layer's output backward "
-                    "re-gathered its compressed slots (DeepSeekV4CPConfig("
+                    "re-gathered its compressed slots (CPConfig("
                     "regather_compressed_kv=True)): something reached the attention's graph "
                     "without going through the layer's output. Back-propagate through the "
                     "layer output only, or turn the option off."
@@ -470,7 +470,7 @@ class RegatherScope:
             raise HpCpError(
                 f"re-gathered compressed slots have layouts {got}, the forward's were "
                 f"{self.layouts}; the saved views cannot be restored. This is a bug in the "
-                "backend's regather; DeepSeekV4CPConfig(regather_compressed_kv=False) avoids it."
+                "backend's regather; CPConfig(regather_compressed_kv=False) avoids it."
             )
         cell.buffers = buffers
 

@@ -11,7 +11,7 @@ does, and that is what sets the two apart (with ``attention_precision="model"`` 
 the CP path lands near the model's own bf16 forward: ``tests/torch/test_precision.py``).
 Measured at the published widths (``python -m hp_cp_torch.bench.precision``), CP is as close
 to the fp32 model as one process in bf16. Where a run must round as the model does,
-``DeepSeekV4CPConfig(attention_precision="model")`` runs the integration's copy of the
+``CPConfig(attention_precision="model")`` runs the integration's copy of the
 model's op sequence in the model's dtype instead of a kernel (transformers' eager attention
 for DeepSeek V4, also under VeOmni's generated copy and NeMo's V4, whose adapters reuse it;
 transformers' ``expand_kv`` order for V3.2 / GLM-5, NeMo's for NeMo's GLM-5). It keeps each
@@ -78,7 +78,7 @@ def check_attention_precision(layers: Iterable[Any], adapters: Iterable[Any], co
     if lacking:
         names = sorted(set(lacking))
         raise HpCpError(
-            f"DeepSeekV4CPConfig(attention_precision='model'): hp_cp has no copy of the "
+            f"CPConfig(attention_precision='model'): hp_cp has no copy of the "
             f"model's own attention ops for {names}; its kernels compute the attention in fp32 "
             "(hp_cp_torch.precision.KERNEL_PRECISION). Use attention_precision='fp32'."
         )

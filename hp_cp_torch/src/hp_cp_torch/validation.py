@@ -109,7 +109,7 @@ class TensorChecks:
         return cu_seqlens.detach().cpu().numpy()
 
     def kernel(self, name: str, device: torch.device) -> None:
-        """The attention kernel ``name`` (``DeepSeekV4CPConfig.attention_kernel``) is
+        """The attention kernel ``name`` (``CPConfig.attention_kernel``) is
         registered and can run on ``device`` (its ``problem(device)``: the Triton kernel
         needs Triton and a GPU, or its CPU interpreter)."""
         from hp_cp_torch.kernels.registry import kernel_named

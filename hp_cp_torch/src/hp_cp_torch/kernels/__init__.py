@@ -9,5 +9,5 @@
 
 Each is registered by name in :mod:`~hp_cp_torch.kernels.registry` (one calling convention,
 :mod:`~hp_cp_torch.kernels.shipped`); :func:`hp_cp_torch.attention.run_sparse_attention`
-runs the one ``DeepSeekV4CPConfig.attention_kernel`` names, a third party's too.
+runs the one ``CPConfig.attention_kernel`` names, a third party's too.
 """

@@ -192,7 +192,7 @@ def kernel_named(name: Any) -> Any:
         module, _, attr = SHIPPED[name].partition(":")
         return getattr(importlib.import_module(module), attr)
     raise HpCpError(
-        f"DeepSeekV4CPConfig.attention_kernel={name!r} is not a registered torch kernel; "
+        f"CPConfig.attention_kernel={name!r} is not a registered torch kernel; "
         f"registered: {kernel_names()}. Register one with "
         "hp_cp_torch.kernels.registry.register_kernel(name, kernel) or an entry point in "
         f"group {ENTRY_POINT_GROUP!r}."
