@@ -559,42 +559,15 @@ class _HaloExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
         group, plans = ctx.group, ctx.plans
-        grads = [
-            g
-            if g is not None
-            else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2])
-            for g, p, s in zip(grads, plans, ctx.shapes)
-        ]
-        like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
+        grads, like = _full_grads(grads, plans, ctx.shapes), _row_likes(ctx.shapes)
         # the halo gradient goes back to the ranks that sent those rows
-        sends, recv_sizes = {}, {}
-        starts = [0] * len(plans)
-        per_peer: dict[int, list[torch.Tensor]] = {}
-        for peer in range(group.size):
-            for i, (g, p) in enumerate(zip(grads, plans)):
-                n = p.recv_counts[peer]
-                if n:
-                    per_peer.setdefault(peer, []).append(_as_bytes(g[starts[i] : starts[i] + n]))
-                    starts[i] += n
-        sends = {peer: torch.cat(parts) for peer, parts in per_peer.items()}
-        for peer in range(group.size):
-            n = sum(p.send_rows[peer].size * _row_bytes(t) for t, p in zip(like, plans))
-            if n:
-                recv_sizes[peer] = n
+        sends, recv_sizes = _backward_messages(group, plans, grads, like)
         recvs = group.p2p(sends, recv_sizes, f"{ctx.name} backward", ctx.layer)
         group.count(
             f"{ctx.name}_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
         )
         out = [g[p.n_halo :].clone() for g, p in zip(grads, plans)]
-        for peer in sorted(recvs):
-            off = 0
-            for i, (t, p) in enumerate(zip(like, plans)):
-                rows = p.send_rows[peer]
-                if rows.size:
-                    nb = rows.size * _row_bytes(t)
-                    got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
-                    out[i].index_add_(0, group.send_index(p, peer, got.device), got)
-                    off += nb
+        _add_sent_rows_grads(out, recvs, like, plans, group)
         return (None, None, _token_grad(ctx, 2, group.device), *out)
 
 
@@ -671,6 +644,38 @@ def _assemble(recvs: dict[int, torch.Tensor], plans: list[Any], tensors: Sequenc
     return [torch.cat([*got, t]) if got else t.clone() for t, got in zip(tensors, pieces)]
 
 
+def _full_grads(grads: Sequence[Any], plans: list[Any], shapes: list[Any]) -> list[torch.Tensor]:
+    """The gradients of ``[received ; local]`` per tensor, zeros where autograd gave none."""
+    return [
+        g
+        if g is not None
+        else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2])
+        for g, p, s in zip(grads, plans, shapes)
+    ]
+
+
+def _row_likes(shapes: list[Any]) -> list[torch.Tensor]:
+    """Empty tensors with each exchanged tensor's row shape, dtype and device."""
+    return [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in shapes]
+
+
+def _add_sent_rows_grads(
+    outs: list[torch.Tensor | None], recvs: dict[int, torch.Tensor], like, plans, group
+) -> None:
+    """Add the gradients peers returned for the rows this rank sent them into ``outs`` (a
+    ``None`` entry: that tensor needs none; its bytes are skipped)."""
+    for peer in sorted(recvs):
+        off = 0
+        for i, (t, p) in enumerate(zip(like, plans)):
+            rows = p.send_rows[peer]
+            if rows.size:
+                nb = rows.size * _row_bytes(t)
+                if outs[i] is not None:
+                    got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
+                    outs[i].index_add_(0, group.send_index(p, peer, got.device), got)
+                off += nb
+
+
 def _backward_messages(group: TorchGroup, plans: list[Any], grads, like):
     """Per peer: the gradient bytes of the rows received from it, and the bytes coming back."""
     starts = [0] * len(plans)
@@ -715,17 +720,7 @@ class _IssueRows(torch.autograd.Function):
                 if ctx.needs_input_grad[2 + i]
                 else None
             )
-        like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
-        for peer in sorted(recvs):
-            off = 0
-            for i, (t, p) in enumerate(zip(like, pending.plans)):
-                rows = p.send_rows[peer]
-                if rows.size:
-                    nb = rows.size * _row_bytes(t)
-                    if outs[i] is not None:
-                        got = _from_bytes(recvs[peer][off : off + nb], t, rows.size)
-                        outs[i].index_add_(0, group.send_index(p, peer, got.device), got)
-                    off += nb
+        _add_sent_rows_grads(outs, recvs, _row_likes(ctx.shapes), pending.plans, group)
         return (None, _token_grad(ctx, 1, group.device), *outs)
 
 
@@ -743,13 +738,7 @@ class _WaitRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
         pending, group, plans = ctx.pending, ctx.pending.group, ctx.pending.plans
-        grads = [
-            g
-            if g is not None
-            else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2])
-            for g, p, s in zip(grads, plans, ctx.shapes)
-        ]
-        like = [torch.empty((0, *s[0][1:]), dtype=s[1], device=s[2]) for s in ctx.shapes]
+        grads, like = _full_grads(grads, plans, ctx.shapes), _row_likes(ctx.shapes)
         sends, recv_sizes = _backward_messages(group, plans, grads, like)
         pending.start(sends, recv_sizes, f"{pending.name} backward")
         group.count(
