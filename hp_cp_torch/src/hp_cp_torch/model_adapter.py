@@ -135,9 +135,11 @@ class ForwardState:
     selected: Any = None
 
 
-def _seq_major(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn(rows [B, n, C], start)`` for the core's sequence-major rows ``[n, B, C]``."""
-    return lambda rows, start: fn(rows.transpose(0, 1), start).transpose(0, 1)
+def _seq_major(fn: Callable[..., torch.Tensor], state: Any) -> Callable[..., torch.Tensor]:
+    """``fn(rows [B, n, C], start)`` (or ``fn(rows, start, state)``: a compressor that reads
+    the forward's state) for the core's sequence-major rows ``[n, B, C]``."""
+    extra = (state,) if len(inspect.signature(fn).parameters) > 2 else ()
+    return lambda rows, start: fn(rows.transpose(0, 1), start, *extra).transpose(0, 1)
 
 
 class ModelAdapter:
@@ -170,6 +172,10 @@ class ModelAdapter:
     detach_indexer_inputs: ClassVar[bool] = True
     """Whether the indexer's compressor and queries see detached inputs (Megatron: the
     indexer is trained by its loss only)."""
+
+    index_keys_without_grad: ClassVar[bool] = False
+    """Whether :meth:`compress_index_keys` runs under ``torch.no_grad()`` (a model whose
+    indexer only feeds integer picks and gets no gradient at all: HF's and NeMo's V4)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -219,13 +225,16 @@ class ModelAdapter:
 
         Called per document segment on each rank (``n`` may be 0: return ``[B, 0, D]``, with
         the parameters in the graph). Returns the slots ``[B, n // r, D]``, slot ``j`` at
-        position ``start + j*r``. Only for layers with r > 0.
+        position ``start + j*r``. Only for layers with r > 0. A compressor that needs the
+        forward's values (a rotary table the model passes per call, say) takes a third
+        argument, ``compress(rows, start, state)``: the :class:`ForwardState`.
         """
         raise NotImplementedError(f"{type(self).__name__}.compress")
 
     def compress_index_keys(self, rows: torch.Tensor, start: int) -> torch.Tensor:
         """The indexer's compressor, called as :meth:`compress` (rows detached when
-        :attr:`detach_indexer_inputs`). Returns ``[B, n // r, D_I]``. Only for CSA layers
+        :attr:`detach_indexer_inputs`, without autograd when :attr:`index_keys_without_grad`;
+        a third argument gets the state). Returns ``[B, n // r, D_I]``. Only for CSA layers
         with an indexer."""
         raise NotImplementedError(f"{type(self).__name__}.compress_index_keys")
 
@@ -309,12 +318,15 @@ class ModelAdapter:
         return call.extra["state"]
 
     def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        return stage1_compress_with_halo(_seq_major(self.compress), x, halo_x, call)
+        compress = _seq_major(self.compress, self.state(call))
+        return stage1_compress_with_halo(compress, x, halo_x, call)
 
     def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
         if self.detach_indexer_inputs:
             x, halo_x = x.detach(), None if halo_x is None else halo_x.detach()
-        return stage1_compress_with_halo(_seq_major(self.compress_index_keys), x, halo_x, call)
+        keys = _seq_major(self.compress_index_keys, self.state(call))
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.index_keys_without_grad):
+            return stage1_compress_with_halo(keys, x, halo_x, call)
 
     def select(self, state: ForwardState, call: DeepSeekV4CPContext) -> torch.Tensor | None:
         """The indexer's top-k over each local query's visible slots (global slot ids,

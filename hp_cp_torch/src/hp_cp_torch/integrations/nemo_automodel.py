@@ -42,12 +42,10 @@ from torch import nn
 
 from hp_cp_core import (
     CPHandle,
-    DeepSeekV4CPContext,
     HpCpError,
     LayerSpec,
     cu_seqlens_from_ids,
     cu_seqlens_from_lengths,
-    stage1_compress_with_halo,
 )
 from hp_cp_torch.deprecation import nemo_cp_batch
 from hp_cp_torch.deprecation import nemo_disable_cp as disable_cp
@@ -93,11 +91,11 @@ def nemo_adapter_for(module: Any) -> Any:
 
 
 def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offset: int) -> Any:
-    """NeMo's compressor body (``DeepseekV4Compressor`` / the indexer's pool) on
-    sequence-major rows ``[n, B, hidden]``: every complete block of ``r`` rows gives one
-    slot at RoPE position ``offset + j*r``; ``[n // r, B, head_dim]``."""
+    """NeMo's compressor body (``DeepseekV4Compressor`` / the indexer's pool) on rows
+    ``[B, n, hidden]``: every complete block of ``r`` rows gives one slot at RoPE position
+    ``offset + j*r``; ``[B, n // r, head_dim]``."""
     nemo = _nemo()
-    x = rows.transpose(0, 1)  # [B, n, hidden]
+    x = rows
     dtype, x32 = x.dtype, x.float()
     r, d, overlap = int(comp.compress_ratio), int(comp.head_dim), bool(comp.overlap)
     batch, n = x.shape[0], x.shape[1] // int(comp.compress_ratio)
@@ -114,7 +112,7 @@ def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offse
     positions = (torch.arange(n, device=x.device) * r + int(offset)).unsqueeze(0)
     cos, sin = rotary(pooled, positions.expand(batch, -1))
     pooled = nemo._apply_partial_rope(pooled.unsqueeze(1), cos, sin, comp.rope_head_dim)
-    return pooled.squeeze(1).transpose(0, 1)
+    return pooled.squeeze(1)
 
 
 class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
@@ -141,18 +139,13 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
             force_unfused=True,
         )
 
-    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        comp, rotary = self.module.compressor, self.state(call).rotary
-        return stage1_compress_with_halo(
-            lambda rows, offset: _compress_rows(comp, rotary, rows, offset), x, halo_x, call
-        )
+    def compress(self, rows: torch.Tensor, start: int, state: RopeForwardState) -> torch.Tensor:
+        return _compress_rows(self.module.compressor, state.rotary, rows, start)
 
-    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        ix, rotary = self.module.compressor.indexer, self.state(call).rotary
-        with torch.no_grad():  # the indexer only feeds integer top-k ids (no gradient in NeMo)
-            return stage1_compress_with_halo(
-                lambda rows, offset: _compress_rows(ix, rotary, rows, offset), x, halo_x, call
-            )
+    def compress_index_keys(
+        self, rows: torch.Tensor, start: int, state: RopeForwardState
+    ) -> torch.Tensor:
+        return _compress_rows(self.module.compressor.indexer, state.rotary, rows, start)
 
     def index_queries(self, state: RopeForwardState) -> tuple[torch.Tensor, torch.Tensor]:
         """NeMo's indexer queries (interleaved partial RoPE) and per-head weights."""

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPContext, HpCpError, LayerSpec, stage1_compress_with_halo
+from hp_cp_core import HpCpError, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import chunk_columns
@@ -97,17 +97,17 @@ def hf_adapter_for(module: Any) -> Any:
 def _compress_rows(
     comp: nn.Module, overlap: bool, rows: torch.Tensor, offset: int, apply_rope: Any = None
 ) -> torch.Tensor:
-    """HF's stateless compressor body on sequence-major rows ``[n, B, hidden]``.
+    """HF's stateless compressor body on rows ``[B, n, hidden]``.
 
     Every complete block of ``r`` rows gives one slot (trailing rows are ignored, as HF drops
     them); with ``overlap`` (CSA / indexer) slot j also pools block j-1's first-half channels,
     the first block's predecessor being kv 0 / gate -inf (weight 0). Slot j is roped at
-    ``offset + j*r``. Returns ``[n // r, B, head_dim]``. With no complete block the
+    ``offset + j*r``. Returns ``[B, n // r, head_dim]``. With no complete block the
     parameters still enter the graph, so every rank gets a (zero) gradient for them.
     ``apply_rope`` is the modeling file's own ``apply_rotary_pos_emb`` (default: HF's).
     """
     apply_rope = apply_rope or _hf().apply_rotary_pos_emb
-    x = rows.transpose(0, 1)  # [B, n, hidden]
+    x = rows
     r, d = int(comp.compress_rate), int(comp.head_dim)
     batch, length = x.shape[0], x.shape[1]
     n = length // r
@@ -130,8 +130,7 @@ def _compress_rows(
     positions = torch.arange(n, device=x.device) * r + int(offset)
     positions = positions.unsqueeze(0).expand(batch, -1)
     cos, sin = comp.rotary_emb(compressed, position_ids=positions, layer_type="compress")
-    compressed = apply_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
-    return compressed.transpose(0, 1)
+    return apply_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
 
 
 def _mask_is_unsupported(mask: Any) -> torch.Tensor | bool:
@@ -199,6 +198,8 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
     """The indexer's top-k row of a packed document on one process (Note [The one-process
     top-k row] in :mod:`hp_cp_core.columns`): each document alone."""
 
+    index_keys_without_grad = True  # the indexer only feeds integer top-k ids: no gradient
+
     NO_ROPE_HINT = (
         "needs the position_embeddings the model computes; call the model, not the layer, "
         "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
@@ -252,24 +253,12 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             force_unfused=True,
         )
 
-    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        comp, overlap = self.module.compressor, self.is_csa
-        return stage1_compress_with_halo(
-            lambda rows, offset: _compress_rows(comp, overlap, rows, offset, self.apply_rope),
-            x,
-            halo_x,
-            call,
-        )
+    def compress(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+        return _compress_rows(self.module.compressor, self.is_csa, rows, start, self.apply_rope)
 
-    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+    def compress_index_keys(self, rows: torch.Tensor, start: int) -> torch.Tensor:
         indexer = self.module.compressor.indexer
-        with torch.no_grad():  # HF: the indexer only feeds integer top-k ids, no gradient
-            return stage1_compress_with_halo(
-                lambda rows, offset: _compress_rows(indexer, True, rows, offset, self.apply_rope),
-                x,
-                halo_x,
-                call,
-            )
+        return _compress_rows(indexer, True, rows, start, self.apply_rope)
 
     def index_queries(self, state: RopeForwardState) -> torch.Tensor:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
