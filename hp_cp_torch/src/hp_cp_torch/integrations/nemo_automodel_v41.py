@@ -84,7 +84,6 @@ from hp_cp_core import (
     DeepSeekV4CPForward,
     HpCpError,
     LayerSpec,
-    stage1_compress_with_halo,
 )
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
@@ -188,6 +187,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
     """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
     state_class = V41ForwardState
+    index_keys_without_grad = True  # NeMo's indexer is frozen and runs under no_grad
 
     @staticmethod
     def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
@@ -227,8 +227,8 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         )
 
     def _latent(self, rows: torch.Tensor) -> torch.Tensor:
-        """NeMo's ``_Compressor`` on sequence-major rows ``[n, B, hidden]``: ``[B, n//r, D]``."""
-        return self.module.compressor(rows.transpose(0, 1))
+        """NeMo's ``_Compressor`` on rows ``[B, n, hidden]``: ``[B, n//r, D]``."""
+        return self.module.compressor(rows)
 
     def _slot_angles(self, latent: torch.Tensor, offset: int) -> torch.Tensor:
         r = int(self.module.compress_ratio)
@@ -236,34 +236,25 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         positions = torch.arange(n, device=latent.device) * r + int(offset)
         return self.module.rotary_emb(positions.unsqueeze(0).expand(latent.shape[0], -1))
 
-    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        """The owned slots: NeMo's latent, roped at each group's first position, nvfp4."""
-        rope = _attn_mod()._apply_rope
-        cache = self.state(call).latents
+    def compress(self, rows: torch.Tensor, start: int, state: V41ForwardState) -> torch.Tensor:
+        """The owned slots: NeMo's latent, roped at each group's first position, nvfp4 (the
+        latent is kept for :meth:`compress_index_keys`)."""
+        latent = self._latent(rows)
+        state.latents[(int(start), int(rows.shape[1]))] = latent.detach()
+        slots = _attn_mod()._apply_rope(latent, self._slot_angles(latent, start))
+        return _quantize(slots, "nvfp4", 16)
 
-        def compress(rows: torch.Tensor, offset: int) -> torch.Tensor:
-            latent = self._latent(rows)
-            cache[(int(offset), int(rows.shape[0]))] = latent.detach()
-            slots = _quantize(rope(latent, self._slot_angles(latent, offset)), "nvfp4", 16)
-            return slots.transpose(0, 1)  # [n_slots, B, D]
-
-        return stage1_compress_with_halo(compress, x, halo_x, call)
-
-    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
+    def compress_index_keys(
+        self, rows: torch.Tensor, start: int, state: V41ForwardState
+    ) -> torch.Tensor:
         """The owned slots' index keys: ``mxfp4(rope(k_norm(wk(latent))))``, no gradient
-        (NeMo's indexer is frozen and runs under ``no_grad``)."""
-        ix, rope = self.module.indexer, _attn_mod()._apply_rope
-        cache = self.state(call).latents
-
-        def keys(rows: torch.Tensor, offset: int) -> torch.Tensor:
-            latent = cache.get((int(offset), int(rows.shape[0])))
-            if latent is None:
-                latent = self._latent(rows)
-            angles = self._slot_angles(latent, offset)
-            return _quantize(rope(ix.k_norm(ix.wk(latent)), angles), "mxfp4", 32).transpose(0, 1)
-
-        with torch.no_grad():
-            return stage1_compress_with_halo(keys, x.detach(), halo_x, call)
+        (:attr:`index_keys_without_grad`)."""
+        ix = self.module.indexer
+        latent = state.latents.get((int(start), int(rows.shape[1])))
+        if latent is None:
+            latent = self._latent(rows)
+        keys = _attn_mod()._apply_rope(ix.k_norm(ix.wk(latent)), self._slot_angles(latent, start))
+        return _quantize(keys, "mxfp4", 32)
 
     # ------------------------------------------------------------------ selection
 
