@@ -190,6 +190,18 @@ def test_not_found_names_the_framework_and_the_fix(
     assert text.endswith(f"{fix} Discovery switches: HP_CP_PLUGINS=fake."), text
 
 
+def test_not_found_names_the_framework_of_a_subclass(empty_host: PluginHost) -> None:
+    """A user's subclass of a framework's module class (``my_models.Attention(nn.Module)``)
+    is that framework's module: the fix names its backend."""
+    base = type("Module", (), {"__module__": "torch.nn.modules.module"})
+    user = type("Attention", (base,), {"__module__": "my_models.layers"})
+    with pytest.raises(BackendNotFoundError) as err:
+        enable_cp(user(), mesh(), plugins=empty_host)
+    text = str(err.value)
+    assert "`my_models.layers.Attention` (framework: torch)" in text
+    assert "Install the torch backend with `pip install hp-cp-torch`." in text
+
+
 def test_named_backend_that_is_not_installed(host: PluginHost) -> None:
     with pytest.raises(BackendNotFoundError) as err:
         enable_cp(fb.ToyAttention(), mesh(), backend="nope", plugins=host)

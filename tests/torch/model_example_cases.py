@@ -32,16 +32,26 @@ class ExampleCase:
     layout: str
     packed: bool
     kernel: str = "banded"
+    registered: bool = False
+    """The adapter registered in this process (``register_model_adapter``, shadowing the
+    entry point) instead of by entry point."""
 
     @property
     def name(self) -> str:
         kind = "packed" if self.packed else "padded"
-        return f"example-cp{self.cp}-{self.layout}-{kind}-{self.kernel}"
+        how = "-registered" if self.registered else ""
+        return f"example-cp{self.cp}-{self.layout}-{kind}-{self.kernel}{how}"
+
+    @property
+    def adapter(self) -> str:
+        """The adapter class the layers must run with."""
+        return "InProcessAdapter" if self.registered else "PooledAttentionAdapter"
 
 
 def example_cases(world: int) -> list[ExampleCase]:
     """cp = ``world``: both layouts, padded and packed; one more with the third party's kernel
-    and one with ``model_ops`` (the base's kernel fallback)."""
+    and one with ``model_ops`` (the base's kernel fallback); at cp 3 one with the adapter
+    registered in this process."""
     cases = [
         ExampleCase(world, layout, packed)
         for layout in ("contiguous", "load_balanced")
@@ -50,6 +60,8 @@ def example_cases(world: int) -> list[ExampleCase]:
     if world == 2:
         cases.append(ExampleCase(2, "load_balanced", True, kernel="example_dense"))
         cases.append(ExampleCase(2, "contiguous", False, kernel="model_ops"))
+    if world == 3:
+        cases.append(ExampleCase(3, "load_balanced", True, registered=True))
     return cases
 
 
@@ -70,6 +82,14 @@ def inputs(case: ExampleCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_cp(case: ExampleCase) -> dict:
+    from hp_cp_model_example.adapter import PooledAttentionAdapter
+    from hp_cp_model_example.model import PooledAttention
+
+    from hp_cp_torch import register_model_adapter, unregister_model_adapter
+
+    class InProcessAdapter(PooledAttentionAdapter):
+        """The example's adapter, registered in this process only."""
+
     model = build()
     x, g = inputs(case)
     config = DeepSeekV4CPConfig(
@@ -78,7 +98,12 @@ def run_cp(case: ExampleCase) -> dict:
         query_chunk=40,
         single_rank_bypass=False,  # cp = 1 runs the CP path
     )
-    handle = enable_cp(model, None, config)
+    if case.registered:
+        register_model_adapter("hp_cp_model_example.model:PooledAttention", InProcessAdapter)
+    try:
+        handle = enable_cp(model, None, config)
+    finally:
+        unregister_model_adapter(PooledAttention)  # layers keep the adapter they were given
     try:
         adapters = sorted({type(a).__name__ for a in _pinned(model)})
         xl = handle.shard(x, 1).requires_grad_(True)

@@ -24,7 +24,7 @@ PARAMS = [pytest.param(w, c, id=c.name) for w in WORLDS for c in example_cases(w
 @pytest.mark.parametrize(("world", "case"), PARAMS)
 def test_example_model_matches_one_process(world, case) -> None:
     per_rank = result(SUITE, world, case.name)
-    assert all(r["adapters"] == ["PooledAttentionAdapter"] for r in per_rank)
+    assert all(r["adapters"] == [case.adapter] for r in per_rank)
     assert all(r["unpinned"] for r in per_rank)  # disable_cp dropped every layer's adapter
     got = next(r for r in per_rank if r["cp_rank"] == 0)
     want = single_process(case)

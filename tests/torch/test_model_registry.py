@@ -128,6 +128,49 @@ def test_two_adapters_claiming_one_class_name_both() -> None:
     assert adapter_class_for(Other(), reg) is None
 
 
+def test_an_adapter_registered_in_process_shadows_the_entry_points() -> None:
+    from hp_cp_torch import ModelAdapter, register_model_adapter, unregister_model_adapter
+
+    class InProcess(ModelAdapter):
+        pass
+
+    reg = ModelRegistry.from_entry_points([ep(f"{__name__}:Attention", f"{__name__}:GoodAdapter")])
+    try:
+        register_model_adapter(Attention, InProcess)
+        assert adapter_class_for(Derived(), reg) is InProcess  # shadows, and subclasses match
+        assert adapter_class_for(Other(), reg) is None
+        unregister_model_adapter(f"{__name__}:Attention")  # a qualified name is the class
+        assert adapter_class_for(Derived(), reg) is GoodAdapter  # the entry point again
+        register_model_adapter(f"{__name__}.Other", InProcess)
+        assert adapter_class_for(Other(), reg) is InProcess
+    finally:
+        unregister_model_adapter(Attention)
+        unregister_model_adapter(Other)
+    assert adapter_class_for(Other(), reg) is None
+    unregister_model_adapter(Other)  # nothing registered: nothing to do
+
+
+def test_register_model_adapter_refuses_what_it_cannot_use() -> None:
+    from hp_cp_torch import register_model_adapter
+
+    with pytest.raises(HpCpError, match="must be a subclass of hp_cp_torch.ModelAdapter"):
+        register_model_adapter(Attention, GoodAdapter)
+    with pytest.raises(HpCpError, match="must be a class or its qualified name"):
+        register_model_adapter("Attention", GoodAdapter)  # not qualified
+    assert adapter_class_for(Attention(), ModelRegistry()) is None
+
+
+def test_a_torch_model_no_adapter_claims_points_at_the_adapter_guide() -> None:
+    from hp_cp_core import BackendNotFoundError, enable_cp
+
+    with pytest.raises(BackendNotFoundError) as err:
+        enable_cp(Other(), None)  # refused before any mesh or process group is touched
+    msg = str(err.value)
+    assert f"`{__name__}.Other` (framework: torch)" in msg
+    assert "none claims this module or its sub-modules" in msg
+    assert "writing-a-model-adapter.md" in msg
+
+
 # ------------------------------------------------------------------------------ kernels
 
 

@@ -36,6 +36,7 @@ ENTRY_POINT_GROUP = "hp_cp"
 PROJECT = "hp_cp"
 SWITCHES = ("HP_CP_PLUGINS", "HP_CP_DISABLE_PLUGIN_AUTOLOAD", "HP_CP_TRACE_PLUGINS")
 GUIDE = "docs/writing-a-backend.md in the hp_cp repository"
+MODEL_GUIDE = "docs/writing-a-model-adapter.md in the hp_cp repository"
 FRAMEWORK_BACKENDS = {"torch": "torch", "mindspore": "mindformers", "mindformers": "mindformers"}
 """The backend of this project for modules of each framework (top-level module name)."""
 
@@ -273,14 +274,15 @@ class PluginHost:
     def _not_found_message(self, module: Any) -> str:
         installed = ", ".join(s.describe() for s in self.installed()) or "none"
         broken = "; ".join(f"{s.name} ({s.error})" for s in self.broken()) or "none"
-        framework = (type(module).__module__ or "").split(".")[0]
+        framework = _framework_of(module)
         known = FRAMEWORK_BACKENDS.get(framework)
         if known is not None and known not in self.statuses:
             fix = f" Install the {framework} backend with `{INSTALL_HINTS[known]}`."
         elif known is not None:
             fix = (
-                f" The {known!r} backend does not recognise this module (it runs the attention "
-                f"layers it has adapters for); for another layer add hooks: see {GUIDE}."
+                f" The {known!r} backend runs the attention layers a model adapter claims, and "
+                f"none claims this module or its sub-modules: add an adapter for your layer "
+                f"(see {MODEL_GUIDE}) or hooks for it (see {GUIDE})."
             )
         else:
             fix = (
@@ -300,6 +302,17 @@ class PluginHost:
     @property
     def hooks(self) -> Hooks:
         return Hooks(self.pm)
+
+
+def _framework_of(module: Any) -> str:
+    """The top-level package of the first class in ``module``'s MRO that belongs to a
+    framework this project has a backend for (a user's ``nn.Module`` subclass is torch's),
+    else of the module's own class."""
+    for cls in type(module).__mro__:
+        top = (cls.__module__ or "").split(".")[0]
+        if top in FRAMEWORK_BACKENDS:
+            return top
+    return (type(module).__module__ or "").split(".")[0]
 
 
 class Hooks:

@@ -4,9 +4,9 @@ Public entry points: :class:`DeepSeekV4Attention` / :class:`DeepSeekV4AttentionC
 single-device reference layer), :class:`TorchDeepSeekV4CSAAdapter` and
 :func:`patch_torch_deepseek_v4_csa_forward` (the design note's adapter API),
 :class:`ModelAdapter` (the base of a model adapter registered under the entry-point group
-``hp_cp.torch_models``) and :func:`register_kernel` (an attention kernel by name; or the group
-``hp_cp.torch_kernels``). Use ``hp_cp_core.enable_cp(module, mesh)`` to run any of them under
-CP.
+``hp_cp.torch_models``, or in one process :func:`register_model_adapter`) and
+:func:`register_kernel` (an attention kernel by name; or the group ``hp_cp.torch_kernels``).
+Use ``hp_cp_core.enable_cp(module, mesh)`` to run any of them under CP.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ _LAZY = {
     "patch_torch_deepseek_v4_csa_forward": "hp_cp_torch.adapter",
     "ModelAdapter": "hp_cp_torch.model_adapter",
     "register_kernel": "hp_cp_torch.kernels.registry",
+    "register_model_adapter": "hp_cp_torch.model_registry",
+    "unregister_model_adapter": "hp_cp_torch.model_registry",
 }
 
 
@@ -39,6 +41,8 @@ __all__ = [
     "DeepSeekV4AttentionConfig",
     "ModelAdapter",
     "register_kernel",
+    "register_model_adapter",
+    "unregister_model_adapter",
     "TorchDeepSeekV4CSAAdapter",
     "patch_torch_deepseek_v4_csa_forward",
 ]

@@ -23,8 +23,11 @@ it claims; two adapters claiming one class raise an ``HpCpError`` naming both wh
 of that class is looked up.
 
 The registry is read from the installed distributions on first use and kept per ``sys.path``
-(:func:`model_registry`): no module-level state beyond that cache, which
-``model_registry.cache_clear()`` empties.
+(:func:`model_registry`), a cache ``model_registry.cache_clear()`` empties.
+
+In one process (a test, a notebook, an adapter not yet published),
+:func:`register_model_adapter` maps a class to an adapter without an entry point; it shadows
+an entry point's claim on the same class, as ``register_kernel`` shadows a kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ from typing import Any
 
 from hp_cp_core import HpCpError
 
-__all__ = ["ENTRY_POINT_GROUP", "Claim", "ModelRegistry", "adapter_class_for", "model_registry"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Claim",
+    "ModelRegistry",
+    "adapter_class_for",
+    "model_registry",
+    "register_model_adapter",
+    "unregister_model_adapter",
+]
 
 ENTRY_POINT_GROUP = "hp_cp.torch_models"
 
@@ -129,18 +140,26 @@ class ModelRegistry:
             HpCpError: two adapters claim that class.
         """
         for cls in type(module).__mro__:
-            found = self.claims.get(class_name(cls))
-            if not found:
-                continue
-            if len(found) > 1:
-                listing = " and ".join(c.describe() for c in found)
-                raise HpCpError(
-                    f"two model adapters claim {class_name(cls)}: {listing} (entry points of "
-                    f"group {ENTRY_POINT_GROUP}). Uninstall one of the two distributions "
-                    "(pip uninstall <name>): one class has one adapter."
-                )
-            return found[0]
+            claim = self.claim_on(class_name(cls))
+            if claim is not None:
+                return claim
         return None
+
+    def claim_on(self, name: str) -> Claim | None:
+        """The claim on the class named ``name`` (``"package.module.Class"``), else ``None``.
+
+        Raises:
+            HpCpError: two adapters claim that class.
+        """
+        found = self.claims.get(name)
+        if found and len(found) > 1:
+            listing = " and ".join(c.describe() for c in found)
+            raise HpCpError(
+                f"two model adapters claim {name}: {listing} (entry points of group "
+                f"{ENTRY_POINT_GROUP}). Uninstall one of the two distributions "
+                "(pip uninstall <name>): one class has one adapter."
+            )
+        return found[0] if found else None
 
 
 @functools.lru_cache(maxsize=4)
@@ -162,14 +181,69 @@ def model_registry() -> ModelRegistry:
 model_registry.cache_clear = _registry.cache_clear  # type: ignore[attr-defined]
 
 
+_IN_PROCESS: dict[str, type] = {}  # register_model_adapter's, by class name
+
+
+def _model_class_name(model_class: Any, caller: str) -> str:
+    if isinstance(model_class, type):
+        return class_name(model_class)
+    if isinstance(model_class, str) and _is_class_name(model_class):
+        return _normalise(model_class)
+    raise HpCpError(
+        f"{caller}: the model class must be a class or its qualified name "
+        f"('package.module.Class'), got {model_class!r}."
+    )
+
+
+def register_model_adapter(model_class: type | str, adapter: type) -> None:
+    """Run modules of ``model_class`` (and its subclasses) with ``adapter`` in this process.
+
+    What an entry point of group ``hp_cp.torch_models`` does for an installed package, for
+    an adapter not published yet (a test, a notebook). It shadows an entry point's claim on
+    the same class; it applies to layers ``enable_cp`` installs from now on.
+
+    Args:
+        model_class: the modeling class, or its qualified name ``"package.module.Class"``
+            (``"package.module:Class"`` too).
+        adapter: a subclass of :class:`hp_cp_torch.model_adapter.ModelAdapter`.
+
+    Raises:
+        HpCpError: ``model_class`` is neither a class nor a qualified name, or ``adapter``
+            is not a ``ModelAdapter`` subclass.
+    """
+    from hp_cp_torch.model_adapter import ModelAdapter
+
+    name = _model_class_name(model_class, "register_model_adapter")
+    if not (isinstance(adapter, type) and issubclass(adapter, ModelAdapter)):
+        raise HpCpError(
+            f"register_model_adapter({name!r}, ...): the adapter must be a subclass of "
+            f"hp_cp_torch.ModelAdapter, got {adapter!r}."
+        )
+    _IN_PROCESS[name] = adapter
+
+
+def unregister_model_adapter(model_class: type | str) -> None:
+    """Remove what :func:`register_model_adapter` registered for ``model_class`` (nothing if
+    there is none); the entry points' claim, if any, applies again."""
+    _IN_PROCESS.pop(_model_class_name(model_class, "unregister_model_adapter"), None)
+
+
 def adapter_class_for(module: Any, registry: ModelRegistry | None = None) -> type | None:
-    """The adapter class registered for ``module``'s class (or a base class), else ``None``.
+    """The adapter class registered for ``module``'s class (or its most derived base class
+    that has one: in this process, else by entry point), else ``None``.
 
     Raises:
         HpCpError: its entry point fails to load, or two adapters claim its class.
     """
-    claim = (registry or model_registry()).claim_for(module)
-    return None if claim is None else claim.load()
+    registry = registry or model_registry()
+    for cls in type(module).__mro__:
+        name = class_name(cls)
+        if name in _IN_PROCESS:
+            return _IN_PROCESS[name]
+        claim = registry.claim_on(name)
+        if claim is not None:
+            return claim.load()
+    return None
 
 
 def registered_adapter(module: Any, *adapters: type) -> Any:
