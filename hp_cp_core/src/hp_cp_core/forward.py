@@ -204,19 +204,6 @@ class CPForward:
                 )
         return out
 
-    def global_compressed_kv(
-        self, x: Any, halo_x: Any, call: CPContext, token: Any, work: Any = None
-    ):
-        """Main compressed KV and indexer keys of every rank, in global slot order, and the
-        next order token (``work()`` while the slots travel).
-
-        What the layer makes travels in one exchange; what it reuses comes from the owner's
-        publication, with no collective (Note [Layers that share their indexer] in
-        :mod:`hp_cp_core.sharing`)."""
-        _, _, made, token = self._slots(x, halo_x, call, token, work)
-        cmp_kv, cmp_idx = self._slot_buffers(call, made)
-        return cmp_kv, cmp_idx, token
-
     def _slots(
         self, x: Any, halo_x: Any, call: CPContext, token: Any, work: Any = None
     ) -> tuple[list[Any], list[Any], dict[str, Any], Any]:
@@ -290,11 +277,6 @@ class CPForward:
         if pad is None or pad.pad_rows == 0 or pad.padded_rows != int(n_local) * self.group.size:
             return None
         return int(pad.rows)
-
-    def local_positions(self, n_local: int, cu_seqlens: Any = None) -> np.ndarray:
-        """Default RoPE positions of this rank's rows (used when the caller passes none)."""
-        cu = None if cu_seqlens is None else np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
-        return self._plan(n_local, cu).positions
 
     def _plan(self, n_local: int, cu: np.ndarray | None) -> Any:
         return self.cache.get(

@@ -39,11 +39,6 @@ from hp_cp_torch.validation import check_csa_inputs, rows_hint
 ADAPTER_ATTR = "_hp_cp_adapter"
 
 
-def seq_major(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """Wrap a batch-major compressor ``fn(x [B, n, h], offset)`` for sequence-major rows."""
-    return lambda rows, offset: fn(rows.transpose(0, 1), offset).transpose(0, 1)
-
-
 class CPForward:
     """The forward ``enable_cp`` sets on a layer: calls ``fn``, refuses to be pickled or copied.
 

@@ -133,18 +133,6 @@ class ModelRegistry:
         if all(c.entry_point.value != claim.entry_point.value for c in same):
             same.append(claim)
 
-    def claim_for(self, module: Any) -> Claim | None:
-        """The claim on the most derived class of ``module`` that has one, else ``None``.
-
-        Raises:
-            HpCpError: two adapters claim that class.
-        """
-        for cls in type(module).__mro__:
-            claim = self.claim_on(class_name(cls))
-            if claim is not None:
-                return claim
-        return None
-
     def claim_on(self, name: str) -> Claim | None:
         """The claim on the class named ``name`` (``"package.module.Class"``), else ``None``.
 
