@@ -163,7 +163,103 @@ def single_device_loss(case: LossCase, coeff: float) -> dict:
     }
 
 
+# ------------------------------------------------------- one handle, steps of other lengths
+
+
+def training_steps(world: int) -> list[tuple[int, int]]:
+    """``(rows, masked)`` per step of one handle: rows padded to the same length as the
+    step before but with another real length (259 after 260, as a varying-length training
+    meets), then a loss mask whose zeros (the first ``masked`` rows, on the first rank
+    only) change from step to step with the same shapes."""
+    padded = 2 * world * -(-50 // (2 * world))  # >= 50 rows, fits both layouts
+    return [(padded - 1, 0), (padded, 0), (padded - 1, 0), (padded, 3), (padded, 7)]
+
+
+def build_stack() -> torch.nn.ModuleList:
+    """A window-only layer, then a CSA layer with the indexer loss (the first layer of a
+    forward has no loss of its own: the later one reuses its agreement)."""
+    torch.manual_seed(77)
+    return torch.nn.ModuleList(
+        DeepSeekV4Attention(dataclasses.replace(layer_config(r), indexer_loss_coeff=0.01))
+        for r in (0, 4)
+    )
+
+
+def step_inputs(step: int, rows: int, masked: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(x, cotangent, loss_mask or None)`` of one step, global ``[2, rows, hidden]``."""
+    gen = torch.Generator().manual_seed(300 + step)
+    hidden = layer_config(4).hidden_size
+    x = torch.randn(2, rows, hidden, generator=gen)
+    g = torch.randn(2, rows, hidden, generator=gen)
+    if not masked:
+        return x, g, None
+    mask = torch.ones(2, rows)
+    mask[:, :masked] = 0
+    return x, g, mask
+
+
+def run_stack(stack: Any, x: torch.Tensor, mask: Any) -> torch.Tensor:
+    for layer in stack:
+        x = x + layer(x, **({} if mask is None else {"loss_mask": mask}))
+    return x
+
+
+def run_training_steps(layout: str) -> list[dict]:
+    """Every step of :func:`training_steps` on one handle (padded by ``shard(...,
+    pad_value=0)``): per step the indexer loss every rank read and, on rank 0, the output,
+    the input's gradient and the parameter gradients summed over the ranks."""
+    stack = build_stack()
+    handle = enable_cp(stack, None, DeepSeekV4CPConfig(layout=layout))
+    steps = []
+    try:
+        for step, (rows, masked) in enumerate(training_steps(dist.get_world_size())):
+            x, g, mask = step_inputs(step, rows, masked)
+            xl = handle.shard(x, 1, pad_value=0).requires_grad_(True)
+            local_mask = None if mask is None else handle.shard(mask, 1, pad_value=0)
+            out = run_stack(stack, xl, local_mask)
+            loss = float(stack[1].indexer_loss)
+            stack.zero_grad(set_to_none=True)
+            (out * handle.shard(g, 1, pad_value=0)).sum().backward()
+            grads = {}
+            for name, p in stack.named_parameters():
+                t = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                dist.all_reduce(t)
+                grads[name] = t
+            full = handle.unshard(out.detach(), 1, rows=rows)
+            gx = handle.unshard(xl.grad.detach(), 1, rows=rows)
+            steps.append({"loss": loss, "out": full, "gx": gx, "grads": grads})
+    finally:
+        disable_cp(handle)
+    return steps
+
+
+def training_steps_one_process(world: int) -> list[dict]:
+    """The same steps on one process (no padding: the real rows only)."""
+    steps = []
+    for step, (rows, masked) in enumerate(training_steps(world)):
+        stack = build_stack()
+        x, g, mask = step_inputs(step, rows, masked)
+        x.requires_grad_(True)
+        out = run_stack(stack, x, mask)
+        (out * g).sum().backward()
+        grads = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad
+            for n, p in stack.named_parameters()
+        }
+        steps.append(
+            {
+                "loss": float(stack[1].indexer_loss),
+                "out": out.detach(),
+                "gx": x.grad,
+                "grads": grads,
+            }
+        )
+    return steps
+
+
 def loss_suite(world: int) -> dict[str, tuple[Any, tuple]]:
     cases = loss_cases(world)
     suite = {c.name: (run_loss_case_cp, (c,)) for c in cases}
+    for layout in ("contiguous", "load_balanced"):
+        suite[f"steps-{layout}"] = (run_training_steps, (layout,))
     return {**suite, "scaled-student": (run_scaled_student, (cases[0],))}

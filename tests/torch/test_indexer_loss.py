@@ -20,7 +20,14 @@ import math
 import pytest
 import torch
 from cases import layer_config, rel_err, result
-from indexer_loss_cases import COEFFS, LossCase, build, loss_cases, single_device_loss
+from indexer_loss_cases import (
+    COEFFS,
+    LossCase,
+    build,
+    loss_cases,
+    single_device_loss,
+    training_steps_one_process,
+)
 
 from hp_cp_torch.reference import DeepSeekV4Attention, window_indices
 
@@ -208,6 +215,29 @@ def test_a_student_that_scores_otherwise_than_the_selection_warns_once(world: in
         assert len(caught) == 1, (rank, caught)
         assert "differ from index_scores at the same picks" in caught[0], caught[0]
         assert "override it" in caught[0], caught[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
+def test_one_handle_over_steps_of_other_real_lengths_and_masks(world: int, layout: str) -> None:
+    """Steps padded to the same length with other real lengths (259 after 260), then a loss
+    mask that changes on one rank's rows only: each step equals one process (before, the
+    later layer reused the first layer's agreement with a stale count, so one rank raised
+    alone and its peers failed in the next exchange)."""
+    per_rank = result("indexer_loss", world, f"steps-{layout}")
+    want = training_steps_one_process(world)
+    for step, ref in enumerate(want):
+        assert ref["loss"] > 0
+        for rank, got in enumerate(per_rank):
+            loss = got[step]["loss"]
+            assert abs(loss - ref["loss"]) <= 1e-5 * ref["loss"], (step, rank, loss, ref)
+        got = per_rank[0][step]
+        assert rel_err(got["out"], ref["out"]) <= 1e-5, step
+        assert rel_err(got["gx"], ref["gx"]) <= 1e-4, step
+        for name, grad in ref["grads"].items():
+            err = rel_err(got["grads"][name], grad)
+            assert err <= 1e-4, f"step {step}: gradient of {name}: relative error {err:.3g}"
 
 
 def test_suite_covers_the_issue() -> None:

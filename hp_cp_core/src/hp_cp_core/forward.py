@@ -126,12 +126,11 @@ class CPForward:
             check = self.inspect(
                 n_local, cu_seqlens, signature=" ".join(str(list(s)) for s in shapes)
             )
-            if self.spec.has_indexer and extra.get("loss_rows") is None:
+            counted = ("loss_rows" in extra) or ("loss_rows_total" in extra)
+            if self.spec.has_indexer and not counted:
                 # every real row counts in the indexer loss: N = batch x real rows
                 batch = int(np.prod(self.backend.shape(x)[1:-1], dtype=np.int64))
-                real = self.real_rows(n_local)
-                rows = n_local if real is None else int(real.sum())
-                extra = {**extra, "loss_rows": batch * rows}
+                extra = {**extra, "loss_rows_total": self.loss_rows_total(n_local, batch)}
             call = self.agree(check, extra)
         elif extra:
             call = call.replace(extra={**call.extra, **extra})
@@ -270,6 +269,14 @@ class CPForward:
         size = self.group.size
         return self.sequence.real_rows(self.config.layout, size, self.group.rank, n_local * size)
 
+    def loss_rows_total(self, n_local: int, batch: int) -> int:
+        """Rows of all ranks that count in the indexer loss when every real row counts:
+        ``batch`` x the sequence's real rows (the padding ``handle.shard(..., pad_value=)``
+        appended left out). Known on every rank without a collective, so a later layer that
+        reuses the forward's agreement still gets this forward's count."""
+        rows = self.sequence_rows(n_local)
+        return int(batch) * (int(n_local) * self.group.size if rows is None else rows)
+
     def sequence_rows(self, n_local: int) -> int | None:
         """Global rows before the padding ``handle.shard(..., pad_value=...)`` appended, when
         this forward (``n_local`` rows per rank) runs on that padded sequence; else ``None``."""
@@ -326,20 +333,31 @@ class CPForward:
                 check.cause = exc
         return check
 
-    def reuses_agreement(self) -> bool:
+    def reuses_agreement(self, counted: bool = False) -> bool:
         """Whether this layer's next :meth:`agree` reuses the handle's agreement (no
-        collective); the same on every rank."""
-        return self.memo is not None and self.group.size > 1 and self.memo.reuses(self.index)
+        collective); the same on every rank. ``counted``: it will pass a per-rank
+        ``loss_rows`` to sum (then it never reuses)."""
+        return (
+            not counted
+            and self.memo is not None
+            and self.group.size > 1
+            and self.memo.reuses(self.index)
+        )
 
     def agree(self, check: LocalCheck, extra: dict[str, Any] | None = None) -> CPContext:
         """One small collective: raise on every rank if any rank's check failed or the ranks
         disagree on the global metadata; else the context of this forward.
 
-        ``extra["loss_rows"]`` (this rank's rows that count in the indexer loss), when given,
-        is summed over the ranks in the same collective into ``call.loss_rows``.
+        ``extra["loss_rows"]`` (this rank's rows that count in the indexer loss, which only
+        this rank knows: a loss mask's), when given, is summed over the ranks in the same
+        collective into ``call.loss_rows``; such an agreement is never reused, since the
+        count may change from one forward to the next on some ranks only.
+        ``extra["loss_rows_total"]`` (the count of all ranks, known on every rank:
+        :meth:`loss_rows_total`) is ``call.loss_rows`` as given.
         """
         extra = dict(extra or {})
         loss_rows = extra.pop("loss_rows", None)
+        known_total = extra.pop("loss_rows_total", None)
         total = agree(
             self.group,
             check,
@@ -361,7 +379,7 @@ class CPForward:
             ops=self.backend,
             extra=extra,
             group=self.group,
-            loss_rows=0 if total is None else total,
+            loss_rows=int(known_total) if known_total is not None else (total or 0),
             sequence_rows=self.sequence_rows(check.n_local),
             roles=self.roles,
         )

@@ -419,7 +419,8 @@ def agree(
         spec, config: the layer's spec and the options (their digests are agreed on).
         spec_text, config_text: cached ``repr`` of ``spec`` / ``config``.
         count: a per-rank integer to sum over the ranks in the same collective (the rows
-            that count in the indexer loss), or ``None``.
+            that count in the indexer loss under a loss mask), or ``None``; an agreement
+            with a count always runs (the count may change on some ranks only).
         memo, index: the handle's :class:`AgreementMemo` and this layer's index among the
             handle's layers; with a memo, later layers of a forward reuse the agreement.
 
@@ -438,7 +439,8 @@ def agree(
     mine = agreement_vector(check, digest(spec_text), digest(config_text), count)
     if memo is not None:
         new_forward = memo.last_index is None or index <= memo.last_index
-        reuse, past = memo.reuses(index), memo.agreed.get(index)
+        # a per-rank count (a loss mask's rows) may change on some ranks only: always summed
+        reuse, past = count is None and memo.reuses(index), memo.agreed.get(index)
         memo.last_index = index
         if reuse and past is not None:
             # every rank skips here (common knowledge); this rank's vector must match

@@ -400,7 +400,7 @@ class MindFormersDeepSeekV4CSAAdapter:
             wanted = self._loss_wanted() or cp_forward.spec.has_indexer
             extra = {"real_rows": real}
             if wanted:
-                extra["loss_rows"] = b * (n_local if real is None else int(real.sum()))
+                extra["loss_rows_total"] = cp_forward.loss_rows_total(n_local, b)
             shapes = " ".join(str(list(t.shape[1:])) for t in (query, key, x, qr) if t is not None)
             check = cp_forward.inspect(int(x.shape[0]), cu, problems=problems, signature=shapes)
             call = cp_forward.agree(check, extra)

@@ -504,16 +504,16 @@ class ModelAdapter:
             signature=checks.signature,
         )
         memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
-        reuse = memo is not None and cp_forward.reuses_agreement()
+        with_loss = self.indexer_loss_coeff() is not None
+        counted = with_loss and inputs.loss_mask is not None  # a per-rank count to sum
+        reuse = memo is not None and cp_forward.reuses_agreement(counted)
         across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
         if not check.ok:
             if across:  # every rank defers one entry, whatever its own checks found
                 check.deferred = [(0, ())]
             return cp_forward.agree(check), None
         xb = x[None] if x.dim() == 2 else x  # [B, L, hidden]
-        with_loss = self.indexer_loss_coeff() is not None
-        mask, loss_rows = _loss_rows(cp_forward, xb, inputs.loss_mask, with_loss)
-        extra = {"loss_rows": loss_rows}
+        mask, extra = _loss_rows(cp_forward, xb, inputs.loss_mask, with_loss)
         seen = self.checked_objects(inputs)
         # a group of one never reuses an agreement (there is none); a later layer of the same
         # forward (a higher index) given the very objects its first layer checked skips too
@@ -587,21 +587,24 @@ def _first_failed(flags: list[Any], device: Any) -> Any:
 
 
 def _loss_rows(cp_forward: Any, xb: torch.Tensor, loss_mask: Any, with_loss: bool) -> Any:
-    """``(mask [B, L] or None, rows)``: the local rows that count in the indexer loss and how
-    many (``None`` without a loss); the rows ``handle.shard(..., pad_value=)`` appended never
-    count."""
+    """``(mask [B, L] or None, extra)``: the local rows that count in the indexer loss and
+    the agreement's count of them (``{}`` without a loss): a loss mask's rows are this
+    rank's ``loss_rows``, summed in the agreement; else every real row counts and the
+    total, batch x real rows, is known on every rank (``loss_rows_total``). The rows
+    ``handle.shard(..., pad_value=)`` appended never count."""
     if not with_loss:
-        return None, None
+        return None, {}
     real = cp_forward.real_rows(xb.shape[1])
     real_t = None if real is None else torch.as_tensor(real, device=xb.device)
     if loss_mask is not None:
         keep = loss_mask.reshape(-1, xb.shape[1]) != 0
         keep = keep if real_t is None else keep & real_t
         mask = keep.expand(xb.shape[0], -1)
-        return mask, int(mask.sum())
-    if real_t is not None:  # N = batch x real rows, known on the host
-        return real_t.reshape(1, -1).expand(xb.shape[0], -1), int(xb.shape[0]) * int(real.sum())
-    return None, int(xb.shape[0] * xb.shape[1])  # every row counts
+        return mask, {"loss_rows": int(mask.sum())}
+    total = {"loss_rows_total": cp_forward.loss_rows_total(xb.shape[1], xb.shape[0])}
+    if real_t is not None:
+        return real_t.reshape(1, -1).expand(xb.shape[0], -1), total
+    return None, total  # every row counts
 
 
 def refuse(message: str) -> type[ModelAdapter]:
