@@ -147,6 +147,38 @@ def test_handle_batch_gives_each_rank_its_rows(
             disable_cp(handle)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
+def test_model_inputs_records_its_batch_again_for_prefetched_batches(
+    host: PluginHost, layout: str
+) -> None:
+    """Batches built ahead of their forward (prefetched micro-batches): the record of the
+    padding is the last batch's until ``model_inputs()`` of the one about to run points it at
+    that one again, in any order, also between two batches of the same padded length."""
+    cp = 3
+    world = fb.FakeWorld(cp)
+    for rank in range(cp):
+        handle = enable_cp(
+            make_layer(4, 5), fb.FakeMesh(world, rank), _config(layout), plugins=host
+        )
+        try:
+            padded = handle.padding(11).padded_rows  # 11 and 12 rows pad alike at cp 3
+            mine = SequenceLayout(layout, cp, padded).shard_index(rank)
+            a, b = (handle.batch(np.ones((2, rows), np.int64)) for rows in (11, padded))
+            c = handle.batch(np.ones((2, 7), np.int64))  # another padded length
+            for batch, rows in ((a, 11), (c, 7), (b, padded), (a, 11), (b, padded)):
+                batch.model_inputs()
+                total = batch.plan.padded_rows
+                real = handle.sequence.real_rows(layout, cp, rank, total)
+                want = SequenceLayout(layout, cp, total).shard_index(rank) < rows
+                if rows == total:
+                    assert real is None  # every row is real
+                else:
+                    assert real.tolist() == want.tolist(), (rows, rank)
+            assert len(mine) == padded // cp
+        finally:
+            disable_cp(handle)
+
+
 def test_handle_batch_refuses_bad_input(host: PluginHost) -> None:
     handle = enable_cp(make_layer(4, 5), fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
     try:

@@ -228,6 +228,11 @@ def run_training_steps(layout: str) -> list[dict]:
             full = handle.unshard(out.detach(), 1, rows=rows)
             gx = handle.unshard(xl.grad.detach(), 1, rows=rows)
             steps.append({"loss": loss, "out": full, "gx": gx, "grads": grads})
+            if step == 1:  # an evaluation between steps: no loss, then training again
+                stack.eval()
+                with torch.no_grad():
+                    run_stack(stack, xl.detach(), None)
+                stack.train()
     finally:
         disable_cp(handle)
     return steps

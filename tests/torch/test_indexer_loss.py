@@ -221,10 +221,11 @@ def test_a_student_that_scores_otherwise_than_the_selection_warns_once(world: in
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("layout", ["contiguous", "load_balanced"])
 def test_one_handle_over_steps_of_other_real_lengths_and_masks(world: int, layout: str) -> None:
-    """Steps padded to the same length with other real lengths (259 after 260), then a loss
-    mask that changes on one rank's rows only: each step equals one process (before, the
-    later layer reused the first layer's agreement with a stale count, so one rank raised
-    alone and its peers failed in the next exchange)."""
+    """Steps padded to the same length with other real lengths (259 after 260), an
+    evaluation forward (no loss) between two steps, then a loss mask that changes on one
+    rank's rows only: each step equals one process (before, the later layer reused the first
+    layer's agreement with a stale count, so one rank, or after an evaluation every rank,
+    raised, and the others failed in the next exchange)."""
     per_rank = result("indexer_loss", world, f"steps-{layout}")
     want = training_steps_one_process(world)
     for step, ref in enumerate(want):

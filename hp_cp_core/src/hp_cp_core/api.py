@@ -234,6 +234,7 @@ class CPHandle:
             n_tokens=as_tensor(n_tokens, labels),
             cu_seqlens=None if plan.cu_seqlens is None else as_tensor(plan.cu_seqlens, None),
             plan=plan,
+            sequence=self.sequence,
         )
 
     def unshard(self, tensor: Any, seq_dim: int = 1, rows: int | None = None) -> Any:

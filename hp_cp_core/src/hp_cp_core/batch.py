@@ -30,7 +30,7 @@ into ``cu_seqlens`` (NeMo's ``seq_lens`` / ``packed_seq_ids``, VeOmni's per-docu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -227,6 +227,8 @@ class CPBatch:
         cu_seqlens: the packed boundaries of the padded stream (global, a CPU tensor) or
             ``None``.
         plan: the numpy plan the tensors were made from.
+        sequence: the handle's padding record (:class:`~hp_cp_core.padding.ShardedSequence`)
+            that :meth:`model_inputs` points at this batch again.
     """
 
     input_ids: Any
@@ -235,10 +237,18 @@ class CPBatch:
     n_tokens: Any
     cu_seqlens: Any
     plan: BatchPlan | None = None
+    sequence: Any = field(default=None, repr=False, compare=False)
 
     def model_inputs(self, cu_seqlens_key: str = CU_SEQLENS_KWARG) -> dict[str, Any]:
         """The model's keyword arguments: ids, positions and, packed, the boundaries under
-        ``cu_seqlens_key`` (the shipped integrations read ``hp_cp_cu_seqlens``)."""
+        ``cu_seqlens_key`` (the shipped integrations read ``hp_cp_cu_seqlens``).
+
+        It also records this batch's padding on the handle again (Note [Padding to the
+        layout]), so that the forward it feeds leaves this batch's padding rows out of the
+        indexer loss even when later batches were built before it (prefetched micro-batches).
+        """
+        if self.sequence is not None and self.plan is not None:
+            self.sequence.record(self.plan.rows, self.plan.padded_rows)
         out: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if self.cu_seqlens is not None:
             out[cu_seqlens_key] = self.cu_seqlens

@@ -28,7 +28,11 @@ divisor (a cell without a loss mask, such as MindFormers', has no other way to t
     handle.shard(t6, 1)                    another length, no pad_value: the record goes
 
 Pass ``pad_value`` on every step's inputs: a sequence of exactly 8 real rows sharded
-without it right after the one above would count as the padded one.
+without it right after the one above would count as the padded one. The record is the LAST
+sharded sequence's, so a batch built ahead of another (prefetched micro-batches) must be
+recorded again before its forward: ``CPBatch.model_inputs()`` does it, so
+``model(**batch.model_inputs())`` is right in any order; with ``shard`` alone, shard a
+batch's ids with ``pad_value`` again right before its forward.
 
 The math is here (numpy); the backends pad the tensors with their ``pad_dim`` op.
 """
