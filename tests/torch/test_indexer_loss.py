@@ -160,6 +160,22 @@ def test_fully_masked_batch_gives_zero_loss() -> None:
     assert float(layer.indexer_loss) == 0.0
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_loss_survives_activation_recomputation(reentrant: bool) -> None:
+    """``layer.indexer_loss`` after backward through ``torch.utils.checkpoint`` is the
+    forward's value (a recomputation that stops early must not clear it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layer().train()
+    x = torch.randn(2, 40, layer.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    want = float(layer.indexer_loss)
+    out = checkpoint(layer, x.clone().requires_grad_(True), use_reentrant=reentrant)
+    out.sum().backward()
+    assert layer.indexer_loss is not None
+    assert float(layer.indexer_loss) == pytest.approx(want, rel=1e-6)
+
+
 def test_coefficient_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="indexer_loss_coeff"):
         dataclasses.replace(layer_config(4), indexer_loss_coeff=-1.0)

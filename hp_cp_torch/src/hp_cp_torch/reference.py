@@ -555,9 +555,13 @@ class DeepSeekV4Attention(nn.Module):
     def _finish_indexer_loss(
         self, out: torch.Tensor, kl: torch.Tensor | None, loss_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Mean the per-row KL over the rows that count, keep it, attach it to ``out``."""
-        self.indexer_loss = None
+        """Mean the per-row KL over the rows that count, keep it, attach it to ``out``.
+
+        Set once, after the loss: a recomputation in backward (``checkpoint(...,
+        use_reentrant=False)`` stops once it has what backward needs) leaves the forward's
+        value."""
         if kl is None:
+            self.indexer_loss = None
             return out
         weight = torch.ones_like(kl)
         if loss_mask is not None:
