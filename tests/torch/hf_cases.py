@@ -170,6 +170,11 @@ def error_checks(model: Any, ids: torch.Tensor, ref_logits: torch.Tensor) -> dic
             out["no_position_ids"] = _expect_error(
                 lambda: model(input_ids=local, use_cache=False), "position_ids"
             )
+            # HF's own loss on labels it would shift within this rank's rows
+            out["unshifted_labels"] = _expect_error(
+                lambda: model(input_ids=local, position_ids=pos, labels=local, use_cache=False),
+                "shift_labels=batch.labels, num_items_in_batch=batch.n_tokens",
+            )
             ones = model(
                 input_ids=local,
                 position_ids=pos,

@@ -119,7 +119,8 @@ def test_traffic_is_reported(suite: dict) -> None:
 def test_unsupported_inputs_raise_on_every_rank_and_disable_restores(ranks: list[dict]) -> None:
     for report in ranks:  # padding only on rank 0's rows: every rank must still raise
         errors = report["errors"]
-        for key in ("use_cache", "past_key_values", "padding_mask", "no_position_ids"):
+        keys = ("use_cache", "past_key_values", "padding_mask", "no_position_ids")
+        for key in (*keys, "unshifted_labels"):
             assert errors[key] == "ok", (report["rank"], key, errors[key])
         assert float(errors["all_ones_mask_rel_err"]) <= LOGITS_RTOL
         assert errors["layers_enabled"] == "3" and errors["model_layers_enabled"] == "3"
