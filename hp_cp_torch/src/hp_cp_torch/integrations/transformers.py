@@ -223,34 +223,25 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
     """The error for position ids that are not this rank's global rows."""
 
     LOCAL_LOSS_HINT = (
-        "got labels without shift_labels / num_items_in_batch: HF's loss would shift the "
-        "labels within this rank's rows (across the layout's chunks) and average over them "
-        "only. Pass the batch's labels, already shifted on the full sequence, and the global "
-        "target count: model(**batch.model_inputs(), labels=batch.labels, "
-        "shift_labels=batch.labels, num_items_in_batch=batch.n_tokens) gives this rank's "
-        "share of the mean loss; or take out.logits to cp_causal_lm_loss(out.logits, "
-        "batch.labels, batch.n_tokens)."
+        "got labels without shift_labels and num_items_in_batch: HF's loss would shift them "
+        "within this rank's rows. Pass labels=batch.labels, shift_labels=batch.labels, "
+        "num_items_in_batch=batch.n_tokens (batch = handle.batch(ids): the loss is then this "
+        "rank's share), or use cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)."
     )
-    """The error for HF's own loss on unshifted local labels."""
+    """The error for HF's own loss on labels it would shift within the rank's rows."""
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
-        """On a transformers ``*ForCausalLM`` under CP (cp > 1), refuse a call whose
-        ``labels`` HF's loss would shift within this rank's rows (a silently wrong loss),
-        before any exchange and on every rank that makes that call."""
+        """On a transformers ``*ForCausalLM`` at cp > 1, refuse (before any exchange) the
+        ``labels`` HF's loss would shift within this rank's rows: a silently wrong loss."""
         if handle.cp_size == 1 or not callable(getattr(model, "loss_function", None)):
             return
         if not type(model).__module__.startswith("transformers."):
             return
-        names = list(inspect.signature(model.forward).parameters)
-        at = names.index("labels") if "labels" in names else None
-        where = f"{type(model).__name__} under CP"
+        signature, where = inspect.signature(model.forward), f"{type(model).__name__} under CP"
 
         def refuse_local_shift(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            labels = kwargs.get("labels")
-            if labels is None and at is not None and len(args) > at:
-                labels = args[at]
-            if labels is None:
+            if signature.bind_partial(*args, **kwargs).arguments.get("labels") is None:
                 return
             if kwargs.get("shift_labels") is None or kwargs.get("num_items_in_batch") is None:
                 raise HpCpError(f"{where}: {cls.LOCAL_LOSS_HINT}")
