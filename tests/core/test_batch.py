@@ -179,6 +179,44 @@ def test_model_inputs_records_its_batch_again_for_prefetched_batches(
             disable_cp(handle)
 
 
+def test_ranks_given_other_batches_raise_the_same_error_in_the_forward(
+    host: PluginHost,
+) -> None:
+    """``handle.batch`` on every rank of a CP group must get the same full batch; ids that
+    differ per rank (data loaded by the global rank) or that are already this rank's shard
+    are found in the forward's agreement, and every rank raises the same error."""
+    cp, rows = 3, 10
+    world = fb.FakeWorld(cp)
+    x = np.random.default_rng(0).standard_normal((12, 6))  # 10 rows padded to 12
+
+    def rank_fn(rank: int) -> list[str]:
+        layer = make_layer(4, 5)
+        handle = enable_cp(layer, fb.FakeMesh(world, rank), _config("contiguous"), plugins=host)
+        seen = []
+        try:
+            ids = np.arange(1, rows + 1)[None]
+            for given in (ids, ids + rank, ids, handle.shard(np.arange(2 * cp * 4)[None], 1)):
+                batch = handle.batch(given)
+                rows_given = batch.plan.padded_rows
+                try:
+                    local = x[:rows_given] if rows_given <= 12 else np.zeros((rows_given, 6))
+                    layer(handle.shard(local, 0))
+                    seen.append("ok")
+                except HpCpError as exc:
+                    seen.append(str(exc))
+        finally:
+            disable_cp(handle)
+        return seen
+
+    per_rank = world.run(rank_fn)
+    for seen in per_rank:
+        assert seen[0] == "ok" and seen[2] == "ok", seen  # the same batch on every rank
+        for error in (seen[1], seen[3]):  # another batch per rank; already sharded ids
+            assert "digest of the batch handle.batch built per rank" in error, error
+            assert "load the data by the data-parallel rank" in error, error
+    assert per_rank[0][1] == per_rank[1][1] == per_rank[2][1]  # the same message everywhere
+
+
 def test_handle_batch_refuses_bad_input(host: PluginHost) -> None:
     handle = enable_cp(make_layer(4, 5), fb.FakeMesh(fb.FakeWorld(2), 0), plugins=host)
     try:

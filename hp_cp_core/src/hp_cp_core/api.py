@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from hp_cp_core.backend import Backend, Group
-from hp_cp_core.batch import CPBatch, plan_batch
+from hp_cp_core.batch import CPBatch, batch_digest, plan_batch
 from hp_cp_core.collectives import slot_exchange_kind
 from hp_cp_core.config import CPConfig, LayerSpec
 from hp_cp_core.errors import BackendNotFoundError, HpCpError
@@ -224,17 +224,22 @@ class CPHandle:
         plan = plan_batch(shape[1], self.cp_size, self.config.layout, cu_seqlens)
         if plan.packed or plan.padding.pad_rows:
             self.use_cp_path()
-        shifted = plan.shifted_labels(to_numpy(labels), ignore_index)
+        host_labels = to_numpy(labels)
+        shifted = plan.shifted_labels(host_labels, ignore_index)
         n_tokens = np.asarray(np.count_nonzero(shifted != ignore_index), dtype=np.int64)
         positions = as_tensor(plan.positions[None, :], input_ids)
+        digest = batch_digest(to_numpy(input_ids), host_labels, plan.cu_seqlens)
+        local_ids = self.shard(input_ids, 1, pad_value=0)
+        self.sequence.record_batch(plan.rows, plan.padded_rows, digest)
         return CPBatch(
-            input_ids=self.shard(input_ids, 1, pad_value=0),
+            input_ids=local_ids,
             position_ids=self.shard(positions, 1),
             labels=self.shard(as_tensor(shifted, labels), 1),
             n_tokens=as_tensor(n_tokens, labels),
             cu_seqlens=None if plan.cu_seqlens is None else as_tensor(plan.cu_seqlens, None),
             plan=plan,
             sequence=self.sequence,
+            digest=digest,
         )
 
     def unshard(self, tensor: Any, seq_dim: int = 1, rows: int | None = None) -> Any:

@@ -30,6 +30,7 @@ into ``cu_seqlens`` (NeMo's ``seq_lens`` / ``packed_seq_ids``, VeOmni's per-docu
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,18 @@ def cu_seqlens_from_positions(
     return None if cu.size == 2 else cu
 
 
+def batch_digest(input_ids: np.ndarray, labels: np.ndarray, cu_seqlens: Any) -> int:
+    """A nonzero digest of a full batch (its ids, labels and packed boundaries, with their
+    shapes): what the ranks of a CP group compare to find one given another batch."""
+    crc = 0
+    for part in (input_ids, labels, cu_seqlens):
+        if part is not None:
+            values = np.ascontiguousarray(part)
+            crc = zlib.crc32(f"{values.shape}{values.dtype.str}".encode(), crc)
+            crc = zlib.crc32(values.tobytes(), crc)
+    return crc + 1
+
+
 @dataclass
 class CPBatch:
     """This rank's part of a causal-LM batch (what ``CPHandle.batch`` returns).
@@ -229,6 +242,7 @@ class CPBatch:
         plan: the numpy plan the tensors were made from.
         sequence: the handle's padding record (:class:`~hp_cp_core.padding.ShardedSequence`)
             that :meth:`model_inputs` points at this batch again.
+        digest: see below.
     """
 
     input_ids: Any
@@ -238,6 +252,9 @@ class CPBatch:
     cu_seqlens: Any
     plan: BatchPlan | None = None
     sequence: Any = field(default=None, repr=False, compare=False)
+    digest: int = field(default=0, repr=False, compare=False)
+    """A digest of the full batch (ids, labels, boundaries), compared across the CP ranks in
+    the forward's agreement: every rank of a group must be given the same batch."""
 
     def model_inputs(self, cu_seqlens_key: str = CU_SEQLENS_KWARG) -> dict[str, Any]:
         """The model's keyword arguments: ids, positions and, packed, the boundaries under
@@ -248,7 +265,7 @@ class CPBatch:
         indexer loss even when later batches were built before it (prefetched micro-batches).
         """
         if self.sequence is not None and self.plan is not None:
-            self.sequence.record(self.plan.rows, self.plan.padded_rows)
+            self.sequence.record_batch(self.plan.rows, self.plan.padded_rows, self.digest)
         out: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if self.cu_seqlens is not None:
             out[cu_seqlens_key] = self.cu_seqlens

@@ -316,6 +316,8 @@ class CPForward:
             signature: the tensors' shapes without the row dim, and dtypes (agreed on).
         """
         check = LocalCheck(n_local=int(n_local), signature=signature)
+        if self.sequence is not None:
+            check.batch = self.sequence.batch_for(check.n_local * self.group.size)
         for message in problems:
             check.fail(message)
         parse_cu_seqlens(cu_seqlens, check)

@@ -123,6 +123,9 @@ class ShardedSequence:
     def __init__(self) -> None:
         self.padding: CPPadding | None = None
         self.cu_seqlens: np.ndarray | None = None
+        self.batch_digest = 0
+        """A digest of the batch ``handle.batch`` built last (0: the record is not a
+        batch's): the forward's agreement compares it across the ranks."""
 
     def record(self, rows: int, padded_rows: int) -> None:
         """Note that the last sharded sequence has ``rows`` real rows of ``padded_rows``
@@ -131,6 +134,18 @@ class ShardedSequence:
         if padding != self.padding:
             self.cu_seqlens = None
         self.padding = padding
+        self.batch_digest = 0
+
+    def record_batch(self, rows: int, padded_rows: int, batch_digest: int) -> None:
+        """:meth:`record`, for a batch ``handle.batch`` built (``batch_digest`` of it)."""
+        self.record(rows, padded_rows)
+        self.batch_digest = int(batch_digest)
+
+    def batch_for(self, total_rows: int) -> int:
+        """The recorded batch digest when a forward over ``total_rows`` global rows is the
+        recorded sequence, else 0."""
+        pad = self.padding
+        return self.batch_digest if pad is not None and pad.padded_rows == total_rows else 0
 
     def record_documents(self, cu_seqlens: object) -> None:
         """The packed boundaries of the last sharded sequence (global, padding included:
@@ -162,6 +177,7 @@ class ShardedSequence:
         if self.padding is not None and self.padding.padded_rows != int(padded_rows):
             self.padding = None
             self.cu_seqlens = None
+            self.batch_digest = 0
 
     def real_rows(self, kind: str, cp_size: int, rank: int, total_rows: int) -> np.ndarray | None:
         """``[rows of rank]`` bool, True for this rank's real rows, when a forward over

@@ -68,7 +68,7 @@ from hp_cp_core.config import CPConfig, LayerSpec
 from hp_cp_core.errors import HpCpError, PlanError
 from hp_cp_core.layout import SequenceLayout
 
-FIELDS = ("rows", "cu_seqlens", "tensors", "spec", "config")
+FIELDS = ("rows", "cu_seqlens", "tensors", "spec", "config", "batch")
 """What every rank must agree on, in the order of the agreement vector (after the kind)."""
 
 LABELS = {
@@ -77,6 +77,7 @@ LABELS = {
     "tensors": "tensor shapes (row dim left out) and dtypes",
     "spec": "layer spec",
     "config": "CPConfig",
+    "batch": "digest of the batch handle.batch built",
 }
 
 FIXES = {
@@ -90,7 +91,21 @@ FIXES = {
     "indexer): build the model identically on every rank before enable_cp.",
     "config": "Expected enable_cp to get the same CPConfig on every rank: build it the "
     "same way everywhere.",
+    "batch": "Expected every rank of a CP group to pass the same FULL batch to handle.batch "
+    "(it shards it): load the data by the data-parallel rank, not the global rank, and pass "
+    "the whole sequence, not handle.shard(...) of it.",
 }
+
+_BATCH = 1 + FIELDS.index("batch")  # its column in the agreement vector
+
+
+def _without_batch(values: np.ndarray) -> np.ndarray:
+    """The agreement vector(s) with the batch digest zeroed: a later layer of the forward
+    reuses the agreement whatever batch the forward runs (the first layer checked it)."""
+    out = np.array(values, dtype=np.int64, copy=True)
+    out[..., _BATCH] = 0
+    return out
+
 
 _KINDS = {1: HpCpError, 2: PlanError}
 
@@ -132,6 +147,8 @@ class LocalCheck:
     problems: list[tuple[type[HpCpError], str]] = field(default_factory=list)
     cause: BaseException | None = None
     deferred: list[tuple[Any, Any]] = field(default_factory=list)
+    batch: int = 0
+    """A digest of the batch ``handle.batch`` built for this forward (0: none)."""
 
     def fail(self, message: str, kind: type[HpCpError] = HpCpError) -> None:
         """Record a failed check (raised later, on every rank, by :func:`agree`)."""
@@ -331,7 +348,8 @@ def digest(text: str) -> int:
 def agreement_vector(
     check: LocalCheck, spec_digest: int, config_digest: int, count: int | None = None
 ) -> np.ndarray:
-    """``[kind, local rows, cu, tensors, spec, config digests, count]`` (int64; count -1: none)."""
+    """``[kind, local rows, cu, tensors, spec, config, batch digests, count]`` (int64; count
+    -1: none)."""
     return np.array(
         [
             check.kind,
@@ -340,6 +358,7 @@ def agreement_vector(
             digest(check.signature),
             spec_digest,
             config_digest,
+            check.batch,
             -1 if count is None else int(count),
         ],
         dtype=np.int64,
@@ -444,7 +463,7 @@ def agree(
         memo.last_index = index
         if reuse and past is not None:
             # every rank skips here (common knowledge); this rank's vector must match
-            if past[1] == mine.tobytes():
+            if past[1] == _without_batch(mine).tobytes():
                 memo.reused += 1
                 return past[2]
             raise HpCpError(
@@ -480,8 +499,8 @@ def agree(
         if memo is not None:
             memo.collectives += 1
             if new_forward:
-                memo.fingerprint = np.ascontiguousarray(every, dtype=np.int64).tobytes()
-            memo.agreed[index] = (memo.fingerprint, mine.tobytes(), total)
+                memo.fingerprint = _without_batch(every).tobytes()
+            memo.agreed[index] = (memo.fingerprint, _without_batch(mine).tobytes(), total)
         return total
     if memo is not None:
         memo.agreed.pop(index, None)
@@ -494,6 +513,7 @@ def agree(
                 "tensors": check.signature or "?",
                 "spec": spec_text,
                 "config": config_text,
+                "batch": str(check.batch),
             },
         }
     )
