@@ -242,7 +242,9 @@ class CPBatch:
         plan: the numpy plan the tensors were made from.
         sequence: the handle's padding record (:class:`~hp_cp_core.padding.ShardedSequence`)
             that :meth:`model_inputs` points at this batch again.
-        digest: see below.
+        digest: a digest of the full batch (ids, labels, boundaries) that the forward's
+            agreement compares across the CP ranks: every rank of a group must be given
+            the same batch.
     """
 
     input_ids: Any
@@ -253,8 +255,6 @@ class CPBatch:
     plan: BatchPlan | None = None
     sequence: Any = field(default=None, repr=False, compare=False)
     digest: int = field(default=0, repr=False, compare=False)
-    """A digest of the full batch (ids, labels, boundaries), compared across the CP ranks in
-    the forward's agreement: every rank of a group must be given the same batch."""
 
     def model_inputs(self, cu_seqlens_key: str = CU_SEQLENS_KWARG) -> dict[str, Any]:
         """The model's keyword arguments: ids, positions and, packed, the boundaries under
