@@ -18,6 +18,7 @@ from hp_cp_core.layout import SequenceLayout
 from hp_cp_core.padding import CPPadding, ShardedSequence, pad_for_cp
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import PluginHost, get_plugin_host
+from hp_cp_core.records import ForwardRecords
 from hp_cp_core.sharing import SharedState, SharingPlan, plan_sharing
 from hp_cp_core.validation import AgreementMemo, check_group, check_layer_spec
 from hp_cp_core.versions import check_api_usable, check_group_api
@@ -60,12 +61,24 @@ class CPHandle:
     """Which layer owns each compressed KV, index-key set and selection, and which layers
     reuse it (Note [Layers that share their indexer] in :mod:`hp_cp_core.sharing`);
     ``sharing.describe()`` is the table as data."""
-    shared: SharedState = field(default_factory=SharedState)
-    """What the owners published in the current forward, for the layers that reuse it."""
+    records: ForwardRecords | None = None
+    """Each forward's own record (its batch's padding, what its owner layers published),
+    and which one a layer call reads (Note [Records per forward] in
+    :mod:`hp_cp_core.records`)."""
     _tokens: list[tuple[Any, Any]] = field(default_factory=list)
     _cleanups: list[Callable[[], None]] = field(default_factory=list)
     _kept_forwards: list[Any] = field(default_factory=list)
     active: bool = True
+
+    def __post_init__(self) -> None:
+        if self.records is None:
+            self.records = ForwardRecords(self.sequence)
+
+    @property
+    def shared(self) -> SharedState:
+        """What the owners published in the current forward, for the layers that reuse it."""
+        current = self.records.current
+        return current.shared if current is not None else SharedState()
 
     @property
     def bypassed(self) -> bool:
@@ -151,7 +164,20 @@ class CPHandle:
         else:
             self.sequence.forget_unless(total)
         index = self.layout(total).shard_index(self.cp_rank)
-        return self.backend.take(tensor, index, seq_dim)
+        local = self.backend.take(tensor, index, seq_dim)
+        if self.sequence.padding is not None:
+            self._mark(local)
+        return local
+
+    def _mark(self, *tensors: Any) -> None:
+        """Tell the backend that ``tensors`` belong to the sequence recorded last, so that a
+        forward given them reads that sequence's padding whatever was cut since (Note
+        [Records per forward] in :mod:`hp_cp_core.records`; an optional backend op)."""
+        mark = getattr(self.backend, "mark_batch", None)
+        if mark is not None:
+            for tensor in tensors:
+                if tensor is not None:
+                    mark(tensor, self.records, self.sequence)
 
     def batch(
         self,
@@ -231,7 +257,7 @@ class CPHandle:
         digest = batch_digest(to_numpy(input_ids), host_labels, plan.cu_seqlens)
         local_ids = self.shard(input_ids, 1, pad_value=0)
         self.sequence.record_batch(plan.rows, plan.padded_rows, digest)
-        return CPBatch(
+        batch = CPBatch(
             input_ids=local_ids,
             position_ids=self.shard(positions, 1),
             labels=self.shard(as_tensor(shifted, labels), 1),
@@ -241,6 +267,8 @@ class CPHandle:
             sequence=self.sequence,
             digest=digest,
         )
+        self._mark(batch.input_ids, batch.position_ids, batch.labels, batch.cu_seqlens)
+        return batch
 
     def unshard(self, tensor: Any, seq_dim: int = 1, rows: int | None = None) -> Any:
         """The full sequence from every rank's local rows (all-gather, then original order).
@@ -350,7 +378,7 @@ def enable_cp(
             index,
             sequence=handle.sequence,
             roles=handle.sharing.roles(index),
-            shared=handle.shared,
+            records=handle.records,
         )
         handle._tokens.append((layer, be.install(layer, cp_forward, group)))
         handle.layers.append((layer, spec))
@@ -371,7 +399,7 @@ def disable_cp(handle: CPHandle) -> None:
     handle._kept_forwards.clear()
     while handle._cleanups:
         handle._cleanups.pop()()
-    handle.shared.clear()
+    handle.records.clear()
     for obj in {id(o): o for o in [handle.module, *(lay for lay, _ in handle.layers)]}.values():
         _set_mark(obj, None)
     handle.active = False

@@ -15,6 +15,7 @@ from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
+from hp_cp_core.records import ForwardRecord, ForwardRecords
 from hp_cp_core.sharing import LayerRoles, SharedState, plan_sharing
 from hp_cp_core.spec import PER_QUERY
 from hp_cp_core.validation import (
@@ -55,11 +56,13 @@ class CPForward:
             layer's index among them; ``None``: every forward agrees.
         sequence: the handle's :class:`~hp_cp_core.padding.ShardedSequence` (what
             ``handle.shard`` padded); ``None``: every row is real.
+        records: the handle's :class:`~hp_cp_core.records.ForwardRecords` (Note [Records
+            per forward]); default: records of ``sequence`` for this layer alone.
         roles: this layer's :class:`~hp_cp_core.sharing.LayerRoles` in the handle's
             :class:`~hp_cp_core.sharing.SharingPlan`; ``None``: the layer alone (it must
             reuse nothing).
-        shared: the handle's :class:`~hp_cp_core.sharing.SharedState` (where owners publish
-            and readers take; Note [Layers that share their indexer]).
+        shared: a :class:`~hp_cp_core.sharing.SharedState` every forward publishes in and
+            takes from (tests of one forward); default: each forward's own record's.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class CPForward:
         sequence: ShardedSequence | None = None,
         roles: LayerRoles | None = None,
         shared: SharedState | None = None,
+        records: ForwardRecords | None = None,
     ) -> None:
         self.module = module
         self.hooks = hooks
@@ -86,10 +90,45 @@ class CPForward:
         self.config = config or CPConfig()
         self.cache = cache if cache is not None else PlanCache()
         self.memo, self.index = memo, index
-        self.sequence = sequence
         self._spec_text, self._config_text = repr(spec), agreed_config_text(self.config)
         self.roles = roles if roles is not None else plan_sharing([spec]).roles(0)
-        self.shared = shared if shared is not None else SharedState()
+        self._shared = shared
+        if records is None and sequence is not None:
+            records = ForwardRecords(sequence)
+        self.records = records
+        self.record: ForwardRecord | None = None
+        """The record of the forward this layer's current call belongs to (set by
+        :meth:`inspect`, the first step of every call)."""
+
+    @property
+    def sequence(self) -> ShardedSequence | None:
+        """The padding record of the current call's forward (``None``: every row is real)."""
+        if self.records is None:
+            return None
+        record = self.record
+        if record is None or self.records.scoped:  # the backend placed this call
+            record = self.records.current
+        return record.sequence if record is not None else self.records.builder
+
+    @property
+    def shared(self) -> SharedState:
+        """Where the current call's forward publishes and takes shared artifacts."""
+        record = self.records.current if self.records and self.records.scoped else self.record
+        if record is not None:
+            return record.shared
+        if self._shared is None and self.records is None:
+            self._shared = SharedState()  # a layer without records: its own, every forward
+        return self._shared if self._shared is not None else SharedState()
+
+    def _begin_call(self) -> str | None:
+        """Find the record of the forward this call belongs to (Note [Records per
+        forward]); the problem to raise on every rank when a recomputed call has none."""
+        if self.records is None:
+            return None
+        self.record = self.records.for_layer(self.index)
+        if self.record is None:
+            return self.records.unknown(self.index)
+        return None
 
     def __call__(
         self,
@@ -316,6 +355,9 @@ class CPForward:
             signature: the tensors' shapes without the row dim, and dtypes (agreed on).
         """
         check = LocalCheck(n_local=int(n_local), signature=signature)
+        missing = self._begin_call()
+        if missing is not None:
+            check.fail(missing)
         if self.sequence is not None:
             check.batch = self.sequence.batch_for(check.n_local * self.group.size)
         for message in problems:

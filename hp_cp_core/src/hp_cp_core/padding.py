@@ -127,6 +127,16 @@ class ShardedSequence:
         """A digest of the batch ``handle.batch`` built last (0: the record is not a
         batch's): the forward's agreement compares it across the ranks."""
 
+    def copy(self) -> ShardedSequence:
+        """A copy of this record (a forward's own: Note [Records per forward])."""
+        out = ShardedSequence()
+        out.padding, out.cu_seqlens, out.batch_digest = (
+            self.padding,
+            self.cu_seqlens,
+            self.batch_digest,
+        )
+        return out
+
     def record(self, rows: int, padded_rows: int) -> None:
         """Note that the last sharded sequence has ``rows`` real rows of ``padded_rows``
         (another length also forgets the packed boundaries of :meth:`record_documents`)."""

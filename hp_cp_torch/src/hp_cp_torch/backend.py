@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hp_cp_core import HpCpError
 from hp_cp_core.adapters import InstallingBackend
 from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
+from hp_cp_torch.forward_scope import install_forward_scopes, mark_batch
 from hp_cp_torch.kernels.registry import kernel_named
 
 __all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
@@ -828,6 +829,13 @@ class TorchBackend(InstallingBackend):
         kernel_named(handle.config.attention_kernel)
         if self._prepare is not None:
             self._prepare(module, layers, handle)
+        if isinstance(module, torch.nn.Module):
+            handle.on_disable(install_forward_scopes(module, layers, handle.records))
+
+    def mark_batch(self, tensor: Any, records: Any, sequence: Any) -> None:
+        """A forward given ``tensor`` reads the padding record ``sequence`` (Note [Records
+        per forward] in :mod:`hp_cp_core.records`)."""
+        mark_batch(tensor, records, sequence)
 
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
         """Install ``layer`` with a CP forward that names it (by its index among the

@@ -481,7 +481,7 @@ class EngramHashCP:
         self.spec = LayerSpec(compress_ratio=0, window_size=n)
         self.cp_forward = DeepSeekV4CPForward(
             module, None, handle.backend, handle.group, self.spec, handle.config,
-            handle.cache, None, sequence=handle.sequence,
+            handle.cache, None, records=handle.records,
         )  # fmt: skip
 
     def __call__(
@@ -499,7 +499,9 @@ class EngramHashCP:
         n_local = rows_hint(input_ids, 1)
         cu = None
         if sequence_ids is not None:
-            cu = self.handle.sequence.documents(n_local * group.size)
+            current = self.handle.records.current  # the forward's (Note [Records per forward])
+            sequence = self.handle.sequence if current is None else current.sequence
+            cu = sequence.documents(n_local * group.size)
             if cu is None:
                 problems.append(
                     f"{where}: packed input needs the boundaries cp_nemo_batch records."

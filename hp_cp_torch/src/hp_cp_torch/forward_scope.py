@@ -1,0 +1,208 @@
+"""Which forward a CP layer call belongs to, on torch (Note [Records per forward] in
+:mod:`hp_cp_core.records`).
+
+Note [Finding a recomputed forward's record]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Activation checkpointing re-runs a region of the model inside the backward, with the
+tensors the region was given in its forward: the very objects (``use_reentrant=False``,
+``checkpoint_wrapper``) or detached views of them (``use_reentrant=True``), which share
+their storage. So the record travels on those storages::
+
+    forward:    block k (h_k) ──> tag storage(h_k) with record A
+    fwd B ...   block k (h'_k) ─> tag storage(h'_k) with record B
+    backward A: recompute block k (h_k, or h_k.detach()) ──> storage(h_k) ──> record A
+
+:func:`install_forward_scopes` puts a forward pre-hook (and an always-called forward hook)
+on the module ``enable_cp`` was given and on every module between it and a CP layer, the
+layers included. In a forward (not inside a backward), the outermost hooked call starts the
+forward's record (:meth:`~hp_cp_core.records.ForwardRecords.start`: from the batch its
+tensors were cut by, ``handle.batch`` / ``handle.shard``, when it is given one), and every
+hooked call tags the storages of its tensor arguments with it. Inside a backward a hooked
+call is a recomputation: the storages of its arguments name the record, when exactly one live
+record tagged one of them alone; the scope holds it until the call returns.
+
+A storage keeps the records of the tensors that need a gradient (activations: alive as long
+as the graph that will recompute from them) and refers weakly to the others (a rotary cache
+or a mask that many forwards share names no forward). A storage passed to several live
+forwards names none of them; when no argument names a record, the layers of that
+recomputation raise the same ``HpCpError`` on every rank (the ranks run the same program).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_cp_core.padding import ShardedSequence
+from hp_cp_core.records import ForwardRecord, ForwardRecords
+
+FORWARDS_ATTR = "_hp_cp_forwards"
+"""The attribute of an untyped storage holding the records of the forwards it was given to."""
+BATCH_ATTR = "_hp_cp_batch"
+"""The attribute of an untyped storage holding the padding records of the batches cut into it."""
+STRONG_PER_STORAGE = 8
+"""Records one storage keeps alive at most (the oldest let go first): a tensor that needs a
+gradient and is given to many forwards (rare) does not keep them all."""
+
+
+class _Tags:
+    """The records one storage was given to: kept (``strong``) or referred to (``weak``)."""
+
+    def __init__(self) -> None:
+        self.strong: list[ForwardRecord] = []
+        self.weak: weakref.WeakSet[ForwardRecord] = weakref.WeakSet()
+
+    def add(self, record: ForwardRecord, keep: bool) -> None:
+        if keep:
+            if record not in self.strong:
+                self.strong.append(record)
+                del self.strong[:-STRONG_PER_STORAGE]
+        else:
+            self.weak.add(record)
+
+    def of(self, records: ForwardRecords) -> set[ForwardRecord]:
+        live = set(records.live())
+        return {r for r in (*self.strong, *self.weak) if r in live}
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (nested tuples, lists and dicts; a model output's fields)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, fake)
+        return None
+
+
+def mark_batch(tensor: Any, records: ForwardRecords, sequence: ShardedSequence) -> None:
+    """Note that ``tensor`` (an input ``handle.batch`` / ``handle.shard`` cut) belongs to the
+    batch of padding record ``sequence``: a forward given it runs under that record."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    storage = _storage(tensor)
+    if storage is None:
+        return
+    marks = getattr(storage, BATCH_ATTR, None)
+    if marks is None:
+        marks = weakref.WeakKeyDictionary()
+        setattr(storage, BATCH_ATTR, marks)
+    marks[records] = sequence.copy()
+
+
+def batch_of(args: Any, records: ForwardRecords) -> ShardedSequence | None:
+    """The padding record of the batch one of ``args``' tensors was cut from, if any."""
+    for t in _tensors(args):
+        marks = getattr(_storage(t), BATCH_ATTR, None)
+        if marks is not None and records in marks:
+            return marks[records]
+    return None
+
+
+def tag(args: Any, record: ForwardRecord) -> None:
+    """Tag the storages of ``args``' tensors with ``record`` (kept by those needing a
+    gradient: Note [Finding a recomputed forward's record])."""
+    for t in _tensors(args):
+        storage = _storage(t)
+        if storage is None:
+            continue
+        tags = getattr(storage, FORWARDS_ATTR, None)
+        if tags is None:
+            tags = _Tags()
+            setattr(storage, FORWARDS_ATTR, tags)
+        tags.add(record, keep=t.requires_grad and not isinstance(t, nn.Parameter))
+
+
+def find(args: Any, records: ForwardRecords) -> ForwardRecord | None:
+    """The one live record an argument's storage names alone, else ``None`` (none, or
+    arguments naming different records)."""
+    named: set[ForwardRecord] = set()
+    for t in _tensors(args):
+        tags = getattr(_storage(t), FORWARDS_ATTR, None)
+        if tags is None:
+            continue
+        mine = tags.of(records)
+        if len(mine) == 1:
+            named |= mine
+    return next(iter(named)) if len(named) == 1 else None
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward (a recomputation runs there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _first_layers(root: nn.Module, layers: list[nn.Module]) -> dict[nn.Module, int]:
+    """Every module from ``root`` down to a CP layer (the layers included), with the index of
+    the first CP layer under it."""
+    index = {id(layer): k for k, layer in enumerate(layers)}
+    first: dict[int, tuple[nn.Module, int]] = {}
+
+    def walk(module: nn.Module) -> int | None:
+        best = index.get(id(module))
+        for child in module.children():
+            below = walk(child)
+            if below is not None and (best is None or below < best):
+                best = below
+        if best is not None:
+            first[id(module)] = (module, best)
+        return best
+
+    walk(root)
+    for k, layer in enumerate(layers):  # a layer outside the root's tree: itself
+        first.setdefault(id(layer), (layer, k))
+    return {m: k for m, k in first.values()}
+
+
+def install_forward_scopes(
+    root: nn.Module, layers: list[nn.Module], records: ForwardRecords
+) -> Callable[[], None]:
+    """Hook ``root`` and every module between it and a CP layer so that each layer call reads
+    its own forward's record (Note [Finding a recomputed forward's record]); returns the undo."""
+    handles = []
+    for module, first_layer in _first_layers(root, layers).items():
+
+        def before(mod: nn.Module, args: Any, kwargs: Any, first: int = first_layer) -> None:
+            if torch.compiler.is_compiling():
+                return
+            given = (args, kwargs)
+            if _in_backward() and not records.scoped:
+                records.enter(find(given, records))  # a recomputation: its forward's record
+                return
+            if _in_backward():
+                found = find(given, records)
+                records.enter(found if found is not None else records.current)
+                return
+            if records.scoped:
+                record = records.current
+            else:
+                record = records.start(first, batch_of(given, records))
+            if record is not None:
+                tag(given, record)
+            records.enter(record)
+
+        def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+            if not torch.compiler.is_compiling():
+                records.exit()
+
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+
+    return undo
