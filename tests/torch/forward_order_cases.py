@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,44 @@ from hp_cp_torch.integrations.transformers import cp_sum_gradients
 from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss
 
 ORDERS = ("fwd_fwd_bwd_bwd", "fwd_fwd_bwdB_bwdA", "fwd_eval_bwd")
-MODELS = ("deepseek_v4", "deepseek_v32", "glm_moe_dsa")
+MODELS = ("deepseek_v4", "deepseek_v32", "glm_moe_dsa", "reference")
+
+
+class ReferenceStack(torch.nn.Module):
+    """Reference layers r = 0, 4 (with the indexer loss), 128, each recomputed in backward
+    (``torch.utils.checkpoint`` of the layer call) when ``reentrant`` is not ``None``; the
+    padding ``handle.shard`` appends is left out of the indexer loss, so a recomputed layer
+    reading another forward's padding would train the indexer wrongly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import dataclasses
+
+        from cases import layer_config
+
+        from hp_cp_torch.reference import DeepSeekV4Attention
+
+        torch.manual_seed(77)
+        self.layers = torch.nn.ModuleList(
+            DeepSeekV4Attention(dataclasses.replace(layer_config(r), indexer_loss_coeff=0.5))
+            for r in (0, 4, 128)
+        )
+        self.reentrant: bool | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            if self.reentrant is None or not self.training:
+                x = x + layer(x)
+            else:
+                x = x + checkpoint(layer, x, use_reentrant=self.reentrant)
+        return x
+
+
+def _stack_inputs(seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(1, seq, 32, generator=gen), torch.randn(1, seq, 32, generator=gen)
 
 
 def build(kind: str, seed: int = 0) -> Any:
@@ -76,26 +115,38 @@ def order_case(
     """One case: worst per-parameter relative gradient error (floor 1e-2 of the largest
     gradient) and loss errors, CP against one process doing the same calls."""
     cp = dist.get_world_size(group)
-    model = build(kind)
-    vocab = model.config.vocab_size
     len_a, len_b = lengths(cp, layout)
-    ids_a, ids_b = _ids(vocab, len_a, 1), _ids(vocab, len_b, 2)
-    if reentrant is not None:
-        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
-    want_losses = _run_order(order, model, lambda ids: _loss_one(model, ids), ids_a, ids_b)
+    if kind == "reference":
+        model = ReferenceStack()
+        model.reentrant = reentrant
+        ids_a, ids_b = _stack_inputs(len_a, 1), _stack_inputs(len_b, 2)
+        loss_one = lambda xg: (model(xg[0].requires_grad_()) * xg[1]).sum()  # noqa: E731
+    else:
+        model = build(kind)
+        vocab = model.config.vocab_size
+        ids_a, ids_b = _ids(vocab, len_a, 1), _ids(vocab, len_b, 2)
+        if reentrant is not None:
+            model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        loss_one = lambda ids: _loss_one(model, ids)  # noqa: E731
+    want_losses = _run_order(order, model, loss_one, ids_a, ids_b)
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     config = CPConfig(layout=layout, single_rank_bypass=False)
     handle = enable_cp(model, group, config)
     try:
 
-        def loss_cp(ids: torch.Tensor) -> torch.Tensor:
+        def loss_cp(ids: Any) -> torch.Tensor:
+            if kind == "reference":  # handle.shard pads, and records the padding
+                x = handle.shard(ids[0], 1, pad_value=0.0).requires_grad_()
+                return (model(x) * handle.shard(ids[1], 1, pad_value=0.0)).sum()
             batch = handle.batch(ids)
             out = model(**batch.model_inputs(), use_cache=False)
             return cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
 
         got_losses = _run_order(order, model, loss_cp, ids_a, ids_b)
         cp_sum_gradients(model.parameters(), group)
+        gc.collect()
+        live = len(handle.records.live())  # the graphs are gone: only the latest is kept
     finally:
         disable_cp(handle)
     totals = torch.tensor(got_losses)
@@ -121,7 +172,32 @@ def order_case(
         "loss_err": max(abs(g - w) / abs(w) for g, w in zip(totals.tolist(), want_losses)),
         "grad_err": errors[worst],
         "worst": worst,
+        "live_records": live,
     }
+
+
+def unfindable_case(group: Any) -> str:
+    """A recomputed region that hands the CP layer only a tensor made inside it, while two
+    forwards are alive: every rank raises the same HpCpError, nothing is exchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    from hp_cp_core import HpCpError
+
+    model = ReferenceStack()
+    handle = enable_cp(model, group, CPConfig(single_rank_bypass=False))
+    layer = model.layers[1]
+    try:
+        outs = []
+        for seed in (1, 2):
+            x = handle.shard(_stack_inputs(24, seed)[0], 1, pad_value=0.0).requires_grad_()
+            outs.append(checkpoint(lambda h: layer(h * 1.0), x, use_reentrant=False).sum())
+        try:
+            outs[0].backward()
+        except HpCpError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        disable_cp(handle)
 
 
 def order_suite(rank: int, world: int, kinds: tuple[str, ...], cases: list[Any]) -> list[Any]:
@@ -136,4 +212,6 @@ def order_suite(rank: int, world: int, kinds: tuple[str, ...], cases: list[Any])
         if rank < cp:
             out.append(order_case(kind, groups[cp], layout, order, reentrant))
         dist.barrier()
+    if "reference" in kinds:
+        out.append({"unfindable": unfindable_case(groups[2]) if rank < 2 else None})
     return out

@@ -127,8 +127,9 @@ def tag(args: Any, record: ForwardRecord) -> None:
 
 
 def find(args: Any, records: ForwardRecords) -> ForwardRecord | None:
-    """The one live record an argument's storage names alone, else ``None`` (none, or
-    arguments naming different records)."""
+    """The one live record an argument's storage names alone; with no argument naming one,
+    the only live record; else ``None`` (arguments naming different records, or several
+    live forwards and nothing to tell them apart)."""
     named: set[ForwardRecord] = set()
     for t in _tensors(args):
         tags = getattr(_storage(t), FORWARDS_ATTR, None)
@@ -137,7 +138,12 @@ def find(args: Any, records: ForwardRecords) -> ForwardRecord | None:
         mine = tags.of(records)
         if len(mine) == 1:
             named |= mine
-    return next(iter(named)) if len(named) == 1 else None
+    if len(named) == 1:
+        return next(iter(named))
+    if not named:  # nothing names one: unambiguous only while one forward is alive
+        live = records.live()
+        return live[0] if len(live) == 1 else None
+    return None
 
 
 def _in_backward() -> bool:
