@@ -9,9 +9,8 @@ under CP, and compares every gradient by name (Note [The floor] in ``cases.py``)
 
 from __future__ import annotations
 
-from typing import Any
-
 import gc
+from typing import Any
 
 import torch
 import torch.distributed as dist

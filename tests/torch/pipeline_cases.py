@@ -225,4 +225,18 @@ def pipeline_suite(rank: int, world: int, cases: list[tuple]) -> list[dict[str, 
         res = pipeline_case(kind, schedule, mesh, layout, reentrant, refs[key])
         out.append({"case": (kind, schedule, cp, layout, reentrant), **res})
         dist.barrier()
+    out.append({"cut_group": cut_group_error(mesh)})
     return out
+
+
+def cut_group_error(mesh: Any) -> str:
+    """A GLM-5 stage that starts inside a shared-indexer group (its first layer reuses the
+    selection of a layer in the stage before): the HpCpError ``enable_cp`` raises."""
+    from hp_cp_core import HpCpError
+
+    stage = HFStage(build("glm_moe_dsa"), 1, 4)
+    try:
+        disable_cp(enable_cp(stage, mesh["cp"]))
+    except HpCpError as exc:
+        return str(exc)
+    return "no error"

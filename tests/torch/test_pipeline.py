@@ -42,7 +42,7 @@ def results() -> dict[tuple, list[dict]]:
     for cases, world in ((CP2, 4), (CP3, 6)):
         for rank_results in run_ranks(world, pc.pipeline_suite, cases, timeout=1200):
             for r in rank_results:
-                out.setdefault(r["case"], []).append(r)
+                out.setdefault(r.get("case", "cut_group"), []).append(r)
     return out
 
 
@@ -59,3 +59,9 @@ def test_pipeline_stages_under_cp_equal_one_process(results: dict, case: tuple) 
     for got in ranks:
         assert got["params_checked"] > 0, got
         assert got["grad_err"] <= GRAD_RTOL, got
+
+
+def test_a_stage_cutting_a_shared_group_is_refused(results: dict) -> None:
+    for got in results["cut_group"]:
+        assert "reuses 'selection'" in got["cut_group"], got
+        assert "no earlier layer makes it" in got["cut_group"], got

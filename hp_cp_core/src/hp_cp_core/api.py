@@ -257,6 +257,8 @@ class CPHandle:
         digest = batch_digest(to_numpy(input_ids), host_labels, plan.cu_seqlens)
         local_ids = self.shard(input_ids, 1, pad_value=0)
         self.sequence.record_batch(plan.rows, plan.padded_rows, digest)
+        if plan.cu_seqlens is not None:  # for models handed per-row document ids only
+            self.sequence.record_documents(plan.cu_seqlens)
         batch = CPBatch(
             input_ids=local_ids,
             position_ids=self.shard(positions, 1),

@@ -21,8 +21,10 @@ hooked call tags the storages of its tensor arguments with it. Inside a backward
 call is a recomputation: the storages of its arguments name the record, when exactly one live
 record tagged one of them alone; the scope holds it until the call returns.
 
-A storage keeps the records of the tensors that need a gradient (activations: alive as long
-as the graph that will recompute from them) and refers weakly to the others (a rotary cache
+A forward's record lives as long as its graph: the autograd nodes of the hooked calls'
+outputs keep it, and so do the storages of arguments that need a gradient (what a
+reentrant checkpoint saves, its forward having built no graph); a storage refers weakly to
+the others (a rotary cache
 or a mask that many forwards share names no forward). A storage passed to several live
 forwards names none of them; when no argument names a record, the layers of that
 recomputation raise the same ``HpCpError`` on every rank (the ranks run the same program).
@@ -146,6 +148,14 @@ def find(args: Any, records: ForwardRecords) -> ForwardRecord | None:
     return None
 
 
+def keep_with_graph(out: Any, record: ForwardRecord) -> None:
+    """Keep ``record`` alive as long as the graph of ``out``'s tensors (on their autograd
+    nodes): a forward whose backward is still to come always has its record."""
+    for t in _tensors(out):
+        if t.grad_fn is not None:
+            t.grad_fn.metadata[FORWARDS_ATTR] = record
+
+
 def _in_backward() -> bool:
     """Whether this thread runs inside an autograd backward (a recomputation runs there)."""
     return torch._C._current_graph_task_id() != -1
@@ -201,8 +211,12 @@ def install_forward_scopes(
             records.enter(record)
 
         def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-            if not torch.compiler.is_compiling():
-                records.exit()
+            if torch.compiler.is_compiling():
+                return
+            record = records.current
+            if record is not None and not _in_backward():
+                keep_with_graph(out, record)
+            records.exit()
 
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
