@@ -145,6 +145,12 @@ class CPHandle:
         out of the indexer loss. A call without it, on a tensor of another length, clears
         the record (a tensor of the padded length, such as ``arange(padded_rows)``
         positions, belongs to the recorded sequence).
+
+        The returned rows belong to that record: a forward given them (or given tensors
+        ``handle.batch`` cut) reads its padding whatever was cut since, and checks that its
+        layers see that sequence's length: ``seq_dim`` naming another dimension (the batch
+        of a sequence-major ``[S, B, hidden]`` tensor, say) raises the same ``HpCpError``
+        on every rank (Note [Records per forward] in :mod:`hp_cp_core.records`).
         """
         total = self.backend.shape(tensor)[seq_dim]
         real = total
@@ -163,10 +169,10 @@ class CPHandle:
             self.sequence.record(real, total)
         else:
             self.sequence.forget_unless(total)
+        self.sequence.cut_rows = total
         index = self.layout(total).shard_index(self.cp_rank)
         local = self.backend.take(tensor, index, seq_dim)
-        if self.sequence.padding is not None:
-            self._mark(local)
+        self._mark(local)
         return local
 
     def _mark(self, *tensors: Any) -> None:

@@ -358,6 +358,20 @@ class CPForward:
         missing = self._begin_call()
         if missing is not None:
             check.fail(missing)
+        elif self.record is not None and self.record.cut:
+            pad = self.record.sequence.padding
+            cut = pad.padded_rows if pad is not None else self.record.sequence.cut_rows
+            seen = check.n_local * self.group.size
+            if cut is not None and cut != seen:
+                check.fail(
+                    f"CP layer {self.index} sees {check.n_local} rows per rank ({seen} over "
+                    f"{self.group.size} ranks), but this forward was given tensors that "
+                    f"handle.shard / handle.batch cut from a sequence of {cut} "
+                    "rows: a tensor sharded along another dimension than its sequence (pass "
+                    "handle.shard(x, seq_dim) the sequence's dimension: 0 for a "
+                    "sequence-major [S, B, hidden] tensor), or a layer that reads its rows "
+                    "along another dimension (a model adapter's sequence_dim)."
+                )
         if self.sequence is not None:
             check.batch = self.sequence.batch_for(check.n_local * self.group.size)
         for message in problems:

@@ -126,6 +126,8 @@ class ShardedSequence:
         self.batch_digest = 0
         """A digest of the batch ``handle.batch`` built last (0: the record is not a
         batch's): the forward's agreement compares it across the ranks."""
+        self.cut_rows: int | None = None
+        """The global length of the last tensor ``handle.shard`` cut (padding included)."""
 
     def copy(self) -> ShardedSequence:
         """A copy of this record (a forward's own: Note [Records per forward])."""
@@ -135,6 +137,7 @@ class ShardedSequence:
             self.cu_seqlens,
             self.batch_digest,
         )
+        out.cut_rows = self.cut_rows
         return out
 
     def record(self, rows: int, padded_rows: int) -> None:

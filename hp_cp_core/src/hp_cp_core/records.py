@@ -53,6 +53,9 @@ class ForwardRecord:
         self.sequence = sequence
         self.shared = SharedState()
         self.last_layer = -1
+        self.cut = False
+        """Whether the forward was given tensors ``handle.batch`` / ``handle.shard`` cut
+        (its ``sequence`` is theirs): its layers must then see that sequence's length."""
 
     def __repr__(self) -> str:
         pad = self.sequence.padding
@@ -86,6 +89,7 @@ class ForwardRecords:
         record = ForwardRecord(
             next(self._numbers), (sequence if sequence is not None else self.builder).copy()
         )
+        record.cut = sequence is not None
         self._implicit = record
         self._live.add(record)
         return record

@@ -177,6 +177,14 @@ class ModelAdapter:
     """Whether :meth:`compress_index_keys` runs under ``torch.no_grad()`` (a model whose
     indexer only feeds integer picks and gets no gradient at all: HF's and NeMo's V4)."""
 
+    sequence_dim: ClassVar[int] = 1
+    """The dimension of the layer's hidden rows that runs along the sequence: 1 for
+    batch-major ``[B, L, hidden]`` (the default), 0 for sequence-major ``[L, B, hidden]``
+    (Megatron's). The machinery hands the hooks batch-major rows either way and returns the
+    layer's output in the model's layout, so a sequence-major adapter needs no transposes; the
+    rows the layer sees along it are checked against the sequence ``handle.shard`` /
+    ``handle.batch`` cut for this forward."""
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
@@ -558,6 +566,13 @@ class ModelAdapter:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             inputs = adapter.read_inputs(*args, **kwargs)
+            seq_major = (
+                adapter.sequence_dim == 0
+                and isinstance(inputs.hidden, torch.Tensor)
+                and inputs.hidden.dim() == 3
+            )
+            if seq_major:  # the hooks see batch-major rows
+                inputs.hidden = inputs.hidden.transpose(0, 1)
             call, state = adapter.begin(cp_forward, group, inputs)
             state.projection = proj = adapter.project(state)
             out = cp_forward(
@@ -569,7 +584,7 @@ class ModelAdapter:
                 local_work=proj.local_work,
                 state=state,
             )
-            return adapter.finish(out, state)
+            return adapter.finish(out.transpose(0, 1) if seq_major else out, state)
 
         own = inspect.signature(adapter.read_inputs)  # the layer's own arguments
         forward.__signature__ = own.replace(return_annotation=inspect.Signature.empty)
