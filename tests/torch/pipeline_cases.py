@@ -147,7 +147,7 @@ def pipeline_case(
     model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     names = {id(p): n for n, p in model.named_parameters()}
     n_layers = len(model.model.layers)
-    n_stages = 2 * pp if schedule == "interleaved_1f1b" else pp
+    n_stages = 2 * pp if schedule.startswith("interleaved") else pp
     cuts = [n_layers * k // n_stages for k in range(n_stages + 1)]
     mine = list(range(pp_rank, n_stages, pp))
     modules = [HFStage(model, cuts[s], cuts[s + 1]) for s in mine]
@@ -174,9 +174,10 @@ def pipeline_case(
                 "gpipe": pl.ScheduleGPipe,
                 "1f1b": pl.Schedule1F1B,
                 "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+                "interleaved_zero_bubble": pl.ScheduleInterleavedZeroBubble,
             }
             sched_cls = kinds[schedule]
-            one = sched_cls is not pl.ScheduleInterleaved1F1B
+            one = schedule in ("gpipe", "1f1b")
             run = sched_cls(
                 stages[0] if one else stages, MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False
             )  # the loss is already divided by the global token count

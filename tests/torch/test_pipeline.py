@@ -3,7 +3,8 @@ DeepSeek V4 and GLM-5 cut by hand into stages, each stage under ``enable_cp`` on
 a ``(pp, cp)`` mesh, every layer recomputed (non-reentrant: torch's stages take input
 gradients with ``torch.autograd.grad(inputs=...)``, which a reentrant checkpoint refuses, with
 or without CP), ``ScheduleGPipe``,
-``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` (two stages per rank) with 4 micro-batches,
+``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (two
+stages per rank; the zero-bubble one splits each backward into input and weight gradients) with 4 micro-batches,
 two steps of other real lengths: every gradient equals the whole model's on one process on
 the global batch. Two gloo jobs: pp 2 x cp 2 (load-balanced), pp 2 x cp 3 (contiguous).
 """
@@ -31,6 +32,7 @@ CP2 = [
     ("glm_moe_dsa", "interleaved_1f1b", 2, "load_balanced", False),
     ("deepseek_v4", "1f1b", 2, "load_balanced", False),
     ("deepseek_v4", "interleaved_1f1b", 2, "load_balanced", False),
+    ("glm_moe_dsa", "interleaved_zero_bubble", 2, "load_balanced", False),
 ]
 CP3 = [
     ("glm_moe_dsa", "1f1b", 3, "contiguous", False),
