@@ -51,12 +51,17 @@ class CPForward:
         functools.update_wrapper(self, fn)  # name, docstring, signature of ``fn``
         self.fn = fn
         self.layer_type = type(layer).__name__
+        self.scope: Any = None
+        """The layer's :class:`~hp_cp_torch.forward_scope.CallScope` (set by the torch
+        backend's install): which forward's record each call reads."""
 
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # torch.compile: the CP layer (host-side planning, collectives) runs eagerly, one
         # graph break; the rest of the model compiles.
-        return self.fn(*args, **kwargs)
+        if self.scope is None:
+            return self.fn(*args, **kwargs)
+        return self.scope.run(self.fn, args, kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise cp_state_not_copyable(self.layer_type)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from hp_cp_core import HpCpError
 from hp_cp_core.adapters import InstallingBackend
 from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
-from hp_cp_torch.forward_scope import install_forward_scopes, mark_batch
+from hp_cp_torch.forward_scope import CallScope, install_forward_scopes, mark_batch
 from hp_cp_torch.kernels.registry import kernel_named
 
 __all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
@@ -845,6 +845,10 @@ class TorchBackend(InstallingBackend):
         if config is not None and not config.desync_report:
             group.log.store = None  # keep only this rank's own record
         restore = super().install(layer, InLayer(cp_forward, group.log, group.n_layers - 1), group)
+        installed = getattr(layer, "__dict__", {}).get("forward")
+        records = getattr(cp_forward, "records", None)
+        if hasattr(installed, "scope") and records is not None:
+            installed.scope = CallScope(records, cp_forward.index)
         return _Restore(restore, group)
 
     # ops (dim 0 = rows); index arrays arrive as numpy

@@ -13,8 +13,9 @@ their storage. So the record travels on those storages::
     backward A: recompute block k (h_k, or h_k.detach()) ──> storage(h_k) ──> record A
 
 :func:`install_forward_scopes` puts a forward pre-hook (and an always-called forward hook)
-on the module ``enable_cp`` was given and on every module between it and a CP layer, the
-layers included. In a forward (not inside a backward), the outermost hooked call starts the
+on the module ``enable_cp`` was given and on every module between it and a CP layer; each CP
+layer's installed forward does the same itself (:class:`CallScope`), so a layer keeps its
+hooks as they were. In a forward (not inside a backward), the outermost hooked call starts the
 forward's record (:meth:`~hp_cp_core.records.ForwardRecords.start`: from the batch its
 tensors were cut by, ``handle.batch`` / ``handle.shard``, when it is given one), and every
 hooked call tags the storages of its tensor arguments with it. Inside a backward a hooked
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.records import ForwardRecord, ForwardRecords
 
@@ -183,41 +185,88 @@ def _first_layers(root: nn.Module, layers: list[nn.Module]) -> dict[nn.Module, i
     return {m: k for m, k in first.values()}
 
 
+class CallScope:
+    """The scope of one module's calls: which forward's record they and the CP layers under
+    them read (Note [Finding a recomputed forward's record]).
+
+    Args:
+        records: the handle's records.
+        first_layer: the index of the first CP layer under the module.
+    """
+
+    def __init__(self, records: ForwardRecords, first_layer: int) -> None:
+        self.records, self.first_layer = records, first_layer
+
+    def enter(self, args: Any, kwargs: Any) -> None:
+        """Open the call's scope: a recomputation's found record, an inner call's outer
+        scope, or the forward's record (started here, for the outermost call); tags the
+        arguments' storages in a forward."""
+        records, given = self.records, (args, kwargs)
+        if _in_backward():  # a recomputation: its forward's record, or the enclosing one
+            found = find(given, records)
+            records.enter(found if found is not None or not records.scoped else records.current)
+            return
+        if records.scoped:
+            record = records.current
+        else:
+            record = records.start(self.first_layer, batch_of(given, records))
+        if record is not None:
+            tag(given, record)
+        records.enter(record)
+
+    def exit(self, out: Any) -> None:
+        """Close the call's scope; in a forward, the outputs' graph keeps the record."""
+        record = self.records.current
+        if record is not None and not _in_backward():
+            keep_with_graph(out, record)
+        self.records.exit()
+
+    def run(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in this scope (a CP layer's installed forward)."""
+        self.enter(args, kwargs)
+        out = None
+        try:
+            out = fn(*args, **kwargs)
+            return out
+        finally:
+            self.exit(out)
+
+
+class _Hook:
+    """A module hook running ``fn`` (a :class:`CallScope` step) outside ``torch.compile``;
+    like the installed forward, it refuses to be pickled or copied (the module runs under
+    CP: :func:`hp_cp_core.api.cp_state_not_copyable`, naming the CP layer below it)."""
+
+    def __init__(self, fn: Callable[..., None], layer_type: str, out: bool = False) -> None:
+        self.fn, self.layer_type, self.out = fn, layer_type, out
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any, *out: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if self.out:
+            self.fn(out[0])
+        else:
+            self.fn(args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise cp_state_not_copyable(self.layer_type)
+
+
 def install_forward_scopes(
     root: nn.Module, layers: list[nn.Module], records: ForwardRecords
 ) -> Callable[[], None]:
     """Hook ``root`` and every module between it and a CP layer so that each layer call reads
-    its own forward's record (Note [Finding a recomputed forward's record]); returns the undo."""
+    its own forward's record (Note [Finding a recomputed forward's record]); returns the undo.
+    The CP layers themselves are not hooked: their installed forward runs its
+    :class:`CallScope` (:meth:`TorchBackend.install`)."""
     handles = []
+    own = {id(layer) for layer in layers}
     for module, first_layer in _first_layers(root, layers).items():
-
-        def before(mod: nn.Module, args: Any, kwargs: Any, first: int = first_layer) -> None:
-            if torch.compiler.is_compiling():
-                return
-            given = (args, kwargs)
-            if _in_backward() and not records.scoped:
-                records.enter(find(given, records))  # a recomputation: its forward's record
-                return
-            if _in_backward():
-                found = find(given, records)
-                records.enter(found if found is not None else records.current)
-                return
-            if records.scoped:
-                record = records.current
-            else:
-                record = records.start(first, batch_of(given, records))
-            if record is not None:
-                tag(given, record)
-            records.enter(record)
-
-        def after(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-            if torch.compiler.is_compiling():
-                return
-            record = records.current
-            if record is not None and not _in_backward():
-                keep_with_graph(out, record)
-            records.exit()
-
+        if id(module) in own:
+            continue
+        scope = CallScope(records, first_layer)
+        layer_type = type(layers[first_layer]).__name__
+        before, after = _Hook(scope.enter, layer_type), _Hook(scope.exit, layer_type, out=True)
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
 
