@@ -10,6 +10,7 @@ lengths, so every step pads differently.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -142,6 +143,8 @@ def pipeline_case(
 
     pp = mesh.size(0)
     pp_rank = mesh.get_local_rank(0)
+    dp = mesh["dp"].size() if "dp" in mesh.mesh_dim_names else 1
+    dp_rank = mesh["dp"].get_local_rank() if dp > 1 else 0
     model = build(kind)
     model.train()
     model.gradient_checkpointing_enable({"use_reentrant": reentrant})
@@ -151,24 +154,41 @@ def pipeline_case(
     cuts = [n_layers * k // n_stages for k in range(n_stages + 1)]
     mine = list(range(pp_rank, n_stages, pp))
     modules = [HFStage(model, cuts[s], cuts[s + 1]) for s in mine]
+    full_names = [{n: names[id(p)] for n, p in m.named_parameters()} for m in modules]
     config = CPConfig(layout=layout, single_rank_bypass=False)
     handles = [enable_cp(m, mesh["cp"], config) for m in modules]
+    if dp > 1:  # FSDP2 over the flattened (dp, cp) mesh: it averages over dp x cp ranks
+        from torch.distributed.fsdp import fully_shard
+
+        dp_cp = mesh["dp", "cp"]._flatten()
+        for m in modules:
+            for layer in m.layers:
+                fully_shard(layer, mesh=dp_cp)
+            fully_shard(m, mesh=dp_cp)
     stages = [
         pl.PipelineStage(m, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
         for m, s in zip(modules, mine)
     ]
+    micro = MICRO_BATCHES // dp
     errors: list[float] = []
+    live: list[int] = []
     worst_name = ""
     try:
         for step, seq in enumerate(LENGTHS):
             ids = _ids(model.config.vocab_size, seq, step)
+            rows = BATCH // dp
+            ids = ids[dp_rank * rows : (dp_rank + 1) * rows]  # this replica's share
             batches = [h.batch(ids) for h in handles]  # each stage's handle: this step's batch
             for m, b in zip(modules, batches):
                 m.position_ids = b.position_ids
-            n_tokens = batches[0].n_tokens
+            n_tokens = batches[0].n_tokens.clone()
+            if dp > 1:
+                dist.all_reduce(n_tokens, group=mesh["dp"].get_group())
+            share = dp * mesh["cp"].size()  # FSDP averages over dp x cp: undo it
 
             def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                return cp_causal_lm_loss(logits, labels, n_tokens)
+                loss = cp_causal_lm_loss(logits, labels, n_tokens)
+                return loss * share if dp > 1 else loss
 
             kinds = {
                 "gpipe": pl.ScheduleGPipe,
@@ -179,36 +199,48 @@ def pipeline_case(
             sched_cls = kinds[schedule]
             one = schedule in ("gpipe", "1f1b")
             run = sched_cls(
-                stages[0] if one else stages, MICRO_BATCHES, loss_fn=loss_fn, scale_grads=False
+                stages[0] if one else stages, micro, loss_fn=loss_fn, scale_grads=False
             )  # the loss is already divided by the global token count
             first, last = 0 in mine, (n_stages - 1) in mine
             target = batches[-1].labels if last else None
-            if first:  # the CP batch's ids [BATCH, L], cut into micro-batches by the schedule
+            if first:  # the CP batch's ids [rows, L], cut into micro-batches by the schedule
                 run.step(batches[0].input_ids, target=target)
             else:
                 run.step(target=target)
-            params = [p for m in modules for p in m.parameters()]
-            cp_sum_gradients(params, mesh["cp"].get_group())
+            if dp == 1:
+                params = [p for m in modules for p in m.parameters()]
+                cp_sum_gradients(params, mesh["cp"].get_group())
             scale = max(float(g.abs().max()) for g in want[step].values())
-            seen = set()
-            for p in params:
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                ref = want[step].get(names[id(p)])
-                if ref is None and p.grad is None:
-                    continue
-                ref = torch.zeros_like(p) if ref is None else ref
-                got = torch.zeros_like(p) if p.grad is None else p.grad
-                err = float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-2 * scale)
-                if not errors or err > max(errors):
-                    worst_name = names[id(p)]
-                errors.append(err)
-            model.zero_grad(set_to_none=True)
+            for m, naming in zip(modules, full_names):
+                for n, p in m.named_parameters():
+                    full = naming[n]
+                    ref = want[step].get(full)
+                    got = p.grad
+                    if got is not None and hasattr(got, "full_tensor"):
+                        got = got.full_tensor()
+                    if ref is None and got is None:
+                        continue
+                    like = ref if ref is not None else got
+                    ref = torch.zeros_like(like) if ref is None else ref
+                    got = torch.zeros_like(like) if got is None else got
+                    err = float((got - ref).abs().max()) / max(float(ref.abs().max()), 1e-2 * scale)
+                    if not errors or err > max(errors):
+                        worst_name = full
+                    errors.append(err)
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+            gc.collect()  # the step's graphs are gone: their records with them
+            live.append(sum(len(h.records.live()) for h in handles))
     finally:
         for h in handles:
             disable_cp(h)
-    return {"grad_err": max(errors), "worst": worst_name, "params_checked": len(errors)}
+    return {
+        "grad_err": max(errors),
+        "worst": worst_name,
+        "params_checked": len(errors),
+        "live_records": live,
+        "stages": len(modules),
+    }
 
 
 def pipeline_suite(rank: int, world: int, cases: list[tuple]) -> list[dict[str, Any]]:
@@ -222,7 +254,10 @@ def pipeline_suite(rank: int, world: int, cases: list[tuple]) -> list[dict[str, 
         key = (kind, reentrant)
         if key not in refs:
             refs[key] = reference(kind, reentrant)
-        mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("pp", "cp"))
+        if world == 4 * cp:  # (pp, dp, cp): FSDP2 over the flattened (dp, cp)
+            mesh = init_device_mesh("cpu", (2, 2, cp), mesh_dim_names=("pp", "dp", "cp"))
+        else:
+            mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("pp", "cp"))
         res = pipeline_case(kind, schedule, mesh, layout, reentrant, refs[key])
         out.append({"case": (kind, schedule, cp, layout, reentrant), **res})
         dist.barrier()
