@@ -9,6 +9,7 @@ under CP, and compares every gradient by name (Note [The floor] in ``cases.py``)
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any
 
@@ -20,7 +21,7 @@ from hp_cp_torch.integrations.transformers import cp_sum_gradients
 from hp_cp_torch.integrations.transformers_dsa import cp_causal_lm_loss
 
 ORDERS = ("fwd_fwd_bwd_bwd", "fwd_fwd_bwdB_bwdA", "fwd_eval_bwd")
-MODELS = ("deepseek_v4", "deepseek_v32", "glm_moe_dsa", "reference")
+MODELS = ("deepseek_v4", "deepseek_v32", "glm_moe_dsa", "reference", "reference_fsdp")
 
 
 class ReferenceStack(torch.nn.Module):
@@ -31,8 +32,6 @@ class ReferenceStack(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        import dataclasses
-
         from cases import layer_config
 
         from hp_cp_torch.reference import DeepSeekV4Attention
@@ -43,12 +42,27 @@ class ReferenceStack(torch.nn.Module):
             for r in (0, 4, 128)
         )
         self.reentrant: bool | None = None
+        self.wrapped = False
+
+    def wrap(self, reentrant: bool) -> None:
+        """Each layer in torch's ``checkpoint_wrapper`` (what FSDP recipes apply), which
+        recomputes it in backward on its own."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
+
+        impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+        self.layers = torch.nn.ModuleList(
+            checkpoint_wrapper(layer, checkpoint_impl=impl) for layer in self.layers
+        )
+        self.wrapped = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
         for layer in self.layers:
-            if self.reentrant is None or not self.training:
+            if self.reentrant is None or not self.training or self.wrapped:
                 x = x + layer(x)
             else:
                 x = x + checkpoint(layer, x, use_reentrant=self.reentrant)
@@ -115,9 +129,11 @@ def order_case(
     gradient) and loss errors, CP against one process doing the same calls."""
     cp = dist.get_world_size(group)
     len_a, len_b = lengths(cp, layout)
-    if kind == "reference":
+    if kind.startswith("reference"):
         model = ReferenceStack()
         model.reentrant = reentrant
+        if kind == "reference_fsdp":
+            model.wrap(bool(reentrant))
         ids_a, ids_b = _stack_inputs(len_a, 1), _stack_inputs(len_b, 2)
         loss_one = lambda xg: (model(xg[0].requires_grad_()) * xg[1]).sum()  # noqa: E731
     else:
@@ -132,18 +148,36 @@ def order_case(
     model.zero_grad(set_to_none=True)
     config = CPConfig(layout=layout, single_rank_bypass=False)
     handle = enable_cp(model, group, config)
+    fsdp = kind == "reference_fsdp"
+    if fsdp:  # FSDP2 over the CP ranks (it averages their gradients: the loss times cp)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+            # the indexer loss rides on the output's gradient unscaled: weigh it by cp too
+            inner = layer._checkpoint_wrapped_module
+            inner.config = dataclasses.replace(
+                inner.config, indexer_loss_coeff=inner.config.indexer_loss_coeff * cp
+            )
+        fully_shard(model, mesh=mesh)
     try:
 
         def loss_cp(ids: Any) -> torch.Tensor:
-            if kind == "reference":  # handle.shard pads, and records the padding
+            if kind.startswith("reference"):  # handle.shard pads, and records the padding
                 x = handle.shard(ids[0], 1, pad_value=0.0).requires_grad_()
-                return (model(x) * handle.shard(ids[1], 1, pad_value=0.0)).sum()
+                loss = (model(x) * handle.shard(ids[1], 1, pad_value=0.0)).sum()
+                return loss * cp if fsdp else loss
             batch = handle.batch(ids)
             out = model(**batch.model_inputs(), use_cache=False)
             return cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)
 
         got_losses = _run_order(order, model, loss_cp, ids_a, ids_b)
-        cp_sum_gradients(model.parameters(), group)
+        if fsdp:
+            got_losses = [loss / cp for loss in got_losses]
+        else:
+            cp_sum_gradients(model.parameters(), group)
         gc.collect()
         live = len(handle.records.live())  # the graphs are gone: only the latest is kept
     finally:
@@ -154,11 +188,12 @@ def order_case(
     errors = {}
     for n, p in model.named_parameters():
         ref = want.get(n)
-        got = p.grad
+        got = p.grad.full_tensor() if fsdp and p.grad is not None else p.grad
         if ref is None and got is None:
             continue
-        ref = torch.zeros_like(p) if ref is None else ref
-        got = torch.zeros_like(p) if got is None else got
+        like = ref if ref is not None else got
+        ref = torch.zeros_like(like) if ref is None else ref
+        got = torch.zeros_like(like) if got is None else got
         floor = max(float(ref.abs().max()), 1e-2 * scale)
         errors[n] = float((got - ref).abs().max()) / floor
     worst = max(errors, key=errors.get)

@@ -4,7 +4,8 @@ with activation recomputation (transformers' ``gradient_checkpointing_enable`` a
 orders, or a forward, an evaluation forward of another batch, then the first backward,
 give the gradients of one process doing the same; HF DeepSeek V4, V3.2, GLM-5 (its shared
 indexer layers) and the reference layers (the indexer loss leaves each batch's own padding
-out). One 3-rank gloo job (``forward_order_cases.py``): cp 2 load-balanced, cp 3 contiguous.
+out), also each in torch's ``checkpoint_wrapper`` under FSDP2 over the CP ranks. One 3-rank
+gloo job (``forward_order_cases.py``): cp 2 load-balanced, cp 3 contiguous.
 """
 
 from __future__ import annotations
