@@ -213,6 +213,7 @@ class CPForward:
             public[artifact] = call.outputs[artifact]
         if public:
             self.shared.publish(self.index, self._sequence_key(call), public)
+        self.record = None  # the forward's graph keeps its record, not the layer
         if scope is None:
             return self.group.end_order(out, token)
         return scope.end_order(out, token)
