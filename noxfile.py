@@ -281,7 +281,8 @@ def _torch_suite(session: nox.Session) -> None:
 @_session(python=PYTHONS, default=False)
 def dsa(session: nox.Session) -> None:
     """transformers' DSA models under hp_cp: DeepSeek V3.2 and GLM-5 (cp 1, 2, 3, 4, 8 in one
-    8-rank gloo job against one process), then the two docs snippets under torchrun. The
+    8-rank gloo job against one process), then the three docs snippets under torchrun (GLM-5
+    in pipeline stages on 4 ranks among them). The
     default ``torch`` session runs this suite too."""
     session.install(TORCH)
     session.install(
@@ -302,12 +303,12 @@ def _dsa_suite(session: nox.Session) -> None:
         *session.posargs,
         env={**env, "HP_CP_REQUIRE_BACKEND": "torch,transformers"},
     )
-    for snippet in ("deepseek_v32", "glm_moe_dsa"):
+    for snippet, ranks in (("deepseek_v32", 2), ("glm_moe_dsa", 2), ("pipeline_glm5", 4)):
         session.run(
             "torchrun",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(ranks),
             f"examples/snippets/{snippet}.py",
             env=env,
         )
