@@ -3,7 +3,8 @@
 # ///
 """Sessions: lint, docs, core (no framework), torch, dsa, mindformers, example_mindformers,
 example_jax, example_train, nemo_automodel, veomni, bench, bench_precision, bench_mindformers,
-bench_peers (bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz.
+bench_peers (bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz,
+clean_exit.
 
 `nox` runs lint, docs, core, torch, mindformers, example_jax and veomni; each installs its own
 distributions (the wheels built once per run) into a fresh virtualenv, so the core is proven
@@ -273,7 +274,10 @@ def _torch_suite(session: nox.Session) -> None:
         "tests/torch",
         "--ignore=tests/torch/test_transformers_dsa.py",  # the dsa suite runs it
         *session.posargs,
-        env={"HP_CP_REQUIRE_BACKEND": "fake,torch,transformers,triton"},
+        env={
+            "HP_CP_REQUIRE_BACKEND": "fake,torch,transformers,triton",
+            "HP_CP_CLEAN_EXIT_RUNS": "3",  # nox -s clean_exit runs the twenty
+        },
     )
     session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
 
@@ -606,6 +610,16 @@ def dist(session: nox.Session) -> None:
     out = session.run("python", "-m", "hp_cp_core", silent=True)
     if "0.2 current" not in out:
         session.error(f"python -m hp_cp_core does not report the backends current:\n{out}")
+
+
+@_session(python=PYTHONS, default=False)
+def clean_exit(session: nox.Session) -> None:
+    """A 4-rank training script that ends without ``dist.barrier()``, twenty times: every
+    rank exits 0 (Note [Clean exit] in ``hp_cp_torch/exit.py``; the torch session runs it
+    three times)."""
+    session.install(TORCH)
+    session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch"), *TEST_DEPS)
+    session.run("pytest", "tests/torch/test_clean_exit.py", *session.posargs)
 
 
 @_session(python=PYTHONS, default=False)

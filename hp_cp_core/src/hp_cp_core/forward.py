@@ -15,7 +15,7 @@ from hp_cp_core.errors import HpCpError
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.plan import PlanCache
 from hp_cp_core.plugins import Hooks
-from hp_cp_core.records import ForwardRecord, ForwardRecords
+from hp_cp_core.records import Agreed, ForwardRecord, ForwardRecords
 from hp_cp_core.sharing import LayerRoles, SharedState, plan_sharing
 from hp_cp_core.spec import PER_QUERY
 from hp_cp_core.validation import (
@@ -96,6 +96,7 @@ class CPForward:
         if records is None and sequence is not None:
             records = ForwardRecords(sequence)
         self.records = records
+        self._checks_skipped = False
         self.record: ForwardRecord | None = None
         """The record of the forward this layer's current call belongs to (set by
         :meth:`inspect`, the first step of every call)."""
@@ -395,7 +396,11 @@ class CPForward:
     def reuses_agreement(self, counted: bool = False) -> bool:
         """Whether this layer's next :meth:`agree` reuses the handle's agreement (no
         collective); the same on every rank. ``counted``: it will pass a per-rank
-        ``loss_rows`` to sum (then it never reuses)."""
+        ``loss_rows`` to sum (then it never reuses). A recomputed call reuses when its
+        forward's call did (Note [A recomputation replays the agreement])."""
+        replay = self.replayed()
+        if replay is not None:
+            return replay.reused and not counted
         return (
             not counted
             and self.memo is not None
@@ -417,17 +422,27 @@ class CPForward:
         extra = dict(extra or {})
         loss_rows = extra.pop("loss_rows", None)
         known_total = extra.pop("loss_rows_total", None)
-        total = agree(
-            self.group,
-            check,
-            self.spec,
-            self.config,
-            spec_text=self._spec_text,
-            config_text=self._config_text,
-            count=loss_rows,
-            memo=self.memo,
-            index=self.index,
-        )
+        replay = self.replayed()
+        if replay is not None and replay.reused and not check.problems:
+            total = replay.total  # the forward reused: so does its recomputation
+        else:
+            memo = None if replay is not None else self.memo  # a replay leaves the memo be
+            reused_before = None if memo is None else memo.reused
+            total = agree(
+                self.group,
+                check,
+                self.spec,
+                self.config,
+                spec_text=self._spec_text,
+                config_text=self._config_text,
+                count=loss_rows,
+                memo=memo,
+                index=self.index,
+            )
+            if replay is None and self.record is not None:
+                reused = memo is not None and memo.reused != reused_before
+                self.record.agreed[self.index] = Agreed(reused, total, self._checks_skipped)
+        self._checks_skipped = False
         return CPContext(
             cp_rank=self.group.rank,
             cp_size=self.group.size,
@@ -442,6 +457,19 @@ class CPForward:
             sequence_rows=self.sequence_rows(check.n_local),
             roles=self.roles,
         )
+
+    def replayed(self) -> Agreed | None:
+        """How this layer agreed in the forward the current call recomputes, or ``None``
+        (not a recomputation, or the forward's call did not get that far): Note [A
+        recomputation replays the agreement] in :mod:`hp_cp_core.records`."""
+        if self.record is None or self.records is None or not self.records.recomputing:
+            return None
+        return self.record.agreed.get(self.index)
+
+    def skip_checks(self) -> None:
+        """Note that the backend skips this call's value checks (the objects the forward's
+        first layer checked): the agreement it records says so, for a recomputation."""
+        self._checks_skipped = True
 
     def context(self, n_local: int, cu_seqlens: Any, extra: dict[str, Any]) -> CPContext:
         """Check the local inputs (on every rank, before any exchange) and fetch the plan."""

@@ -24,6 +24,17 @@ and a layer call reads the record of the forward it belongs to, never "the lates
   whose index is not above the last layer of the current record (the model's layers run in
   order), as before records existed.
 
+Note [A recomputation replays the agreement]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A layer call agrees on its inputs across the ranks, or reuses an earlier layer's agreement
+of the same forward (no collective, no value check). A recomputed call must take the same
+path: selective activation checkpointing replays the forward's ops in order and refuses a
+recomputation that runs others, and the handle's agreement memo, which follows program
+order, would otherwise decide anew. So each call notes in its forward's record how it
+agreed (:class:`Agreed`), and a recomputed call (a scope opened with ``recomputing``) reuses
+if its forward did, or runs the same full agreement again, leaving the memo as it is. Every
+rank holds the same record, so every rank decides alike.
+
 A record holds no framework object of its own beyond what the layers publish in it, and it
 is freed when nothing refers to it: the backend ties it to the forward's graph.
 """
@@ -32,9 +43,25 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 
 from hp_cp_core.padding import ShardedSequence
 from hp_cp_core.sharing import SharedState
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """How one layer call agreed on its inputs (Note [A recomputation replays the agreement]).
+
+    Attributes:
+        reused: it reused an earlier layer's agreement (no collective, no value check).
+        total: the agreed count it got (the indexer loss's rows), or ``None``.
+        checks_skipped: the backend skipped its value checks (the objects were checked).
+    """
+
+    reused: bool
+    total: int | None
+    checks_skipped: bool = False
 
 
 class ForwardRecord:
@@ -56,6 +83,9 @@ class ForwardRecord:
         self.cut = False
         """Whether the forward was given tensors ``handle.batch`` / ``handle.shard`` cut
         (its ``sequence`` is theirs): its layers must then see that sequence's length."""
+        self.agreed: dict[int, Agreed] = {}
+        """Layer index -> how that layer's call agreed in this forward: a recomputation of
+        the layer agrees the same way (Note [A recomputation replays the agreement])."""
 
     def __repr__(self) -> str:
         pad = self.sequence.padding
@@ -75,6 +105,7 @@ class ForwardRecords:
         self.builder = sequence
         self._numbers = itertools.count(1)
         self._scopes: list[ForwardRecord | None] = []
+        self._recomputing: list[bool] = []
         self._implicit: ForwardRecord | None = None
         self._live: weakref.WeakSet[ForwardRecord] = weakref.WeakSet()
 
@@ -94,15 +125,24 @@ class ForwardRecords:
         self._live.add(record)
         return record
 
-    def enter(self, record: ForwardRecord | None) -> None:
+    def enter(self, record: ForwardRecord | None, recomputing: bool = False) -> None:
         """Open a scope: layer calls read ``record`` until the matching :meth:`exit`
-        (``None``: a scope that found no record; its layers raise if they need one)."""
+        (``None``: a scope that found no record; its layers raise if they need one);
+        ``recomputing``: the calls re-run a forward's layers in its backward."""
         self._scopes.append(record)
+        self._recomputing.append(bool(recomputing))
 
     def exit(self) -> None:
         """Close the innermost scope."""
         if self._scopes:
             self._scopes.pop()
+            self._recomputing.pop()
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether the innermost scope re-runs a forward's layers (activation
+        recomputation): its layers agree as they did in that forward."""
+        return bool(self._recomputing) and self._recomputing[-1]
 
     @property
     def scoped(self) -> bool:
@@ -133,6 +173,7 @@ class ForwardRecords:
         for record in list(self._live):
             record.shared.clear()
         self._scopes.clear()
+        self._recomputing.clear()
         self._implicit = None
 
     def unknown(self, layer: int) -> str:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hp_cp_core import HpCpError
 from hp_cp_core.adapters import InstallingBackend
 from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
+from hp_cp_torch.exit import release_at_exit
 from hp_cp_torch.forward_scope import CallScope, install_forward_scopes, mark_batch
 from hp_cp_torch.kernels.registry import kernel_named
 
@@ -158,6 +159,8 @@ class TorchGroup:
         self.calls: dict[str, int] = {}
         self.regather_views = 0  # saved tensors kept as views to re-gather (RegatherScope)
         self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))
+        release_at_exit(self, "pg")  # and the log's store: Note [Clean exit]
+        release_at_exit(self.log, "store")
         self.n_layers = 0  # installed so far; a layer's index in the desync report
         self.closed = False  # disable_cp ran (its record is published)
         self.link: Any = None  # a benchmark's slow-link model wrapping the p2p work handles
@@ -827,6 +830,7 @@ class TorchBackend(InstallingBackend):
         beyond its attention layers (the ``prepare`` given at construction: the model
         adapters' ``prepare_model``, :func:`hp_cp_torch.adapter.prepare_module`)."""
         kernel_named(handle.config.attention_kernel)
+        release_at_exit(handle, "mesh")  # the group passed to enable_cp: Note [Clean exit]
         if self._prepare is not None:
             self._prepare(module, layers, handle)
         if isinstance(module, torch.nn.Module):

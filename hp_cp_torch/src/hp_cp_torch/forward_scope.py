@@ -204,7 +204,8 @@ class CallScope:
         records, given = self.records, (args, kwargs)
         if _in_backward():  # a recomputation: its forward's record, or the enclosing one
             found = find(given, records)
-            records.enter(found if found is not None or not records.scoped else records.current)
+            found = found if found is not None or not records.scoped else records.current
+            records.enter(found, recomputing=True)
             return
         if records.scoped:
             record = records.current

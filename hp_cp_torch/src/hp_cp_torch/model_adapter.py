@@ -526,10 +526,17 @@ class ModelAdapter:
         # a group of one never reuses an agreement (there is none); a later layer of the same
         # forward (a higher index) given the very objects its first layer checked skips too
         same_forward = group.size == 1 and memo is not None and index > memo.checked_index
-        if seen is not None and (reuse or same_forward) and memo.checked == seen:
+        replay = getattr(cp_forward, "replayed", lambda: None)()  # a recomputation: as before
+        if replay is not None:
+            skip = replay.checks_skipped
+        else:
+            skip = seen is not None and (reuse or same_forward) and memo.checked == seen
+        if skip:
+            if replay is None:
+                cp_forward.skip_checks()
             return cp_forward.agree(check, extra), mask  # checked by this forward's first layer
         flags = self.value_checks(inputs, check.plan)
-        if memo is not None:
+        if memo is not None and replay is None:
             memo.checked = None
         if across:  # one entry: the first failed check's number, read in the one gather
             messages = tuple(f"{checks.where}: {message}" for _, message in flags)
@@ -540,7 +547,7 @@ class ModelAdapter:
                 if bad:
                     check.fail(f"{checks.where}: {message}")
         call = cp_forward.agree(check, extra)
-        if memo is not None:  # reached only when every flag was clear
+        if memo is not None and replay is None:  # reached only when every flag was clear
             memo.checked, memo.checked_index = seen, index
         return call, mask
 
