@@ -3,13 +3,15 @@
 ``clean_exit_worker.py`` trains the reference layer under CP on 4 gloo ranks, started as
 torchrun starts a script (one fresh interpreter per rank, ``RANK`` / ``WORLD_SIZE`` /
 ``MASTER_ADDR`` / ``MASTER_PORT``), and ends with ``dist.destroy_process_group()`` alone.
-Without hp_cp's exit hook about one run in ten to twenty had a rank abort after its work was
-done ("terminate called without an active exception", exit -6): Note [Clean exit] in
-:mod:`hp_cp_torch.exit`. Twenty runs (``nox -s clean_exit``; the ``torch`` session runs
-three, ``HP_CP_CLEAN_EXIT_RUNS``), every rank's exit code 0.
+Twenty runs (``nox -s clean_exit``; the ``torch`` session runs three,
+``HP_CP_CLEAN_EXIT_RUNS``), every rank's exit code 0 (Note [Clean exit] in
+:mod:`hp_cp_torch.exit`).
 
-The race itself is rare; what makes it possible is not: a gloo worker thread alive when the
-interpreter finalises. One rank checks that none is left once hp_cp's exit hook has run.
+The abort is a race that needs a gloo worker thread alive while Python finalises (issue 49
+saw it once in five runs; how often depends on the machine's load, and an idle machine may
+never show it). What makes it possible is deterministic: the world group outliving
+``destroy_process_group`` with its threads. One rank checks that none is left once hp_cp's
+exit hook has run; without the hook they all are (two workers and the transport loop).
 """
 
 from __future__ import annotations
