@@ -164,6 +164,10 @@ class ForwardRecords:
             record.last_layer = max(record.last_layer, int(index))
         return record
 
+    def owns(self, record: ForwardRecord) -> bool:
+        """Whether ``record`` is one of these records and still alive."""
+        return record in self._live
+
     def live(self) -> list[ForwardRecord]:
         """The records still referred to (by a forward's graph, a scope or the latest)."""
         return sorted(self._live, key=lambda r: r.number)

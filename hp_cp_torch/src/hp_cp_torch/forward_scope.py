@@ -69,8 +69,7 @@ class _Tags:
             self.weak.add(record)
 
     def of(self, records: ForwardRecords) -> set[ForwardRecord]:
-        live = set(records.live())
-        return {r for r in (*self.strong, *self.weak) if r in live}
+        return {r for r in (*self.strong, *self.weak) if records.owns(r)}
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
