@@ -267,7 +267,7 @@ def torch(session: nox.Session) -> None:
 def _torch_suite(session: nox.Session) -> None:
     out = session.run("python", "-m", "hp_cp_core", silent=True)
     rows = [line.split() for line in out.splitlines()]
-    if ["torch", "hp-cp-torch", "0.3.0", "0.2", "current", "ok"] not in rows:
+    if ["torch", "hp-cp-torch", "0.4.0", "0.2", "current", "ok"] not in rows:
         session.error(f"python -m hp_cp_core does not report `torch ... 0.2 current ok`:\n{out}")
     session.run(
         "pytest",

@@ -130,3 +130,42 @@ def test_the_torch_collectives_do_not_import_the_model_dispatch() -> None:
     models = {"hp_cp_torch.adapter", "hp_cp_torch.model_registry", "hp_cp_torch.model_adapter"}
     assert not reached & models, sorted(reached & models)
     assert not {m for m in reached if m.startswith("hp_cp_torch.integrations")}
+
+
+LAYERS = ("hp_cp_torch.integrations", "hp_cp_torch.cli", "hp_cp_torch.bench")
+"""hp_cp_torch's layers above its machinery, lowest first: the model files, the command line
+(which runs a model), the benchmarks (which drive the command line's launcher). The core and
+hp_cp_torch's other modules are below them all."""
+
+
+def layer_of(module: str) -> int:
+    """0: the core (and hp_cp_mindformers); 1: hp_cp_torch's machinery; then :data:`LAYERS`."""
+    if not module.startswith("hp_cp_torch"):
+        return 0
+    for number, prefix in enumerate(LAYERS, start=2):
+        if module == prefix or module.startswith(prefix + "."):
+            return number
+    return 1
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The imports from a lower layer into a higher one (``"a -> b"``)."""
+    return [
+        f"{m} -> {d}"
+        for m, deps in sorted(graph.items())
+        for d in sorted(deps)
+        if layer_of(d) > layer_of(m)
+    ]
+
+
+def test_no_import_runs_back_up_a_layer() -> None:
+    """The command line reaches the benchmarks only through their entry point (group
+    ``hp_cp.commands``), and no model file reaches the command line (0.3's
+    ``transformers_demo -> cli.parity`` and ``cli -> bench`` are gone)."""
+    known = product_modules()
+    graph = {name: imported_modules(name, path, known) for name, path in known.items()}
+    assert graph["hp_cp_torch.bench.suite"] & {"hp_cp_torch.cli.launch"}  # bench is above cli
+    assert upward_imports(graph) == []
+    assert upward_imports({"hp_cp_torch.cli.commands": {"hp_cp_torch.bench.suite"}}) == [
+        "hp_cp_torch.cli.commands -> hp_cp_torch.bench.suite"
+    ]

@@ -162,8 +162,8 @@ def test_cli_api_column(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     table = capsys.readouterr().out.splitlines()[1:]
     assert table[0].split() == ["backend", "distribution", "version", "api", "status"]
     rows = {line.split()[0]: line.split()[1:] for line in table[1:]}
-    assert rows["fake"] == ["hp-cp-fake", "0.3.0", "0.2", "current", "ok"]
-    assert rows["legacy"] == ["hp-cp-fake", "0.3.0", "0.1", "adapted", "ok"]
+    assert rows["fake"] == ["hp-cp-fake", "0.4.0", "0.2", "current", "ok"]
+    assert rows["legacy"] == ["hp-cp-fake", "0.4.0", "0.1", "adapted", "ok"]
     assert rows["future"] == ["-", "-", "1.0", "unusable", "ok"]
     assert cli.main(["--json"]) == 0
     got = {r["name"]: r for r in json.loads(capsys.readouterr().out)["backends"]}

@@ -31,7 +31,7 @@ def run_cli(*args: str, **env: str) -> str:
 FAKE_ROW = {
     "name": "fake",
     "dist": "hp-cp-fake",
-    "version": "0.3.0",
+    "version": "0.4.0",
     "status": "ok",
     "error": None,
     "backend_api": "0.2",
@@ -54,7 +54,7 @@ def test_table_lists_the_installed_fake() -> None:
     lines = run_cli(HP_CP_PLUGINS="fake").splitlines()
     assert lines[0] == f"hp-cp-core {__version__}; discovery switches: HP_CP_PLUGINS=fake"
     assert lines[1].split() == ["backend", "distribution", "version", "api", "status"]
-    assert lines[2].split() == ["fake", "hp-cp-fake", "0.3.0", "0.2", "current", "ok"]
+    assert lines[2].split() == ["fake", "hp-cp-fake", "0.4.0", "0.2", "current", "ok"]
     assert len(lines) == 3
 
 
@@ -97,7 +97,7 @@ def test_broken_backends_are_listed_with_their_error(
     ]
     assert cli.main([]) == 0
     table = capsys.readouterr().out.splitlines()[1:]
-    assert table[1].split() == ["fake", "hp-cp-fake", "0.3.0", "0.2", "current", "ok"]
+    assert table[1].split() == ["fake", "hp-cp-fake", "0.4.0", "0.2", "current", "ok"]
     assert table[2].split()[:5] == ["broken", "-", "-", "-", "error:"]
     assert table[2].endswith("No module named 'hp_cp_framework_that_does_not_exist'")
 

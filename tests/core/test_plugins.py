@@ -71,10 +71,10 @@ def test_autoload_discovers_the_fake_through_its_real_entry_point() -> None:
     assert (status.ok, status.dist, status.version, status.error) == (
         True,
         "hp-cp-fake",
-        "0.3.0",
+        "0.4.0",
         None,
     )
-    assert status.describe() == "fake (hp-cp-fake 0.3.0)"
+    assert status.describe() == "fake (hp-cp-fake 0.4.0)"
     assert host.pm.get_plugin("fake") is fb
     # and a full CP forward runs through the discovered plugin
     x = np.random.default_rng(0).normal(size=(24, 6))
@@ -326,6 +326,6 @@ def test_a_claiming_backend_whose_name_is_duplicated_conflicts() -> None:
     with pytest.raises(BackendConflictError) as err:
         enable_cp(fb.ToyAttention(), mesh(), plugins=host)
     assert str(err.value).startswith(
-        "two plugins register the hp_cp backend name 'fake': fake (hp-cp-fake 0.3.0) and "
+        "two plugins register the hp_cp backend name 'fake': fake (hp-cp-fake 0.4.0) and "
         "fake (hp-cp-fake-fork 9.9)."
     )

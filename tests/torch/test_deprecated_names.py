@@ -1,6 +1,6 @@
-"""What 0.3.0 deprecated and removed in hp_cp_torch: each deprecated name still works for one
-release and warns with a ``DeprecationWarning`` naming its replacement; the 0.1 flat module
-paths (moved in 0.2) are gone, and nothing in this repository names them."""
+"""What hp_cp_torch removed: the names 0.3.0 deprecated are gone in 0.4.0, each import raising an
+``ImportError`` that names its replacement (whose behaviour the old name had); the 0.1 flat
+module paths (moved in 0.2) are gone, and nothing in this repository names them."""
 
 from __future__ import annotations
 
@@ -59,84 +59,91 @@ class BatchRecorder:
         )
 
 
-def _warns(old: str, replacement: str):
-    message = re.escape(old) + r" is deprecated since hp_cp 0\.3\.0 .*use " + re.escape(replacement)
-    return pytest.warns(DeprecationWarning, match=message)
+def _removed(module: str, name: str, replacement: str):
+    """``from hp_cp_torch.integrations.<module> import <name>`` raises an ``ImportError`` that
+    says it was removed in 0.4.0 and names what replaces it."""
+    message = (
+        re.escape(f"hp_cp_torch.integrations.{module}.{name} was removed in hp_cp 0.4.0 ")
+        + r"\(deprecated since 0\.3\.0\); use "
+        + re.escape(replacement)
+    )
+    with pytest.raises(ImportError, match=message):
+        exec(f"from hp_cp_torch.integrations.{module} import {name}", {})
+    with pytest.raises(ImportError, match=message):  # an attribute read says the same
+        getattr(importlib.import_module(f"hp_cp_torch.integrations.{module}"), name)
 
 
 IDS = torch.arange(1, 9).reshape(1, 8)
 
 
-def test_cp_causal_lm_batch_warns_and_is_handle_batch() -> None:
-    from hp_cp_torch.integrations.transformers import cp_causal_lm_batch
-
+def test_cp_causal_lm_batch_is_removed_for_handle_batch() -> None:
+    _removed("transformers", "cp_causal_lm_batch", "handle.batch(input_ids, labels=labels)")
     handle = BatchRecorder()
-    with _warns("transformers.cp_causal_lm_batch", "handle.batch(input_ids, labels=labels)"):
-        got = cp_causal_lm_batch(handle, IDS, ignore_index=-7)
+    got = handle.batch(IDS, labels=None, ignore_index=-7)  # what it called
     assert handle.calls == [{"labels": None, "ignore_index": -7}]
-    assert sorted(got) == ["input_ids", "labels", "n_tokens", "position_ids"]
+    assert (got.input_ids, got.position_ids, got.labels, got.n_tokens) is not None
 
 
-def test_cp_dsa_batch_warns_and_is_handle_batch() -> None:
-    from hp_cp_torch.integrations.transformers_dsa import cp_dsa_batch
-
+def test_cp_dsa_batch_is_removed_for_handle_batch() -> None:
+    _removed("transformers_dsa", "cp_dsa_batch", "handle.batch(input_ids, labels=labels, cu")
     handle = BatchRecorder()
-    with _warns("transformers_dsa.cp_dsa_batch", "handle.batch(input_ids, labels=labels, cu"):
-        got = cp_dsa_batch(handle, IDS, cu_seqlens=[0, 3, 8])
+    got = handle.batch(IDS, cu_seqlens=[0, 3, 8])
     assert handle.calls[0]["cu_seqlens"] == [0, 3, 8]
-    assert got["model_kwargs"]["hp_cp_cu_seqlens"].tolist() == [0, 3, 8]
+    assert got.model_inputs()["hp_cp_cu_seqlens"].tolist() == [0, 3, 8]
 
 
-def test_nemo_batch_names_warn_and_are_cp_nemo_batch() -> None:
-    from hp_cp_torch.integrations.nemo_automodel import nemo_cp_batch
-    from hp_cp_torch.integrations.nemo_automodel_v41 import nemo_v41_cp_batch
+def test_nemo_batch_names_are_removed_for_cp_nemo_batch() -> None:
+    from hp_cp_torch.integrations.nemo_automodel import cp_nemo_batch
 
     replacement = "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch"
+    _removed("nemo_automodel", "nemo_cp_batch", replacement)
+    _removed("nemo_automodel_v41", "nemo_v41_cp_batch", replacement)
     handle = BatchRecorder()
-    with _warns("nemo_automodel.nemo_cp_batch", replacement):
-        got = nemo_cp_batch(handle, IDS, seq_lens=[[3, 5, -1000]])
+    got = cp_nemo_batch(handle, IDS, seq_lens=[[3, 5, -1000]])
     assert got["cu_seqlens"].tolist() == [0, 3, 8]
     assert handle.calls[0]["cu_seqlens"].tolist() == [0, 3, 8]
-    with _warns("nemo_automodel_v41.nemo_v41_cp_batch", replacement):
-        got = nemo_v41_cp_batch(handle, IDS, None, None, None, -7)
-    assert handle.calls[1] == {"labels": None, "cu_seqlens": None, "ignore_index": -7}
+    got = cp_nemo_batch(handle, IDS, ignore_index=-7)
+    assert handle.calls[1]["labels"] is IDS  # the inputs, as the one batch path defaults them
+    assert (handle.calls[1]["cu_seqlens"], handle.calls[1]["ignore_index"]) == (None, -7)
     assert sorted(got) == ["input_ids", "labels", "n_tokens", "position_ids"]
 
 
 @pytest.mark.parametrize(
-    ("module", "name", "refusal"),
+    ("module", "name"),
     [
-        ("nemo_automodel", "enable_cp", "found no NeMo Automodel DeepseekV4Attention"),
-        ("nemo_automodel_v41", "enable_cp_v41", "found no NeMo Automodel DeepseekV41Attention"),
-        ("nemo_automodel_dsa", "enable_cp_dsa", "found no NeMo Automodel GlmMoeDsaMLA"),
-        ("veomni", "enable_cp", "is not imported; build the model from VeOmni"),
+        ("nemo_automodel", "enable_cp"),
+        ("nemo_automodel_v41", "enable_cp_v41"),
+        ("nemo_automodel_dsa", "enable_cp_dsa"),
+        ("veomni", "enable_cp"),
     ],
 )
-def test_stack_enable_cp_warns_naming_the_core_entry_point(
-    module: str, name: str, refusal: str
-) -> None:
-    fn = getattr(importlib.import_module(f"hp_cp_torch.integrations.{module}"), name)
-    with _warns(f"integrations.{module}.{name}", "hp_cp_core.enable_cp"):
-        with pytest.raises(HpCpError, match=refusal):  # still what it refused before
-            fn(torch.nn.Linear(2, 2), None)
+def test_stack_enable_cp_is_removed_naming_the_core_entry_point(module: str, name: str) -> None:
+    _removed(module, name, "hp_cp_core.enable_cp(model, mesh, config)")
+    with pytest.raises(HpCpError, match="backend accepts a `torch.nn.modules.linear.Linear`"):
+        hp_cp_core.enable_cp(torch.nn.Linear(2, 2), None)  # what it fell back to
 
 
 @pytest.mark.parametrize("module", ["nemo_automodel", "veomni"])
-def test_stack_disable_cp_warns_naming_the_core_one(module: str) -> None:
-    fn = importlib.import_module(f"hp_cp_torch.integrations.{module}").disable_cp
-    with _warns(f"integrations.{module}.disable_cp", "hp_cp_core.disable_cp"):
-        fn(BatchRecorder(active=False))  # the core's disable_cp: nothing left to undo
+def test_stack_disable_cp_is_removed_naming_the_core_one(module: str) -> None:
+    _removed(module, "disable_cp", "hp_cp_core.disable_cp(handle)")
+    hp_cp_core.disable_cp(BatchRecorder(active=False))  # the core's: nothing left to undo
 
 
-def test_transformers_demo_path_warns_and_is_cli_parity() -> None:
+def test_other_missing_names_stay_attribute_errors() -> None:
+    from hp_cp_torch.integrations import veomni
+
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        veomni.no_such_name  # noqa: B018
+    assert not hasattr(veomni, "no_such_name")
+
+
+def test_transformers_demo_path_is_removed_for_cli_parity() -> None:
     from hp_cp_torch.cli import parity
 
-    with _warns(
-        "hp_cp_torch.integrations.transformers_demo.TINY_CONFIG",
-        "hp_cp_torch.cli.parity.TINY_CONFIG",
-    ):
-        from hp_cp_torch.integrations.transformers_demo import TINY_CONFIG
-    assert TINY_CONFIG is parity.TINY_CONFIG
+    sys.modules.pop("hp_cp_torch.integrations.transformers_demo", None)
+    with pytest.raises(ModuleNotFoundError, match="transformers_demo"):
+        importlib.import_module("hp_cp_torch.integrations.transformers_demo")
+    assert parity.TINY_CONFIG is not None and callable(parity.build_tiny_model)
 
 
 def test_renamed_names_are_plain_aliases() -> None:

@@ -62,7 +62,6 @@ def test_an_unknown_precision_is_refused() -> None:
 MODEL_PRECISION = """
 import json, torch, torch.distributed as dist
 from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
-from hp_cp_torch.integrations.transformers import cp_causal_lm_batch
 from hp_cp_torch.cli.parity import build_tiny_model, make_inputs
 from hp_cp_torch.reference import DeepSeekV4Attention, DeepSeekV4AttentionConfig
 torch.set_num_threads(1)
@@ -78,8 +77,8 @@ with torch.no_grad():
     for precision in ("fp32", "model"):
         config = DeepSeekV4CPConfig(attention_precision=precision, single_rank_bypass=False)
         handle = enable_cp(model, dist.group.WORLD, config)
-        batch = cp_causal_lm_batch(handle, ids)
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+        batch = handle.batch(ids)
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                     use_cache=False).logits.float()
         disable_cp(handle)
         errs[precision] = {"vs_own": float((out - own).abs().max()),

@@ -52,7 +52,7 @@ from hp_cp_core.versions import BACKEND_API
 
 hookimpl = pluggy.HookimplMarker("hp_cp")
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "BACKEND_API",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 _LAZY = {
     "MindFormersDeepSeekV4CSAAdapter": "hp_cp_mindformers.adapter",

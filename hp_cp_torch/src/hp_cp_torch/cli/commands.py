@@ -9,8 +9,10 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import os
 import sys
+from typing import Any
 
 RANKS_PER_CORE = 4
 """Local demo ranks allowed per CPU core (the tests run cp = 8 on two cores)."""
@@ -57,12 +59,26 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(args.cp, args.model, args.layout, args.seq_len, args.launcher)
     if args.command == "bench":
-        from hp_cp_torch.bench.suite import main as bench_main
-
-        return bench_main([*rest, *args.args])
+        return command("bench")([*rest, *args.args])
     from hp_cp_core.__main__ import main as backends_main
 
     return backends_main([])
+
+
+COMMANDS = "hp_cp.commands"
+"""The entry-point group of the subcommands a layer above this one brings (``bench =
+"hp_cp_torch.bench.suite:main"``): the command line imports no benchmark code."""
+
+
+def command(name: str) -> Any:
+    """The ``main(argv) -> int`` the entry point ``name`` of :data:`COMMANDS` registers.
+
+    Raises:
+        SystemExit: no installed distribution registers ``name``.
+    """
+    for ep in md.entry_points(group=COMMANDS, name=name):
+        return ep.load()
+    raise SystemExit(f"hp-cp {name}: no installed package registers it ({COMMANDS}).")
 
 
 def demo_refusal(

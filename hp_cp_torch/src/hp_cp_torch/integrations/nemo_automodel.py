@@ -47,9 +47,7 @@ from hp_cp_core import (
     cu_seqlens_from_ids,
     cu_seqlens_from_lengths,
 )
-from hp_cp_torch.deprecation import nemo_cp_batch
-from hp_cp_torch.deprecation import nemo_disable_cp as disable_cp
-from hp_cp_torch.deprecation import nemo_enable_cp as enable_cp
+from hp_cp_torch._removed import DISABLE, ENABLE, NEMO_BATCH, removed_names
 from hp_cp_torch.integrations.nemo_automodel_v41 import is_v41_model, v41_batch_inputs
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
@@ -68,11 +66,13 @@ __all__ = [
     "cp_nemo_batch",
     "cp_shift_labels",
     "cp_sum_gradients",
-    "disable_cp",
-    "enable_cp",
     "nemo_adapter_for",
-    "nemo_cp_batch",
 ]
+
+# the 0.2 names 0.4.0 removed: importing one names its replacement
+__getattr__ = removed_names(
+    __name__, {"enable_cp": ENABLE, "disable_cp": DISABLE, "nemo_cp_batch": NEMO_BATCH}
+)
 
 LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
 OPTIMIZED = "nemo_automodel.components.models.deepseek_v4.optimized_kernels"

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from hp_cp_core import CPHandle
-from hp_cp_torch.deprecation import enable_cp_dsa
+from hp_cp_torch._removed import ENABLE, removed_names
 from hp_cp_torch.integrations.transformers import ModelCallInputs
 from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter, DSAForwardState
 from hp_cp_torch.model_adapter import ForwardState, Projection, refuse
@@ -53,10 +53,12 @@ from hp_cp_torch.model_registry import registered_adapter
 __all__ = [
     "V32_NOT_CAUSAL",
     "NemoGlmDsaAttentionAdapter",
-    "enable_cp_dsa",
     "is_dsa_model",
     "nemo_dsa_adapter_for",
 ]
+
+# the 0.2 names 0.4.0 removed: importing one names its replacement
+__getattr__ = removed_names(__name__, {"enable_cp_dsa": ENABLE})
 
 GLM_LAYERS = "nemo_automodel.components.models.glm_moe_dsa.layers"
 GLM_MODEL = "nemo_automodel.components.models.glm_moe_dsa.model"
@@ -73,8 +75,8 @@ V32_NOT_CAUSAL = (
     "DeepseekV32ForCausalLM (hp_cp_torch.integrations.transformers_dsa), whose indexer is "
     "causal, or NeMo's GlmMoeDsaForCausalLM."
 )
-"""Why NeMo's ``DeepseekV32MLA`` is refused (raised by :func:`enable_cp_dsa` and by the
-plugin's discovery, so by ``hp_cp_core.enable_cp`` too)."""
+"""Why NeMo's ``DeepseekV32MLA`` is refused (raised by the plugin's discovery, so by
+``hp_cp_core.enable_cp``)."""
 
 
 NemoDeepseekV32Refusal = refuse(V32_NOT_CAUSAL)

@@ -87,20 +87,21 @@ from hp_cp_core import (
 )
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
+from hp_cp_torch._removed import ENABLE, NEMO_BATCH, removed_names
 from hp_cp_torch.adapter import install_forward
 from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.deprecation import enable_cp_v41, nemo_v41_cp_batch
 from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
 from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
-    "enable_cp_v41",
     "is_v41_model",
     "nemo_v41_adapter_for",
-    "nemo_v41_cp_batch",
 ]
+
+# the 0.2 names 0.4.0 removed: importing one names its replacement
+__getattr__ = removed_names(__name__, {"enable_cp_v41": ENABLE, "nemo_v41_cp_batch": NEMO_BATCH})
 
 ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
 MODEL = "nemo_automodel.components.models.deepseek_v41.model"

@@ -58,8 +58,8 @@ from torch import nn
 from hp_cp_core import HpCpError, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
+from hp_cp_torch._removed import removed_names
 from hp_cp_torch.attention import chunk_columns
-from hp_cp_torch.deprecation import cp_causal_lm_batch
 from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
 from hp_cp_torch.kernels.registry import AttentionRequest
 from hp_cp_torch.kernels.smallop import gather_rows
@@ -73,7 +73,6 @@ from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
 __all__ = [
     "DeepseekV4AttentionAdapter",
     "HFCPLayout",
-    "cp_causal_lm_batch",
     "cp_causal_lm_loss",
     "cp_shift_labels",
     "cp_layout_from_hf_model",
@@ -81,6 +80,11 @@ __all__ = [
     "freeze_csa_indexer",
     "hf_adapter_for",
 ]
+
+# the 0.2 names 0.4.0 removed: importing one names its replacement
+__getattr__ = removed_names(
+    __name__, {"cp_causal_lm_batch": "handle.batch(input_ids, labels=labels)"}
+)
 
 MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 

@@ -63,7 +63,7 @@ from torch import nn
 from hp_cp_core import DeepSeekV4CPContext, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch.deprecation import cp_dsa_batch
+from hp_cp_torch._removed import removed_names
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     ModelCallInputs,
@@ -79,11 +79,16 @@ from hp_cp_torch.model_registry import registered_adapter
 __all__ = [
     "DSAAttentionAdapter",
     "cp_causal_lm_loss",
-    "cp_dsa_batch",
     "cp_shift_labels",
     "cp_sum_gradients",
     "dsa_adapter_for",
 ]
+
+CP_DSA_BATCH = (
+    "handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens) (model(**batch.model_inputs()))"
+)
+# the 0.2 names 0.4.0 removed: importing one names its replacement
+__getattr__ = removed_names(__name__, {"cp_dsa_batch": CP_DSA_BATCH})
 
 MODELINGS = {
     "DeepseekV32Attention": "transformers.models.deepseek_v32.modeling_deepseek_v32",

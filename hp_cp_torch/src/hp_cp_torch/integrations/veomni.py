@@ -32,8 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_core import CPBatch, HpCpError, cu_seqlens_from_positions
-from hp_cp_torch.deprecation import veomni_disable_cp as disable_cp
-from hp_cp_torch.deprecation import veomni_enable_cp as enable_cp
+from hp_cp_torch._removed import DISABLE, ENABLE, removed_names
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     ModelCallInputs,
@@ -51,11 +50,12 @@ __all__ = [
     "cp_shift_labels",
     "cp_sum_gradients",
     "cp_veomni_batch",
-    "disable_cp",
-    "enable_cp",
     "prepare_veomni_model",
     "veomni_adapter_for",
 ]
+
+# the 0.2 names 0.4.0 removed: importing one names its replacement
+__getattr__ = removed_names(__name__, {"enable_cp": ENABLE, "disable_cp": DISABLE})
 
 VEOMNI_MODELING = (
     "veomni.models.transformers.deepseek_v4.generated.patched_modeling_deepseek_v4_gpu"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hp_cp_torch.kernels.registry import AttentionRequest
+from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.kernels.smallop import sparse_attention_smallop
 
 __all__ = ["BANDED", "EFFICIENT", "MODEL_OPS", "SMALLOP", "TRITON", "ColumnKernel"]

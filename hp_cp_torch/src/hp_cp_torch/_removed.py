@@ -1,0 +1,33 @@
+"""The names 0.3.0 deprecated and 0.4.0 removed: importing one says what to use instead.
+
+An integration module sets ``__getattr__ = removed_names(__name__, {old: replacement})``
+(CHANGELOG, 0.4.0 "Removed"); reading a removed name
+(``from hp_cp_torch.integrations.veomni import enable_cp``) then raises an ``ImportError``
+naming its replacement, not Python's bare "cannot import name".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NoReturn
+
+ENABLE = "hp_cp_core.enable_cp(model, mesh, config)"
+DISABLE = "hp_cp_core.disable_cp(handle)"
+NEMO_BATCH = "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch"
+
+
+def removed_names(module: str, gone: dict[str, str]) -> Callable[[str], NoReturn]:
+    """The module-level ``__getattr__`` of ``module``: a name of ``gone`` (removed name -> what
+    replaces it) raises an ``ImportError`` naming its replacement, any other missing name the
+    usual ``AttributeError``."""
+
+    def __getattr__(name: str) -> NoReturn:
+        if name in gone:
+            raise ImportError(
+                f"{module}.{name} was removed in hp_cp 0.4.0 (deprecated since 0.3.0); use "
+                f"{gone[name]} instead.",
+                name=name,
+            )
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

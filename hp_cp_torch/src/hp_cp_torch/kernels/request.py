@@ -1,0 +1,68 @@
+"""What a kernel is called with: one :class:`AttentionRequest` (the kernels' one calling
+convention, :mod:`hp_cp_torch.kernels.registry`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hp_cp_core.columns import PlanColumns
+
+__all__ = ["AttentionRequest"]
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """One attention call of a rank's local queries (the kernels' one calling convention).
+
+    Attributes:
+        q: local queries ``[B, L, H, D]``.
+        ori_ext: window KV rows of the ext frame ``[B, E, D]`` (keys and values are one).
+        cmp_kv: the compressed slots ``[B, N, D]`` in global slot order, or ``None`` (r = 0).
+        plan: this rank's :class:`hp_cp_core.plan.RankPlan`.
+        selected: the indexer's picks ``[B, L, k]`` (global slot ids, ``-1`` = none) for
+            CSA, ``None`` otherwise (HCA: every visible slot).
+        sink: per-head sink logits ``[H]`` (inside the softmax's max and denominator).
+        scale: the softmax scale.
+        query_chunk: queries per chunk for chunked kernels.
+        tuning: kernel-specific knobs (the banded kernel reads ``"picks"``).
+    """
+
+    q: torch.Tensor
+    ori_ext: torch.Tensor
+    cmp_kv: torch.Tensor | None
+    plan: Any
+    selected: torch.Tensor | None
+    sink: torch.Tensor
+    scale: float
+    query_chunk: int = 1024
+    tuning: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> PlanColumns:
+        """The core's columns of the plan (window, then slots) in this request's ext frame."""
+        return PlanColumns(self.plan, self.ori_ext.shape[1])
+
+    def pool(self) -> torch.Tensor:
+        """The KV pool ``[B, E + N, D]``: the ext frame's rows, then the compressed slots."""
+        return self.ori_ext if self.cmp_kv is None else torch.cat([self.ori_ext, self.cmp_kv], 1)
+
+    def column_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(lo, hi, idx)`` per chunk of ``query_chunk`` queries: ``idx [B, hi-lo, K]`` the
+        pool rows query ``lo + i`` attends to (window, then slots; ``-1`` = empty)."""
+        columns = self.columns
+        batch, device = self.q.shape[0], self.q.device
+        for lo, hi in columns.chunks(self.query_chunk):
+            window = torch.as_tensor(columns.window(lo, hi), device=device).expand(batch, -1, -1)
+            if self.selected is not None:
+                sel = self.selected[:, lo:hi].to(device)
+                slots = torch.where(sel >= 0, sel + columns.n_ext, -1)
+            elif self.cmp_kv is not None:  # HCA: every visible slot
+                hca = columns.pool_rows(columns.visible_slots(lo, hi))
+                slots = torch.as_tensor(hca, device=device).expand(batch, -1, -1)
+            else:
+                slots = None
+            yield lo, hi, window if slots is None else torch.cat([window, slots], dim=-1)
