@@ -169,3 +169,37 @@ def test_no_import_runs_back_up_a_layer() -> None:
     assert upward_imports({"hp_cp_torch.cli.commands": {"hp_cp_torch.bench.suite"}}) == [
         "hp_cp_torch.cli.commands -> hp_cp_torch.bench.suite"
     ]
+
+
+def named_modules(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The product modules that module ``name`` names in a string to import later: a lazy
+    ``"package.module:attr"`` or a module's exact name (docstrings left out)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            module = node.value.partition(":")[0]
+            if module in known and module != name:
+                found.add(module)
+    return found
+
+
+def test_no_cycle_or_upward_arrow_hides_behind_a_string_import() -> None:
+    """Imports by string (``importlib``, the plugin's and the packages' lazy tables) count as
+    edges too: still no cycle, no arrow up a layer (0.3's ``deprecation.py`` loaded the
+    integrations by name, and they imported it)."""
+    known = product_modules()
+    graph = {
+        name: imported_modules(name, path, known) | named_modules(name, path, known)
+        for name, path in known.items()
+    }
+    assert "hp_cp_torch.adapter" in graph["hp_cp_torch._plugin"]  # its lazy hooks are seen
+    assert import_cycles(graph) == []
+    assert upward_imports(graph) == []

@@ -201,8 +201,8 @@ def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor | None, torch.Te
 
 @contextlib.contextmanager
 def capture_selection() -> Iterator[list[torch.Tensor]]:
-    """Record the indexer top-k the torch adapter computes on this rank (``[B, L, k]``)."""
-    import hp_cp_torch.model_adapter as adapter
+    """Record the indexer top-k the torch runner computes on this rank (``[B, L, k]``)."""
+    import hp_cp_torch.runner as adapter
 
     original = adapter.select_topk_chunked
     seen: list[torch.Tensor] = []
@@ -672,20 +672,21 @@ class OverrideAttention:
         if not isinstance(module, DeepSeekV4Attention):
             return None
         from hp_cp_torch.adapter import ReferenceLayerAdapter
+        from hp_cp_torch.runner import runner_of
 
         self.calls += 1
-        out = ReferenceLayerAdapter(module).run_attention(query, ori_ext, x, qr, call)
+        out = runner_of(ReferenceLayerAdapter(module)).run_attention(query, ori_ext, x, qr, call)
         return out * self.factor
 
 
 @contextlib.contextmanager
 def count_adapter_calls() -> Iterator[dict[str, int]]:
-    """Count the torch reference adapter's stage calls on this rank."""
-    from hp_cp_torch.adapter import ReferenceLayerAdapter
+    """Count the torch runner's stage calls on this rank (the reference layers' runners)."""
+    from hp_cp_torch.runner import LayerRunner
 
     counts: dict[str, int] = {}
     names = ("extract_ori_kv", "compress_main", "compress_indexer", "run_attention")
-    originals = {n: getattr(ReferenceLayerAdapter, n) for n in names}
+    originals = {n: getattr(LayerRunner, n) for n in names}
 
     def counting(name: str, fn: Callable) -> Callable:
         def wrapper(self, *args, **kwargs):
@@ -695,12 +696,12 @@ def count_adapter_calls() -> Iterator[dict[str, int]]:
         return wrapper
 
     for n, fn in originals.items():
-        setattr(ReferenceLayerAdapter, n, counting(n, fn))
+        setattr(LayerRunner, n, counting(n, fn))
     try:
         yield counts
     finally:
         for n, fn in originals.items():
-            setattr(ReferenceLayerAdapter, n, fn)
+            setattr(LayerRunner, n, fn)
 
 
 def plugin_override_case(case: Case, how: str) -> dict:

@@ -77,15 +77,20 @@ def _kwargs(cu: Any, mask: Any) -> dict[str, Any]:
     return kw
 
 
-def run_loss_case_cp(case: LossCase) -> dict:
+def run_loss_case_cp(case: LossCase, api: str = "0.4") -> dict:
     """Per coefficient: loss value, summed parameter gradients, input gradient (rank 0) and
-    which indexer parameters this rank saw a gradient for."""
+    which indexer parameters this rank saw a gradient for. ``api="0.3"``: the layers run with
+    a third party's adapter written against 0.3.0 (``v03_adapters.ThirdPartyAdapter``)."""
     base = case.base
     x, cu, g, mask = inputs(case)
     dim = 0 if base.packed else 1
     res: dict[str, Any] = {}
     for coeff in COEFFS:
         layer = build(case, coeff)
+        if api == "0.3":
+            from v03_adapters import ThirdPartyAdapter
+
+            layer.__dict__["_hp_cp_adapter"] = ThirdPartyAdapter(layer)  # an explicit adapter
         config = DeepSeekV4CPConfig(layout=base.layout, query_chunk=base.query_chunk)
         handle = enable_cp(layer, None, config)
         try:
@@ -121,7 +126,7 @@ def run_loss_case_cp(case: LossCase) -> dict:
 
 class _ScaledScoresAdapter(ReferenceLayerAdapter):
     """The reference layer's adapter whose selection scores are twice the indexer's: the
-    default ``index_scores_at`` (DeepSeek's formula) no longer matches them."""
+    default ``indexer_loss_scores`` (DeepSeek's formula) no longer matches them."""
 
     def index_scores(self, state: Any, lo: int, hi: int, keys: torch.Tensor) -> Any:
         return 2.0 * super().index_scores(state, lo, hi, keys)
@@ -129,7 +134,7 @@ class _ScaledScoresAdapter(ReferenceLayerAdapter):
 
 def run_scaled_student(case: LossCase) -> list[str]:
     """The warnings of two forwards of a layer whose ``index_scores`` disagree with the
-    default ``index_scores_at`` (the check warns once per layer)."""
+    default ``indexer_loss_scores`` (the check warns once per layer)."""
     x, cu, _, _ = inputs(case)
     layer = build(case, COEFFS[0])
     layer.__dict__["_hp_cp_adapter"] = _ScaledScoresAdapter(layer)  # as an explicit adapter
@@ -146,7 +151,7 @@ def run_scaled_student(case: LossCase) -> list[str]:
 
 
 def _student_warnings(caught: list) -> list[str]:
-    return [str(w.message) for w in caught if "index_scores_at" in str(w.message)]
+    return [str(w.message) for w in caught if "indexer_loss_scores" in str(w.message)]
 
 
 def single_device_loss(case: LossCase, coeff: float) -> dict:
@@ -267,4 +272,5 @@ def loss_suite(world: int) -> dict[str, tuple[Any, tuple]]:
     suite = {c.name: (run_loss_case_cp, (c,)) for c in cases}
     for layout in ("contiguous", "load_balanced"):
         suite[f"steps-{layout}"] = (run_training_steps, (layout,))
+    suite["v03-adapter"] = (run_loss_case_cp, (cases[0], "0.3"))
     return {**suite, "scaled-student": (run_scaled_student, (cases[0],))}

@@ -35,12 +35,16 @@ class ExampleCase:
     registered: bool = False
     """The adapter registered in this process (``register_model_adapter``, shadowing the
     entry point) instead of by entry point."""
+    api: str = "0.4"
+    """``"0.3"``: the guide's 0.3.0 adapter, unchanged (``hp_cp_model_example.adapter_v03``),
+    registered in this process."""
 
     @property
     def name(self) -> str:
         kind = "packed" if self.packed else "padded"
         how = "-registered" if self.registered else ""
-        return f"example-cp{self.cp}-{self.layout}-{kind}-{self.kernel}{how}"
+        api = "-v03" if self.api == "0.3" else ""
+        return f"example-cp{self.cp}-{self.layout}-{kind}-{self.kernel}{how}{api}"
 
     @property
     def adapter(self) -> str:
@@ -51,7 +55,7 @@ class ExampleCase:
 def example_cases(world: int) -> list[ExampleCase]:
     """cp = ``world``: both layouts, padded and packed; one more with the third party's kernel
     and one with ``model_ops`` (the base's kernel fallback); at cp 3 one with the adapter
-    registered in this process."""
+    registered in this process; at cp 2 and 3 the guide's 0.3.0 adapter, padded and packed."""
     cases = [
         ExampleCase(world, layout, packed)
         for layout in ("contiguous", "load_balanced")
@@ -62,6 +66,9 @@ def example_cases(world: int) -> list[ExampleCase]:
         cases.append(ExampleCase(2, "contiguous", False, kernel="model_ops"))
     if world == 3:
         cases.append(ExampleCase(3, "load_balanced", True, registered=True))
+    if world in (2, 3):
+        for packed in (False, True):
+            cases.append(ExampleCase(world, "load_balanced", packed, registered=True, api="0.3"))
     return cases
 
 
@@ -82,8 +89,16 @@ def inputs(case: ExampleCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_cp(case: ExampleCase) -> dict:
-    from hp_cp_model_example.adapter import PooledAttentionAdapter
+    import warnings
+
     from hp_cp_model_example.model import PooledAttention
+
+    if case.api == "0.3":
+        with warnings.catch_warnings():  # the 0.3 names warn (test_model_spec.py)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from hp_cp_model_example.adapter_v03 import PooledAttentionAdapter
+    else:
+        from hp_cp_model_example.adapter import PooledAttentionAdapter
 
     from hp_cp_torch import register_model_adapter, unregister_model_adapter
 
@@ -163,9 +178,10 @@ def example_suite(world: int) -> dict[str, tuple[Any, tuple]]:
 
 
 def checked_adapter(layer: Any) -> Any:
-    """The example's adapter with the optional hooks a model may declare: ``problems`` (a
-    rank-local refusal), ``value_checks`` on the position ids (counted), ``checked_objects``
-    and a projection whose queries are made as ``local_work`` while the exchanges travel."""
+    """The example's adapter with the optional hooks a model may declare: ``check_inputs``
+    (a rank-local refusal), ``value_checks`` on the position ids (counted; skipped by a later
+    layer handed the same ``pos``) and a projection whose queries are made as ``local_work``
+    while the exchanges travel."""
     from hp_cp_model_example.adapter import PooledAttentionAdapter
 
     from hp_cp_torch.model_adapter import Projection
@@ -174,8 +190,10 @@ def checked_adapter(layer: Any) -> Any:
         refuse = False
         value_checks_run = 0
 
-        def problems(self, inputs: Any) -> list[str]:
-            return ["was told to refuse on this rank"] if self.refuse else []
+        def check_inputs(self, inputs: Any, checks: Any) -> None:
+            super().check_inputs(inputs, checks)
+            if self.refuse:
+                checks.fail("was told to refuse on this rank")
 
         def value_checks(self, inputs: Any, plan: Any) -> list[tuple[Any, str]]:
             self.value_checks_run += 1
@@ -184,9 +202,6 @@ def checked_adapter(layer: Any) -> Any:
                 return []
             want = torch.as_tensor(plan.positions)
             return [((pos.reshape(-1, pos.shape[-1]) != want).any(), "pos is not the plan's")]
-
-        def checked_objects(self, inputs: Any) -> tuple[Any, ...]:
-            return (id(inputs.position_ids),)
 
         def project(self, state: Any) -> Projection:
             q, kv = self.module.project(state.hidden, state.positions)

@@ -190,7 +190,19 @@ PARAMS = [pytest.param(w, c, id=c.name) for w in WORLDS for c in loss_cases(w)]
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), PARAMS)
 def test_cp_loss_and_gradients_match_single_device(world: int, case: LossCase) -> None:
-    per_rank = result("indexer_loss", world, case.name)
+    assert_matches_single_device(result("indexer_loss", world, case.name), case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_0_3_third_party_adapter_trains_as_one_process(world: int) -> None:
+    """A third party's adapter written against 0.3.0 (``compress(rows, start, state)``, its
+    own ``index_scores_at``; ``v03_adapters.py``) runs through 0.4 as before: the same loss
+    and gradients as one process as the shipped adapter's."""
+    assert_matches_single_device(result("indexer_loss", world, "v03-adapter"), loss_cases(world)[0])
+
+
+def assert_matches_single_device(per_rank: list, case: LossCase) -> None:
     want = single_device_loss(case, COEFFS[0])
     assert want["loss"] > 0
     for rank, got in enumerate(per_rank):
@@ -225,7 +237,7 @@ def test_cp_main_branch_is_untouched_and_coeff_zero_gives_zero_grads(
 @pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_student_that_scores_otherwise_than_the_selection_warns_once(world: int) -> None:
-    """An adapter whose ``index_scores`` differ from the default ``index_scores_at``
+    """An adapter whose ``index_scores`` differ from the default ``indexer_loss_scores``
     (DeepSeek's formula) would train another score: each rank warns, once per layer."""
     for rank, caught in enumerate(result("indexer_loss", world, "scaled-student")):
         assert len(caught) == 1, (rank, caught)

@@ -67,10 +67,10 @@ def test_the_modeling_file_knows_nothing_of_hp_cp() -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_optional_hooks_run_once_in_the_base(world) -> None:
-    """A model's ``problems`` / ``value_checks`` / ``checked_objects`` and a projection's
-    ``local_work`` (``model_example_cases.checked_adapter``): the same output as one process,
-    a bad input or a refusal on the last rank only raises the same error on every rank, and
-    at cp 1 the value checks run once for the three layers handed the same ``pos``."""
+    """A model's ``check_inputs`` / ``value_checks`` (skipped for the same tensors) and a
+    projection's ``local_work`` (``model_example_cases.checked_adapter``): the same output as
+    one process, a bad input or a refusal on the last rank only raises the same error on every
+    rank, and at cp 1 the value checks run once for the three layers handed the same ``pos``."""
     from model_example_cases import ExampleCase
 
     per_rank = result(SUITE, world, f"hooks-cp{world}")

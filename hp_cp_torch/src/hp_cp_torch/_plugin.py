@@ -19,7 +19,7 @@ def _children(module: Any) -> Any:
 
 _HOOKS = AdapterHooks(
     framework="torch",
-    adapter_for="hp_cp_torch.adapter:adapter_for",
+    adapter_for="hp_cp_torch.adapter:runner_for",
     make_backend="hp_cp_torch.adapter:make_backend",
     children=_children,
     install_forward="hp_cp_torch.adapter:install_forward",

@@ -1,8 +1,11 @@
-"""The dispatch from a module to its adapter, and the install of a layer's CP forward.
+"""The dispatch from a module to its adapter, the install of a layer's CP forward, and the two
+adapters hp_cp_torch defines itself.
 
 :func:`adapter_for` has no per-model code: a module's adapter class comes from the
 ``hp_cp.torch_models`` entry points (:mod:`hp_cp_torch.model_registry`); hp_cp_torch's own
-integrations register there as any package would. Two adapters live here besides:
+integrations register there as any package would, and :func:`runner_for` gives the torch
+plugin the layer's :class:`~hp_cp_torch.runner.LayerRunner`. Two adapters live here besides,
+both implementations of the spec (:class:`~hp_cp_torch.model_adapter.ModelAdapter`):
 
 * :class:`ReferenceLayerAdapter` for :class:`hp_cp_torch.reference.DeepSeekV4Attention`.
 * :class:`TorchDeepSeekV4CSAAdapter` for any module whose forward is
@@ -10,31 +13,34 @@ integrations register there as any package would. Two adapters live here besides
   function (the design note's torch adapter), installed with
   :func:`patch_torch_deepseek_v4_csa_forward`.
 
-An adapter never plans: it runs the plan in ``call`` (see :mod:`hp_cp_core.plan`).
+An adapter never plans: the runner runs the plan in ``call`` (see :mod:`hp_cp_core.plan`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from hp_cp_core import (
-    DeepSeekV4CPConfig,
-    DeepSeekV4CPContext,
-    HpCpError,
-    LayerSpec,
-    enable_cp,
-    stage1_compress_with_halo,
-)
+from hp_cp_core import DeepSeekV4CPConfig, HpCpError, LayerSpec, enable_cp
 from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_torch.backend import TorchBackend
-from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_adapter import (
+    AttentionParams,
+    ForwardState,
+    IndexerParams,
+    LayerInputs,
+    ModelAdapter,
+    Projection,
+    Traits,
+)
 from hp_cp_torch.model_registry import adapter_class_for
-from hp_cp_torch.validation import check_csa_inputs, rows_hint
+from hp_cp_torch.runner import LayerRunner, runner_of
+from hp_cp_torch.validation import TensorChecks
 
 ADAPTER_ATTR = "_hp_cp_adapter"
 
@@ -84,9 +90,10 @@ def install_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[
 
 class ReferenceLayerAdapter(ModelAdapter):
     """The model adapter of :class:`hp_cp_torch.reference.DeepSeekV4Attention` (batch-major),
-    registered by the entry point ``"hp_cp_torch.reference.DeepSeekV4Attention"``: its math
-    only, the machinery is :class:`~hp_cp_torch.model_adapter.ModelAdapter`'s. The layer is
-    called as ``layer(x, position_ids=None, cu_seqlens=None, loss_mask=None)``."""
+    registered by the entry point ``"hp_cp_torch.reference.DeepSeekV4Attention"``. The layer
+    is called as ``layer(x, position_ids=None, cu_seqlens=None, loss_mask=None)``; its indexer
+    sees detached inputs and is trained by its loss (Megatron's semantics, the default
+    ``traits.indexer_grad``)."""
 
     def layer_spec(self) -> LayerSpec:
         m = self.module
@@ -105,11 +112,12 @@ class ReferenceLayerAdapter(ModelAdapter):
         q, kv, qr = self.module.project(state.hidden, state.positions)
         return Projection(q, kv, index_input=qr)
 
-    def compress(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
         return self.module.compressor(rows, start)
 
-    def compress_index_keys(self, rows: torch.Tensor, start: int) -> torch.Tensor:
-        # Megatron semantics: the indexer sees detached inputs (its loss trains it).
+    def compress_index_keys(
+        self, rows: torch.Tensor, start: int, state: ForwardState
+    ) -> torch.Tensor:
         return self.module.indexer.compressor(rows, start)
 
     def index_queries(self, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,27 +128,33 @@ class ReferenceLayerAdapter(ModelAdapter):
         q_idx, weights = state.index_queries
         return self.module.indexer.scores(q_idx[:, lo:hi], weights[:, lo:hi], keys)
 
-    def index_topk(self) -> int:
-        return int(self.module.config.index_topk)
+    def indexer_params(self) -> IndexerParams | None:
+        m = self.module
+        if m.indexer is None:
+            return None
+        coeff = m.config.indexer_loss_coeff if m.computes_indexer_loss else None
+        return IndexerParams(int(m.config.index_topk), int(m.indexer.n_heads), coeff)
 
-    def index_heads(self) -> int:
-        return int(self.module.indexer.n_heads)
-
-    def sink(self) -> torch.Tensor:
-        return self.module.attn_sink
-
-    def scale(self) -> float:
-        return self.module.softmax_scale
+    def attention_params(self) -> AttentionParams:
+        return AttentionParams(self.module.softmax_scale, self.module.attn_sink)
 
     def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
         return self.module.output(o, state.positions)
 
-    def indexer_loss_coeff(self) -> float | None:
-        m = self.module
-        return m.config.indexer_loss_coeff if m.computes_indexer_loss else None
+
+@dataclass
+class CSACallInputs(LayerInputs):
+    """A patched module's call ``module(query, key, x, qr, cu_seqlens=None)``: ``hidden`` is
+    ``x`` (made batch-major by hp_cp), the rest as given (sequence-major)."""
+
+    query: Any = None
+    key: Any = None
+    x: Any = None
+    qr: Any = None
+    extra: tuple[Any, Any] = ((), {})
 
 
-class TorchDeepSeekV4CSAAdapter:
+class TorchDeepSeekV4CSAAdapter(ModelAdapter):
     """The design note's torch adapter: functions in place of module attributes.
 
     The patched ``module(query, key, x, qr, cu_seqlens=None)`` receives sequence-major local
@@ -167,6 +181,10 @@ class TorchDeepSeekV4CSAAdapter:
       zero); ``None`` when r = 0 / without an indexer. The outputs are concatenated in
       local row order.
 
+    A spec implementation like any model's: sequence-major (``traits.sequence_dim = 0``), its
+    compressors the hooks ``compress`` / ``compress_index_keys``, ``attention_fn`` its own
+    attention (``kind="own"``: it picks its slots itself).
+
     Args:
         module: the module whose forward is replaced.
         compressor: ``compressor(x, rope_pos_offset=int)`` on sequence-major rows (r > 0).
@@ -176,6 +194,8 @@ class TorchDeepSeekV4CSAAdapter:
         window_size: W.
         force_unfused: recorded in the layer spec.
     """
+
+    traits = Traits(sequence_dim=0, indexer_grad="full")
 
     def __init__(
         self,
@@ -199,7 +219,7 @@ class TorchDeepSeekV4CSAAdapter:
                 "query, ori_kv, x, qr, pos_offset, cmp_kv_global, ori_halo_len, "
                 "cmp_idx_global."
             )
-        self.module = module
+        super().__init__(module)
         self.compressor = compressor
         self.indexer_compressor = indexer_compressor
         self.attention_fn = attention_fn
@@ -207,72 +227,82 @@ class TorchDeepSeekV4CSAAdapter:
         self.window_size = int(window_size)
         self.force_unfused = bool(force_unfused)
 
-    @property
-    def has_indexer(self) -> bool:
-        return self.indexer_compressor is not None
-
     def layer_spec(self) -> LayerSpec:
         return LayerSpec(
             compress_ratio=self.compress_ratio,
             window_size=self.window_size,
-            has_indexer=self.has_indexer and self.compress_ratio == 4,
+            has_indexer=self.indexer_compressor is not None and self.compress_ratio == 4,
             force_unfused=self.force_unfused,
         )
 
-    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        return key if key.dim() == 3 else key.squeeze(2)
+    def layer_name(self) -> str:
+        return "patched module"
 
-    def _compress(self, fn: Callable[..., Any], x: Any, halo_x: Any, call: Any) -> Any:
-        return stage1_compress_with_halo(
-            lambda rows, offset: fn(rows, rope_pos_offset=offset), x, halo_x, call
+    def read_inputs(
+        self, query: Any, key: Any, x: Any, qr: Any = None, *args: Any, cu_seqlens: Any = None,
+        **kwargs: Any,
+    ) -> CSACallInputs:  # fmt: skip
+        return CSACallInputs(
+            x, cu_seqlens=cu_seqlens, query=query, key=key, x=x, qr=qr, extra=(args, kwargs)
         )
 
-    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> Any:
-        return self._compress(self.compressor, x, halo_x, call)
+    def check_inputs(self, inputs: CSACallInputs, checks: TensorChecks) -> None:
+        checks.csa_inputs(inputs.query, inputs.key, inputs.x, inputs.qr)
+        args, kwargs = inputs.extra
+        if args or kwargs:
+            checks.fail(
+                "a module patched by patch_torch_deepseek_v4_csa_forward takes "
+                f"(query, key, x, qr, cu_seqlens=None) under CP; got extra arguments "
+                f"{list(kwargs) or args}. Call it with those four only (and cu_seqlens= "
+                "for packed input)."
+            )
 
-    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> Any:
-        return self._compress(self.indexer_compressor, x, halo_x, call)
+    def project(self, state: ForwardState) -> Projection:
+        query, key = state.inputs.query, state.inputs.key
+        key = key if key.dim() == 3 else key.squeeze(2)
+        return Projection(query.transpose(0, 1), key.transpose(0, 1))  # batch-major views
 
-    def run_attention(self, query, ori_ext, x, qr, call: DeepSeekV4CPContext) -> Any:
+    def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
+        return self.compressor(rows.transpose(0, 1), rope_pos_offset=start).transpose(0, 1)
+
+    def compress_index_keys(
+        self, rows: torch.Tensor, start: int, state: ForwardState
+    ) -> torch.Tensor:
+        keys = self.indexer_compressor(rows.transpose(0, 1), rope_pos_offset=start)
+        return keys.transpose(0, 1)
+
+    def attention_params(self) -> AttentionParams:
+        return AttentionParams(kind="own")
+
+    def attention(self, request: Any, state: ForwardState) -> torch.Tensor:
+        """``attention_fn`` once per document run of the local rows (sequence-major)."""
+        inputs = state.inputs
+        query, ori_ext = request.q.transpose(0, 1), request.ori_ext.transpose(0, 1)
+        cmp_kv = None if state.slots is None else state.slots.transpose(0, 1)
+        cmp_idx = None if state.keys is None else state.keys.transpose(0, 1)
+
         def slots(t: Any, run: Any) -> Any:
             return None if t is None else t[run.cmp_start : run.cmp_stop]
 
         outs = []
-        for run in call.plan.document_runs:
+        for run in request.plan.document_runs:
             rows = slice(run.local_start, run.local_stop)
             outs.append(
                 self.attention_fn(
                     query=query[rows],
                     ori_kv=ori_ext[run.ext_start : run.ext_stop],
-                    x=x[rows],
-                    qr=None if qr is None else qr[rows],
+                    x=inputs.x[rows],
+                    qr=None if inputs.qr is None else inputs.qr[rows],
                     pos_offset=run.pos_offset,
-                    cmp_kv_global=slots(call.cmp_kv_global, run),
+                    cmp_kv_global=slots(cmp_kv, run),
                     ori_halo_len=run.halo_len,
-                    cmp_idx_global=slots(call.cmp_idx_global, run),
+                    cmp_idx_global=slots(cmp_idx, run),
                 )
             )
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(0, 1)
 
-    def make_forward(self, cp_forward: Callable[..., Any], group: Any) -> Callable[..., Any]:
-        def forward(query, key, x, qr=None, *args, cu_seqlens=None, **kwargs):
-            checks = check_csa_inputs(getattr(group, "device", None), query, key, x, qr)
-            if args or kwargs:
-                checks.fail(
-                    "a module patched by patch_torch_deepseek_v4_csa_forward takes "
-                    f"(query, key, x, qr, cu_seqlens=None) under CP; got extra arguments "
-                    f"{list(kwargs) or args}. Call it with those four only (and cu_seqlens= "
-                    "for packed input)."
-                )
-            check = cp_forward.inspect(
-                rows_hint(query, 0),
-                checks.host_cu_seqlens(cu_seqlens),
-                problems=checks.problems,
-                signature=checks.signature,
-            )
-            return cp_forward(query, key, x, qr, call=cp_forward.agree(check))
-
-        return forward
+    def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        return o
 
 
 def patch_torch_deepseek_v4_csa_forward(
@@ -337,17 +367,28 @@ def patch_torch_deepseek_v4_csa_forward(
 
 
 def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> None:
-    """Run each adapter class's ``prepare_model(module, layers, handle)`` (if it has one) once,
-    with its own layers: the model-level pieces an integration needs under CP (NeMo's guards,
+    """Refuse ``attention_precision="model"`` where an adapter has no ``attention`` of its
+    own, then run each adapter class's ``prepare_model(module, layers, handle)`` once, with
+    its own layers: the model-level pieces an integration needs under CP (NeMo's guards,
     V4.1's Engram hash, GLM-5's positions), whichever ``enable_cp`` the user called."""
-    from hp_cp_torch.precision import check_attention_precision
-
-    check_attention_precision(layers, [adapter_for(layer) for layer in layers], handle.config)
     by_class: dict[type, list[nn.Module]] = {}
     for layer in layers:
         adapter = adapter_for(layer)
-        if adapter is not None and hasattr(adapter, "prepare_model"):
+        if adapter is not None:
             by_class.setdefault(type(adapter), []).append(layer)
+    if handle.config.attention_precision == "model":
+        lacking = {
+            type(layer).__name__
+            for cls, own in by_class.items()
+            if cls.attention is ModelAdapter.attention
+            for layer in own
+        }
+        if lacking:
+            raise HpCpError(
+                f"CPConfig(attention_precision='model'): hp_cp has no copy of the model's own "
+                f"attention ops for {sorted(lacking)}; its kernels compute the attention in "
+                "fp32 (hp_cp_torch.precision.KERNEL_PRECISION). Use attention_precision='fp32'."
+            )
     for cls, own in by_class.items():
         cls.prepare_model(module, own, handle)
 
@@ -367,6 +408,12 @@ def adapter_for(module: Any) -> Any:
         return explicit
     cls = adapter_class_for(module)
     return None if cls is None else cls(module)
+
+
+def runner_for(module: Any) -> LayerRunner | None:
+    """The :class:`~hp_cp_torch.runner.LayerRunner` of ``module``'s adapter (what the torch
+    plugin's hooks call), or ``None`` when no adapter claims it."""
+    return runner_of(adapter_for(module))
 
 
 def pin_adapter(layer: nn.Module) -> Callable[[], None]:

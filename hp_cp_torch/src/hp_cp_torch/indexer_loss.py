@@ -63,7 +63,7 @@ def indexer_scores_at(
 def student_mismatch(
     index_scores: Any, keys: torch.Tensor, selected: torch.Tensor, student: torch.Tensor
 ) -> str | None:
-    """How far the indexer loss's student (``index_scores_at``) is from the scores the
+    """How far the indexer loss's student (``indexer_loss_scores``) is from the scores the
     selection ranks by, at the same picks, for a few local queries; ``None`` when they agree.
 
     ``index_scores(lo, hi, keys)`` are the selection's scores ``[B, hi - lo, N]``, ``keys
@@ -84,10 +84,10 @@ def student_mismatch(
     if float(err) <= (3e-2 if low else 1e-4) * float(size) + 1e-6:
         return None
     return (
-        f"the indexer loss's student scores (index_scores_at) differ from index_scores at the "
+        f"the indexer loss's student scores (indexer_loss_scores) differ from index_scores at the "
         f"same picks by {float(err):.3g} (largest score {float(size):.3g}; queries "
         f"{lo}..{hi - 1} of this rank): the loss trains another score than the selection "
-        "ranks by. The default index_scores_at is DeepSeek's sum_h w * relu(q . k) over "
+        "ranks by. The default indexer_loss_scores is DeepSeek's sum_h w * relu(q . k) over "
         "state.index_queries = (q, w); override it with your model's own scores at the picks."
     )
 

@@ -24,14 +24,13 @@ adapter has no such path it runs the small-op kernel, in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from hp_cp_core import HpCpError
 from hp_cp_torch.kernels.registry import SHIPPED, kernel_precision, uses_model_op_order
 
-__all__ = ["KERNEL_PRECISION", "check_attention_precision", "uses_model_precision"]
+__all__ = ["KERNEL_PRECISION", "uses_model_precision"]
 
 KERNEL_PRECISION: Mapping[str, str] = MappingProxyType(
     {name: kernel_precision(name) for name in SHIPPED if not uses_model_op_order(name)}
@@ -43,42 +42,9 @@ it as its ``precision`` attribute (:func:`hp_cp_torch.kernels.registry.kernel_pr
 third party's kernel too); ``model_ops`` computes in the model's dtype. Note [Attention
 precision]."""
 
-MODEL_PATH_ATTR = "model_precision_attention"
-"""An adapter class attribute: ``True`` where the adapter can run the model's own attention
-op sequence in the model's dtype (``attention_precision="model"``); a
-:class:`~hp_cp_torch.model_adapter.ModelAdapter` says so by overriding ``model_attention``."""
-
 
 def uses_model_precision(config: Any) -> bool:
     """Whether an adapter with the model's op sequence runs it rather than a kernel:
     ``attention_precision="model"``, or the ``"model_ops"`` kernel (the model's own op
     order, :func:`hp_cp_torch.kernels.registry.uses_model_op_order`)."""
     return config.attention_precision == "model" or uses_model_op_order(config.attention_kernel)
-
-
-def has_model_attention(adapter: Any) -> bool:
-    """Whether ``adapter`` has a copy of the model's own attention op sequence: it says so
-    (:data:`MODEL_PATH_ATTR`) or overrides ``ModelAdapter.model_attention``."""
-    if getattr(adapter, MODEL_PATH_ATTR, False):
-        return True
-    owner = next((c for c in type(adapter).__mro__ if "model_attention" in vars(c)), None)
-    return owner is not None and owner.__module__ != "hp_cp_torch.model_adapter"
-
-
-def check_attention_precision(layers: Iterable[Any], adapters: Iterable[Any], config: Any) -> None:
-    """Refuse ``attention_precision="model"`` (before anything is installed, the same on
-    every rank) on a layer whose adapter has no copy of the model's op sequence."""
-    if getattr(config, "attention_precision", "fp32") != "model":
-        return
-    lacking = [
-        type(layer).__name__
-        for layer, adapter in zip(layers, adapters)
-        if adapter is not None and not has_model_attention(adapter)
-    ]
-    if lacking:
-        names = sorted(set(lacking))
-        raise HpCpError(
-            f"CPConfig(attention_precision='model'): hp_cp has no copy of the "
-            f"model's own attention ops for {names}; its kernels compute the attention in fp32 "
-            "(hp_cp_torch.precision.KERNEL_PRECISION). Use attention_precision='fp32'."
-        )

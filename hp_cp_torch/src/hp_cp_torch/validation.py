@@ -15,14 +15,7 @@ import torch
 
 from hp_cp_core import HpCpError
 
-__all__ = [
-    "TensorChecks",
-    "check_csa_inputs",
-    "check_hidden_states",
-    "check_reference_inputs",
-    "is_dtensor",
-    "rows_hint",
-]
+__all__ = ["TensorChecks", "is_dtensor", "rows_hint"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -159,6 +152,120 @@ class TensorChecks:
             else:
                 self._sig.append(f"{name} {type(t).__name__}")
 
+    def layer_input(
+        self, module: torch.nn.Module, inputs: Any, hidden_size: int | None = None
+    ) -> None:
+        """A batch-major layer's inputs (a :class:`hp_cp_torch.model_adapter.LayerInputs`,
+        the default of ``ModelAdapter.check_inputs``): ``inputs.hidden`` is ``x [B, L,
+        hidden]`` (padded) or ``[L, hidden]`` / ``[B, L, hidden]`` with ``cu_seqlens``
+        (packed) of the parameters' dtype and device, ``hidden_size`` wide (default
+        ``module.config.hidden_size``); ``position_ids`` and ``loss_mask`` hold one value
+        per local row (``[L]`` or ``[B, L]``)."""
+        x, packed = inputs.hidden, inputs.cu_seqlens is not None
+        layout = (
+            "[L, hidden] or [B, L, hidden] with cu_seqlens (packed local rows)"
+            if packed
+            else "[B, L, hidden] (padded local rows; pass cu_seqlens for packed [L, hidden])"
+        )
+        if not self.tensor("x", x, (2, 3) if packed else (3,), layout):
+            return
+        hidden = int(module.config.hidden_size if hidden_size is None else hidden_size)
+        if x.shape[-1] != hidden:
+            self.fail(
+                f"x has hidden size {x.shape[-1]} (last dim of {list(x.shape)}) but the layer's "
+                f"hidden_size is {hidden}. Pass the layer's input activations [..., {hidden}]."
+            )
+        ref = _param_dtype_device(module)
+        if ref is not None:
+            if not torch.is_autocast_enabled(x.device.type):
+                self.dtypes({"x": x}, ref[0])
+            if x.device != ref[1]:
+                self.fail(
+                    f"x is on {x.device} but the layer's parameters are on {ref[1]}; move x (or "
+                    f"the layer) with .to('{ref[1]}')."
+                )
+        batch, rows = (1, x.shape[0]) if x.dim() == 2 else (x.shape[0], x.shape[1])
+        shapes = (
+            f"[{rows}] or [{batch}, {rows}]"
+            if batch == 1
+            else f"[{rows}], [1, {rows}] or [{batch}, {rows}]"
+        )
+        for name in ("position_ids", "loss_mask"):
+            t = getattr(inputs, name)
+            if t is None:
+                continue
+            if is_dtensor(t) or not isinstance(t, torch.Tensor):
+                self.fail(
+                    f"{name} is a {type(t).__name__}; expected a plain torch.Tensor of one value "
+                    f"per local row ({shapes}). Shard it like x with "
+                    f"handle.shard({name}, seq_dim)."
+                )
+            elif t.numel() not in (rows, batch * rows) or (t.dim() and t.shape[-1] != rows):
+                self.fail(
+                    f"{name} has shape {list(t.shape)} but x has {rows} local rows (batch "
+                    f"{batch}); expected {shapes}. Shard it like x with "
+                    f"handle.shard({name}, seq_dim)."
+                )
+            elif t.device != x.device:
+                self.fail(f"{name} is on {t.device} but x is on {x.device}; move it to {x.device}.")
+        self.sign({"x": x.transpose(0, 1) if x.dim() == 3 else x})
+
+    def hidden_states(self, hidden: Any, width: int, packed: bool) -> None:
+        """The input of a model's attention layer called as ``layer(hidden_states [B, L,
+        hidden], ...)`` (transformers' and NeMo's V4 / DSA layers): ``width`` is the model's
+        hidden size; packed input (``packed``) is one row, batch 1."""
+        if not self.tensor("hidden_states", hidden, (3,), "[B, L, hidden] (local rows)"):
+            return
+        if hidden.shape[-1] != width:
+            self.fail(
+                f"hidden_states has hidden size {hidden.shape[-1]} (shape {list(hidden.shape)}); "
+                f"the model's hidden_size is {width}. Call the model, not the layer, or pass the "
+                "decoder layer's normalised input."
+            )
+        if packed and hidden.shape[0] != 1:
+            self.fail(
+                f"packed input (cu_seqlens) needs batch size 1, got {hidden.shape[0]}; pack the "
+                "documents of a batch into one row."
+            )
+        self.sign({"hidden_states": hidden.transpose(0, 1)})
+
+    def csa_inputs(self, query: Any, key: Any, x: Any, qr: Any) -> None:
+        """The inputs of a module patched by ``patch_torch_deepseek_v4_csa_forward``
+        (sequence-major ``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L,
+        B, hidden]``, ``qr [L, B, q_lora]`` or ``None``)."""
+        named = {"query": query, "key": key, "x": x}
+        ok = self.tensor("query", query, (4,), "[L, B, heads, head_dim] (sequence-major)")
+        ok &= self.tensor("key", key, (3, 4), "[L, B, head_dim] or [L, B, 1, head_dim]")
+        ok &= self.tensor("x", x, (3,), "[L, B, hidden] (sequence-major)")
+        if qr is not None:
+            ok &= self.tensor("qr", qr, (3,), "[L, B, q_lora_rank] (sequence-major) or None")
+            named["qr"] = qr
+        if not ok:
+            return
+        self.same(
+            "local rows",
+            {n: (t, 0) for n, t in named.items()},
+            "Pass every input's local rows from handle.shard(tensor, 0).",
+        )
+        self.same(
+            "batch",
+            {n: (t, 1) for n, t in named.items()},
+            "Pass query, key, x and qr of one batch (dim 1).",
+        )
+        if key.dim() == 4 and key.shape[2] != 1:
+            self.fail(
+                f"key has {key.shape[2]} heads (dim 2 of {list(key.shape)}); DeepSeek V4 "
+                "attention has one shared KV head. Pass key as [L, B, 1, head_dim] or "
+                "[L, B, head_dim]."
+            )
+        self.same(
+            "head_dim",
+            {"query": (query, 3), "key": (key, key.dim() - 1)},
+            "Pass key rows of the query's head_dim (K == V, one head).",
+        )
+        self.dtypes(named)
+        self.sign(named)
+
 
 def rows_hint(t: Any, dim: int) -> int:
     """``t.shape[dim]`` when ``t`` has that dim, else 0 (a failed check already explains why)."""
@@ -172,137 +279,3 @@ def rows_hint(t: Any, dim: int) -> int:
 def _param_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device] | None:
     p = next(module.parameters(), None)
     return None if p is None else (p.dtype, p.device)
-
-
-def check_reference_inputs(
-    module: torch.nn.Module,
-    device: torch.device | None,
-    x: Any,
-    position_ids: Any,
-    loss_mask: Any,
-    packed: bool,
-    *,
-    hidden_size: int | None = None,
-    where: str | None = None,
-) -> TensorChecks:
-    """Inputs of a batch-major layer's CP forward (the reference layer's, a
-    :class:`hp_cp_torch.model_adapter.ModelAdapter`'s): ``hidden_size`` (default
-    ``module.config.hidden_size``) is the width ``x`` must have.
-
-    ``x`` is ``[B, L, hidden]`` (padded) or ``[L, hidden]`` / ``[B, L, hidden]`` with
-    ``cu_seqlens`` (packed); ``position_ids`` and ``loss_mask`` hold one value per local row
-    (``[L]`` or ``[B, L]``).
-    """
-    checks = TensorChecks(device, where or f"{type(module).__name__} under CP")
-    layout = (
-        "[L, hidden] or [B, L, hidden] with cu_seqlens (packed local rows)"
-        if packed
-        else "[B, L, hidden] (padded local rows; pass cu_seqlens for packed [L, hidden])"
-    )
-    if not checks.tensor("x", x, (2, 3) if packed else (3,), layout):
-        return checks
-    hidden = int(module.config.hidden_size if hidden_size is None else hidden_size)
-    if x.shape[-1] != hidden:
-        checks.fail(
-            f"x has hidden size {x.shape[-1]} (last dim of {list(x.shape)}) but the layer's "
-            f"hidden_size is {hidden}. Pass the layer's input activations [..., {hidden}]."
-        )
-    ref = _param_dtype_device(module)
-    if ref is not None:
-        if not torch.is_autocast_enabled(x.device.type):
-            checks.dtypes({"x": x}, ref[0])
-        if x.device != ref[1]:
-            checks.fail(
-                f"x is on {x.device} but the layer's parameters are on {ref[1]}; move x (or "
-                f"the layer) with .to('{ref[1]}')."
-            )
-    batch, rows = (1, x.shape[0]) if x.dim() == 2 else (x.shape[0], x.shape[1])
-    shapes = (
-        f"[{rows}] or [{batch}, {rows}]"
-        if batch == 1
-        else f"[{rows}], [1, {rows}] or [{batch}, {rows}]"
-    )
-    for name, t in (("position_ids", position_ids), ("loss_mask", loss_mask)):
-        if t is None:
-            continue
-        if is_dtensor(t) or not isinstance(t, torch.Tensor):
-            checks.fail(
-                f"{name} is a {type(t).__name__}; expected a plain torch.Tensor of one value "
-                f"per local row ({shapes}). Shard it like x with "
-                f"handle.shard({name}, seq_dim)."
-            )
-        elif t.numel() not in (rows, batch * rows) or (t.dim() and t.shape[-1] != rows):
-            checks.fail(
-                f"{name} has shape {list(t.shape)} but x has {rows} local rows (batch {batch}); "
-                f"expected {shapes}. Shard it like x with "
-                f"handle.shard({name}, seq_dim)."
-            )
-        elif t.device != x.device:
-            checks.fail(f"{name} is on {t.device} but x is on {x.device}; move it to {x.device}.")
-    checks.sign({"x": x.transpose(0, 1) if x.dim() == 3 else x})
-    return checks
-
-
-def check_hidden_states(
-    device: torch.device | None, where: str, hidden: Any, width: int, packed: bool
-) -> TensorChecks:
-    """Inputs of a model's attention layer called as ``layer(hidden_states [B, L, hidden],
-    ...)`` (transformers' and NeMo's V4 / DSA layers): ``width`` is the model's hidden size;
-    packed input (``packed``) is one row, batch 1."""
-    checks = TensorChecks(device, where)
-    if not checks.tensor("hidden_states", hidden, (3,), "[B, L, hidden] (local rows)"):
-        return checks
-    if hidden.shape[-1] != width:
-        checks.fail(
-            f"hidden_states has hidden size {hidden.shape[-1]} (shape {list(hidden.shape)}); "
-            f"the model's hidden_size is {width}. Call the model, not the layer, or pass the "
-            "decoder layer's normalised input."
-        )
-    if packed and hidden.shape[0] != 1:
-        checks.fail(
-            f"packed input (cu_seqlens) needs batch size 1, got {hidden.shape[0]}; pack the "
-            "documents of a batch into one row."
-        )
-    checks.sign({"hidden_states": hidden.transpose(0, 1)})
-    return checks
-
-
-def check_csa_inputs(
-    device: torch.device | None, query: Any, key: Any, x: Any, qr: Any
-) -> TensorChecks:
-    """Inputs of a module patched by ``patch_torch_deepseek_v4_csa_forward`` (sequence-major
-    ``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L, B, hidden]``,
-    ``qr [L, B, q_lora]`` or ``None``)."""
-    checks = TensorChecks(device, "patched module under CP")
-    named = {"query": query, "key": key, "x": x}
-    ok = checks.tensor("query", query, (4,), "[L, B, heads, head_dim] (sequence-major)")
-    ok &= checks.tensor("key", key, (3, 4), "[L, B, head_dim] or [L, B, 1, head_dim]")
-    ok &= checks.tensor("x", x, (3,), "[L, B, hidden] (sequence-major)")
-    if qr is not None:
-        ok &= checks.tensor("qr", qr, (3,), "[L, B, q_lora_rank] (sequence-major) or None")
-        named["qr"] = qr
-    if not ok:
-        return checks
-    checks.same(
-        "local rows",
-        {n: (t, 0) for n, t in named.items()},
-        "Pass every input's local rows from handle.shard(tensor, 0).",
-    )
-    checks.same(
-        "batch",
-        {n: (t, 1) for n, t in named.items()},
-        "Pass query, key, x and qr of one batch (dim 1).",
-    )
-    if key.dim() == 4 and key.shape[2] != 1:
-        checks.fail(
-            f"key has {key.shape[2]} heads (dim 2 of {list(key.shape)}); DeepSeek V4 attention "
-            "has one shared KV head. Pass key as [L, B, 1, head_dim] or [L, B, head_dim]."
-        )
-    checks.same(
-        "head_dim",
-        {"query": (query, 3), "key": (key, key.dim() - 1)},
-        "Pass key rows of the query's head_dim (K == V, one head).",
-    )
-    checks.dtypes(named)
-    checks.sign(named)
-    return checks

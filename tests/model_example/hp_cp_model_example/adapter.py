@@ -3,8 +3,8 @@
 Registered in this package's ``pyproject.toml`` (the entry point's name is the modeling
 class, its value this adapter class), group ``hp_cp.torch_models``.
 
-Only the model's math: everything else (checks, exchanges, selection, kernels, install) is
-:class:`hp_cp_torch.model_adapter.ModelAdapter`'s.
+Only the model's math, as the hooks of :class:`hp_cp_torch.model_adapter.ModelAdapter`:
+everything else (checks, exchanges, selection, kernels, install) is hp_cp's runner.
 """
 
 from __future__ import annotations
@@ -12,12 +12,20 @@ from __future__ import annotations
 import torch
 
 from hp_cp_core import LayerSpec
-from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_adapter import (
+    AttentionParams,
+    ForwardState,
+    IndexerParams,
+    LayerInputs,
+    ModelAdapter,
+    Projection,
+    Traits,
+)
 
 
 class PooledAttentionAdapter(ModelAdapter):
     claims = ("hp_cp_model_example.model.PooledAttention",)  # also named by the entry point
-    packed_topk_row = "document"  # the model calls torch.topk on each document's own row
+    traits = Traits(packed_topk_row="document")  # torch.topk on each document's own row
 
     def layer_spec(self) -> LayerSpec:
         m = self.module
@@ -25,11 +33,11 @@ class PooledAttentionAdapter(ModelAdapter):
             compress_ratio=m.ratio, window_size=m.window, has_indexer=m.picker is not None
         )
 
-    def hidden_size(self) -> int:
-        return self.module.dim
-
     def read_inputs(self, hidden, pos=None, doc_bounds=None) -> LayerInputs:
         return LayerInputs(hidden, position_ids=pos, cu_seqlens=doc_bounds)
+
+    def check_inputs(self, inputs: LayerInputs, checks) -> None:
+        checks.layer_input(self.module, inputs, hidden_size=self.module.dim)
 
     def project(self, state: ForwardState) -> Projection:
         q, kv = self.module.project(state.hidden, state.positions)  # the model's own op
@@ -39,10 +47,10 @@ class PooledAttentionAdapter(ModelAdapter):
         ratio = self.module.ratio
         return start + torch.arange(rows.shape[1] // ratio, device=rows.device) * ratio
 
-    def compress(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
         return self.module.pooler(rows, self._slot_positions(rows, start))
 
-    def compress_index_keys(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def compress_index_keys(self, rows, start: int, state: ForwardState) -> torch.Tensor:
         return self.module.picker.pooler(rows, self._slot_positions(rows, start))
 
     def index_queries(self, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,14 +60,12 @@ class PooledAttentionAdapter(ModelAdapter):
         q, w = state.index_queries
         return self.module.picker.scores(q[:, lo:hi], w[:, lo:hi], keys)
 
-    def index_topk(self) -> int:
-        return self.module.topk
+    def indexer_params(self) -> IndexerParams | None:
+        picker = self.module.picker
+        return None if picker is None else IndexerParams(topk=picker.topk, heads=picker.heads)
 
-    def sink(self) -> torch.Tensor:
-        return self.module.sink
-
-    def scale(self) -> float:
-        return self.module.scale
+    def attention_params(self) -> AttentionParams:
+        return AttentionParams(scale=self.module.scale, sink=self.module.sink)
 
     def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
         return self.module.to_out(o.flatten(2))

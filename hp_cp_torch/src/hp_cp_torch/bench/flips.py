@@ -260,7 +260,7 @@ def _v41_run(rank: int, group: Any, seed: int, dtype: str, layout: str) -> dict[
     import nemo_v41_cases as cases
     import torch.distributed as dist
 
-    from hp_cp_torch.integrations.nemo_automodel import enable_cp
+    from hp_cp_core import enable_cp
 
     model = build_v41(seed, dtype)
     ids = cases.make_ids(cases.SEQ, seed)
@@ -314,9 +314,9 @@ def v41_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> list[
 def recording_hf_v4(model: Any, log: ChoiceLog) -> Any:
     """Record transformers' DeepSeek V4's choices into ``log`` while inside: the CSA
     indexer's top-k (HF's ``DeepseekV4Indexer`` on one process; under CP the picks hp_cp's
-    adapter makes, read where it calls ``select_topk_chunked``) and the score routers'
+    runner makes, read where it calls ``select_topk_chunked``) and the score routers'
     top-k (the hash router is a table: no choice)."""
-    from hp_cp_torch.integrations import transformers as integration
+    from hp_cp_torch import runner as integration
 
     original = integration.select_topk_chunked
     handles = []

@@ -340,12 +340,13 @@ def recording_one_process_picks(model: Any, store: dict[int, torch.Tensor]) -> I
 
 @contextlib.contextmanager
 def recording_selections(store: dict[int, list[tuple[Any, torch.Tensor]]]) -> Iterator[None]:
-    """CP's picks: the adapters' ``select`` (:meth:`ModelAdapter.select`, whose indexer
-    scores every shipped adapter supplies) wrapped for the duration of one run (measurement
-    only; the original is back on exit). ``store[layer]`` gets ``(global rows, picks)``."""
-    from hp_cp_torch.model_adapter import ModelAdapter
+    """CP's picks: the runner's ``select`` (:meth:`hp_cp_torch.runner.LayerRunner.select`,
+    over the indexer scores every shipped adapter supplies) wrapped for the duration of one
+    run (measurement only; the original is back on exit). ``store[layer]`` gets ``(global
+    rows, picks)``."""
+    from hp_cp_torch.runner import LayerRunner
 
-    original = ModelAdapter.__dict__["select"]
+    original = LayerRunner.__dict__["select"]
 
     def select(self: Any, state: Any, call: Any) -> Any:
         picks = original(self, state, call)
@@ -356,10 +357,10 @@ def recording_selections(store: dict[int, list[tuple[Any, torch.Tensor]]]) -> It
         return picks
 
     try:
-        ModelAdapter.select = select
+        LayerRunner.select = select
         yield
     finally:
-        ModelAdapter.select = original
+        LayerRunner.select = original
 
 
 def _visible(name: str, seq: int, cu: list[int] | None) -> torch.Tensor:

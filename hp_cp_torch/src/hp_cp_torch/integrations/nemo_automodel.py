@@ -13,9 +13,10 @@ rank's rows. Each rank then::
 
 The stages reuse NeMo's own parameters and helpers op for op (interleaved partial RoPE,
 the per-head rsqrt on q, the fp32 compressor with NeMo's overlap transform, the ReLU
-indexer score, the sink column, the grouped output); the machinery (checks, agreement,
-attention kernels, loss and gradient helpers) is the Hugging Face integration's
-(:mod:`hp_cp_torch.integrations.transformers`), subclassed.
+indexer score, the sink column, the grouped output); the layer is transformers' DeepSeek V4
+with NeMo's ops, so its adapter derives from the Hugging Face one
+(:mod:`hp_cp_torch.integrations.transformers`: the call's checks, the eager attention op
+order) and defines only the hooks whose ops differ.
 
 NeMo's own CP (``model.prepare_model_inputs_for_cp`` / ``make_dsv4_contiguous_shard_cp_
 batch_and_ctx``, which hands ``_dsv4_cp_group`` to the forward, or ``setup_cp_attention``)
@@ -57,8 +58,9 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
-from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.model_adapter import ForwardState, IndexerParams, Projection
 from hp_cp_torch.model_registry import registered_adapter
+from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
     "NemoDeepseekV4AttentionAdapter",
@@ -118,11 +120,6 @@ def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offse
 class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
     """Hooks for NeMo's ``DeepseekV4Attention``; the HF adapter's checks and attention."""
 
-    @property
-    def is_csa(self) -> bool:
-        comp = self.module.compressor
-        return comp is not None and comp.indexer is not None
-
     def layer_spec(self) -> LayerSpec:
         m = self.module
         ratio = int(m.compress_ratio)
@@ -161,8 +158,11 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         scores = sys.modules[OPTIMIZED].indexer_scores_torch
         return scores(q[:, lo:hi], keys, weights[:, lo:hi], ix.softmax_scale)
 
-    def index_heads(self) -> int:
-        return int(self.module.compressor.indexer.n_heads)
+    def indexer_params(self) -> IndexerParams | None:
+        if not self.is_csa:
+            return None
+        ix = self.module.compressor.indexer
+        return IndexerParams(int(ix.index_topk), int(ix.n_heads))
 
     def output(self, o: torch.Tensor, state: RopeForwardState) -> torch.Tensor:
         """NeMo's tail: inverse interleaved RoPE, grouped ``wo_a``, ``wo_b``."""
@@ -172,25 +172,25 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.wo_b(m.wo_a(grouped).flatten(2))
 
-    def problems(self, inputs: NemoCallInputs) -> list[str]:
+    def check_inputs(self, inputs: NemoCallInputs, checks: TensorChecks) -> None:
         """The HF adapter's, and what hp_cp cannot take from NeMo's attention call."""
-        m, problems = self.module, super().problems(inputs)
+        super().check_inputs(inputs, checks)
+        m = self.module
         kwargs, start_pos, rotary = inputs.kwargs, inputs.start_pos, inputs.rotary_compress
         if _nemo_cp_group(m, kwargs) is not None:
-            problems.append(_NEMO_CP_ON)
+            checks.fail(_NEMO_CP_ON)
         if kwargs.get("packed_seq_ids") is not None:
-            problems.append(
+            checks.fail(
                 "got NeMo packing metadata (packed_seq_ids / seq_lens with qkv_format='thd'); "
                 "under hp_cp pass the batch from cp_nemo_batch(handle, input_ids, seq_lens=...), "
                 "which turns it into cu_seqlens."
             )
         if kwargs.get("vision_token_types") is not None:
-            problems.append("visual tokens are not supported under CP; pass text-only batches.")
+            checks.fail("visual tokens are not supported under CP; pass text-only batches.")
         if int(start_pos) != 0:
-            problems.append(f"start_pos={start_pos} (a cache offset) is not supported under CP.")
+            checks.fail(f"start_pos={start_pos} (a cache offset) is not supported under CP.")
         if m.compressor is not None and rotary is None:
-            problems.append("needs rotary_compress from the model; call the model, not the layer.")
-        return problems
+            checks.fail("needs rotary_compress from the model; call the model, not the layer.")
 
     @staticmethod
     def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:

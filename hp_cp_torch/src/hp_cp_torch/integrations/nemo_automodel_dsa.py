@@ -36,6 +36,7 @@ rank, before any exchange): NeMo's ``qkv_format="thd"`` batches, NeMo's own GLM 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +46,20 @@ from torch import nn
 
 from hp_cp_core import CPHandle
 from hp_cp_torch._removed import ENABLE, removed_names
-from hp_cp_torch.integrations.transformers import ModelCallInputs
-from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter, DSAForwardState
-from hp_cp_torch.model_adapter import ForwardState, Projection, refuse
+from hp_cp_torch.integrations.transformers import (
+    ModelCallInputs,
+    call_problems,
+    call_value_checks,
+)
+from hp_cp_torch.integrations.transformers_dsa import (
+    DSAAttentionAdapter,
+    dense_latent_attention,
+    latent_params,
+)
+from hp_cp_torch.kernels.request import AttentionRequest
+from hp_cp_torch.model_adapter import AttentionParams, ForwardState, Projection, refuse
 from hp_cp_torch.model_registry import registered_adapter
+from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
     "V32_NOT_CAUSAL",
@@ -105,33 +116,38 @@ def is_dsa_model(model: Any) -> bool:
     return any(nemo_dsa_adapter_for(m) is not None for m in model.modules())
 
 
+NO_ROPE_HINT = (
+    "needs the freqs_cis the model computes from position_ids; call the model "
+    "(GlmMoeDsaForCausalLM / GlmMoeDsaModel under enable_cp), not the layer."
+)
+MASK_HINT = (
+    "got an attention mask that hides tokens (padding, or a custom mask); under CP pass "
+    "no attention_mask: cp_nemo_batch pads at the end, where no real token sees the padding."
+)
+POSITIONS_HINT = (
+    "got position_ids that are not the global row numbers of this rank's rows (packed: "
+    "restarting per document); pass position_ids=batch['position_ids'] from "
+    "cp_nemo_batch(handle, input_ids)."
+)
+
+
 class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
-    """Hooks for NeMo's ``GlmMoeDsaMLA`` (batch-major ``[B, S, hidden]``)."""
+    """Hooks for NeMo's ``GlmMoeDsaMLA`` (batch-major ``[B, S, hidden]``): transformers'
+    GLM-5 with NeMo's ops (complex RoPE, the flattened score GEMM, ``softmax_scale``)."""
 
-    packed_topk_row = "document"
-    """Packed, each document is scored alone, as NeMo's TileLang / cuDNN DSA kernels do with
-    ``cu_seqlens`` (its CPU dense path has no document mask: not what packing means)."""
-
-    NO_ROPE_HINT = (
-        "needs the freqs_cis the model computes from position_ids; call the model "
-        "(GlmMoeDsaForCausalLM / GlmMoeDsaModel under enable_cp), not the layer."
-    )
-    MASK_HINT = (
-        "got an attention mask that hides tokens (padding, or a custom mask); under CP pass "
-        "no attention_mask: cp_nemo_batch pads at the end, where no real token sees the padding."
-    )
-    POSITIONS_HINT = (
-        "got position_ids that are not the global row numbers of this rank's rows (packed: "
-        "restarting per document); pass position_ids=batch['position_ids'] from "
-        "cp_nemo_batch(handle, input_ids)."
+    traits = dataclasses.replace(
+        DSAAttentionAdapter.traits,
+        # packed, each document is scored alone, as NeMo's TileLang / cuDNN DSA kernels do
+        # with cu_seqlens (its CPU dense path has no document mask: not what packing means)
+        packed_topk_row="document",
     )
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module, GLM_LAYERS)
         self.glm = True
 
-    @staticmethod
-    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    @classmethod
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
         """A forward pre-hook on each ``GlmMoeDsaModel`` in ``model`` hands its layers the
         ``position_ids`` (whichever ``enable_cp`` was called); ``disable_cp`` removes it."""
         model_cls = getattr(sys.modules.get(GLM_MODEL), "GlmMoeDsaModel", None)
@@ -140,24 +156,18 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 hook = mod.register_forward_pre_hook(_pass_positions, with_kwargs=True)
                 handle.on_disable(hook.remove)
 
-    def scale(self) -> float:
-        return float(self.module.softmax_scale)
+    def attention_params(self) -> AttentionParams:
+        return latent_params(self.module, float(self.module.softmax_scale))
 
     def layer_name(self) -> str:
         return type(self.module).__name__ + (" (shared)" if self.shared else "")
 
-    def hidden_size(self) -> int:
-        return int(self.module.q_a_proj.in_features)
-
-    def attention_dropout(self) -> float:
-        return 0.0  # NeMo's GLM-5 attention has no dropout
-
-    def rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """NeMo's interleaved complex RoPE (``apply_rotary_emb``, bshd)."""
         return self._mod().apply_rotary_emb(x, freqs_cis, qkv_format="bshd")
 
-    def indexer_qk(
-        self, hidden_states: torch.Tensor, q_resid: torch.Tensor, freqs_cis: Any, _: Any = None
+    def _nemo_indexer_qk(
+        self, hidden_states: torch.Tensor, q_resid: torch.Tensor, freqs_cis: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` and keys ``[B, L, D_I]``, NeMo's
         ops (rope slice first), without autograd (its top-k feeds integer ids only)."""
@@ -169,17 +179,13 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             q_pe, q_nope = torch.split(q, split, dim=-1)
             k_pe, k_nope = torch.split(ix.k_norm(ix.wk(hidden_states)), split, dim=-1)
             if ix.rope_interleave:
-                q_pe = self.rope(q_pe, freqs_cis)
-                k_pe = self.rope(k_pe.unsqueeze(-2), freqs_cis).squeeze(-2)
+                q_pe = self._rope(q_pe, freqs_cis)
+                k_pe = self._rope(k_pe.unsqueeze(-2), freqs_cis).squeeze(-2)
             else:
                 half_split = self._mod()._apply_index_rope_half_split
                 q_pe = half_split(q_pe, freqs_cis, "bshd")
                 k_pe = half_split(k_pe, freqs_cis, "bshd")
         return torch.cat([q_pe, q_nope], dim=-1), torch.cat([k_pe, k_nope], dim=-1)
-
-    def index_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        ix = self.module.indexer
-        return ix.weights_proj(hidden_states).float() * (ix.num_heads**-0.5)  # [B, L, H_I]
 
     def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
         """NeMo's dense indexer scores: one GEMM over (query, head) rows, ``softmax_scale``
@@ -189,21 +195,27 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         s = s.unflatten(-2, (hi - lo, ix.num_heads)).mul_(ix.softmax_scale).relu_()
         return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
 
-    def expand_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """NeMo's dense path: ``kv_b_proj`` of every latent, ``k = [k_nope ; k_pe]``."""
-        m = self.module
+    def attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
+        """NeMo's dense path: ``kv_b_proj`` of every latent, ``k = [k_nope ; k_pe]``
+        (:func:`~hp_cp_torch.integrations.transformers_dsa.dense_latent_attention`)."""
+        m, latent = self.module, request.cmp_kv
         batch, n_slots = latent.shape[:2]
         kv, k_pe = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         kv = m.kv_b_proj(kv).view(batch, n_slots, m.n_heads, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = k_pe.unsqueeze(2).expand(batch, n_slots, m.n_heads, m.qk_rope_head_dim)
-        return torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2), v.transpose(1, 2)
+        keys = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
+        scale = float(m.softmax_scale)
+        return dense_latent_attention(request, keys, v.transpose(1, 2), scale)
 
-    def problems(self, inputs: NemoDSACallInputs) -> list[str]:
-        """The HF adapter's, and what hp_cp cannot take from NeMo's call."""
-        problems = super().problems(inputs)
+    def check_inputs(self, inputs: NemoDSACallInputs, checks: TensorChecks) -> None:
+        """transformers' checks with NeMo's words, and what hp_cp cannot take from NeMo's
+        call."""
         hidden_states, freqs_cis = inputs.hidden, inputs.position_embeddings
         attention_mask, kwargs = inputs.attention_mask, inputs.kwargs
+        width = int(self.module.q_a_proj.in_features)
+        checks.hidden_states(hidden_states, width, inputs.cu_seqlens is not None)
+        problems = call_problems(inputs, self.module.training, 0.0, NO_ROPE_HINT)  # no dropout
         if kwargs.get(NEMO_DSA_CP_KWARG) is not None:
             problems.append(
                 "NeMo Automodel's own GLM DSA CP is switched on as well (the batch carries "
@@ -220,7 +232,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             )
         if POSITIONS_KWARG not in kwargs:
             if freqs_cis is not None:  # (no freqs_cis at all fails with the same words)
-                problems.append(self.NO_ROPE_HINT)
+                problems.append(NO_ROPE_HINT)
         elif kwargs[POSITIONS_KWARG] is None:
             problems.append(
                 "the model was called without position_ids, so NeMo's RoPE would count this "
@@ -234,7 +246,11 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
                 "rows; under CP pass no attention_mask (cp_nemo_batch pads at the end, where no "
                 "real token sees the padding)."
             )
-        return problems
+        for problem in problems:
+            checks.fail(problem)
+
+    def value_checks(self, inputs: NemoDSACallInputs, plan: Any) -> list[tuple[Any, str]]:
+        return call_value_checks(inputs, plan, MASK_HINT, POSITIONS_HINT)
 
     def read_inputs(
         self,
@@ -255,22 +271,28 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
             return_topk_indices=return_topk_indices,
         )
 
-    def project(self, state: DSAForwardState) -> Projection:
-        """NeMo's MLA projections (its complex RoPE on the rope slices)."""
+    def project(self, state: ForwardState) -> Projection:
+        """NeMo's MLA projections (its complex RoPE on the rope slices) and indexer."""
         m, x, freqs_cis = self.module, state.hidden, state.inputs.position_embeddings
         batch, length = x.shape[:-1]
         q_resid = m.q_a_layernorm(m.q_a_proj(x))
         q = m.q_b_proj(q_resid).view(batch, length, m.n_heads, m.qk_head_dim)
         q_nope, q_pe = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         kv, k_pe = torch.split(m.kv_a_proj_with_mqa(x), [m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        q_pe = self.rope(q_pe, freqs_cis)
-        k_pe = self.rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
-        state.query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, L, D]
+        q_pe = self._rope(q_pe, freqs_cis)
+        k_pe = self._rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
+        query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, L, D]
+        index_k = None
         if not self.shared:
-            self.prepare_indexer(state, q_resid, freqs_cis)
-        return Projection(None, torch.cat([m.kv_a_layernorm(kv), k_pe], dim=-1))
+            ix = self.module.indexer
+            index_q, index_k = self._nemo_indexer_qk(x, q_resid, freqs_cis)
+            with torch.no_grad():  # the per-head weights [B, L, H_I]
+                weights = ix.weights_proj(x).float() * (ix.num_heads**-0.5)
+                state.index_queries = (index_q, weights)
+        latents = torch.cat([m.kv_a_layernorm(kv), k_pe], dim=-1)
+        return Projection(query.transpose(1, 2), latents, index_keys=index_k)
 
-    def finish(self, out: torch.Tensor, state: DSAForwardState) -> Any:
+    def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
         return (out, state.selected) if state.inputs.return_topk_indices else out
 
 

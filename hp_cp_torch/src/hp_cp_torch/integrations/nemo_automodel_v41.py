@@ -77,22 +77,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import (
-    CPBatch,
-    CPHandle,
-    DeepSeekV4CPContext,
-    DeepSeekV4CPForward,
-    HpCpError,
-    LayerSpec,
-)
+from hp_cp_core import CPBatch, CPHandle, DeepSeekV4CPForward, HpCpError, LayerSpec
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
 from hp_cp_torch._removed import ENABLE, NEMO_BATCH, removed_names
 from hp_cp_torch.adapter import install_forward
-from hp_cp_torch.attention import select_topk_chunked
-from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_adapter import (
+    RECORDED,
+    AttentionParams,
+    ForwardState,
+    IndexerParams,
+    LayerInputs,
+    ModelAdapter,
+    Projection,
+    Traits,
+)
 from hp_cp_torch.model_registry import registered_adapter
-from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
+from hp_cp_torch.runner import agree_values
+from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
@@ -151,17 +153,15 @@ class V41CallInputs(LayerInputs):
 
     Attributes:
         nemo_state: the ``DeepseekV41AttentionState`` NeMo's model passed in.
-        attention_mask, cp_group, packed_seq_ids: as NeMo passed them.
-        padding: the sequence's padding (``handle.shard``'s), for the mask check.
-        no_bounds: ``packed_seq_ids`` came without recorded packed boundaries.
+        attention_mask, cp_group, packed_seq_ids: as NeMo passed them (with
+            ``packed_seq_ids``, ``cu_seqlens`` is the recorded boundaries: NeMo hands its
+            layers per-row document ids only).
     """
 
     nemo_state: Any = None
     attention_mask: Any = None
     cp_group: Any = None
     packed_seq_ids: Any = None
-    padding: Any = None
-    no_bounds: bool = False
 
 
 @dataclass(kw_only=True)
@@ -173,25 +173,27 @@ class V41ForwardState(ForwardState):
         valid: ``[B, L]`` bool, the rows the attention mask keeps.
         latents: each compressed segment's latent, by ``(offset, rows)`` (the main
             compressor's, reused by the indexer's).
-        candidates: the candidate blocks this layer made or was handed, or ``None``.
-        next_state: the ``DeepseekV41AttentionState`` this layer returns.
     """
 
     angles: Any = None
     valid: Any = None
     latents: dict[tuple[int, int], Any] = field(default_factory=dict)
-    candidates: Any = None
-    next_state: Any = None
 
 
 class NemoDeepseekV41AttentionAdapter(ModelAdapter):
-    """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
+    """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``):
+    NeMo's indexer picks, ascending, on the one-process row of each document, and its
+    candidate blocks (:meth:`block_candidates`)."""
 
-    state_class = V41ForwardState
-    index_keys_without_grad = True  # NeMo's indexer is frozen and runs under no_grad
+    traits = Traits(
+        state_class=V41ForwardState,
+        packed_topk_row="document",
+        ascending_picks=True,  # NeMo's topk(sorted=False), then sorted ids
+        indexer_grad="none",  # NeMo's indexer is frozen and runs under no_grad
+    )
 
-    @staticmethod
-    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    @classmethod
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
         """The model-level part (:func:`prepare_v41_model`)."""
         prepare_v41_model(model, layers, handle)
 
@@ -249,7 +251,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         self, rows: torch.Tensor, start: int, state: V41ForwardState
     ) -> torch.Tensor:
         """The owned slots' index keys: ``mxfp4(rope(k_norm(wk(latent))))``, no gradient
-        (:attr:`index_keys_without_grad`)."""
+        (``traits.indexer_grad``)."""
         ix = self.module.indexer
         latent = state.latents.get((int(start), int(rows.shape[1])))
         if latent is None:
@@ -259,92 +261,60 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------ selection
 
-    def select(self, state: V41ForwardState, call: DeepSeekV4CPContext) -> torch.Tensor | None:
-        """The layer's selection ``[B, L, k]`` (global slot ids, ascending, -1 empty) and, for
-        the candidate source, its candidates ``[B, L, N]`` (``state.candidates``): NeMo's
-        indexer scores ``sum_h w * relu(q . k)`` and its candidate blocks on the one-process
-        rows (``select_topk_chunked``'s ``row_hook``; Note [NeMo DeepSeek V4.1 under CP])."""
-        if call.cmp_idx_global is None:
-            return None
-        ix, nemo, plan = self.module.indexer, _attn_mod(), call.plan
-        xb, keys = state.hidden, call.cmp_idx_global.transpose(0, 1)  # [B, N, Di]
-        candidates_in = state.candidates = call.reused.get("candidates")
+    def index_queries(self, state: V41ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeMo's indexer queries (roped, mxfp4) and per-head weights, without autograd; the
+        candidate source's (empty) candidates ``[B, L, N]`` too (Note [NeMo DeepSeek V4.1
+        under CP])."""
+        ix, nemo, xb = self.module.indexer, _attn_mod(), state.hidden
         with torch.no_grad():
-            batch, n_buf = xb.shape[0], keys.shape[1]
             q = ix.wq_b(state.projection.index_input).unflatten(-1, (ix.num_heads, ix.head_dim))
             q = _quantize(nemo._apply_rope(q, state.angles), "mxfp4", 32)
             w = ix.weights_proj(xb) * (ix.head_dim**-0.5 * ix.num_heads**-0.5)
-            cands = None
-            if ix.is_candidate_source:
-                cands = torch.zeros(
-                    (batch, plan.n_local, n_buf), dtype=torch.bool, device=xb.device
-                )
+        if ix.is_candidate_source:
+            shape = (xb.shape[0], state.plan.n_local, state.keys.shape[1])
+            state.candidates = torch.zeros(shape, dtype=torch.bool, device=xb.device)
+        return q, w
 
-            def score(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
-                s = torch.einsum("bshd,btd->bsht", q[:, lo:hi], keys[:, s0:s1])
-                return (s.relu() * w[:, lo:hi].unsqueeze(-1)).sum(dim=2)
+    def index_scores(self, state: V41ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
+        """NeMo's indexer scores ``sum_h w * relu(q . k)``."""
+        q, w = state.index_queries
+        s = torch.einsum("bshd,btd->bsht", q[:, lo:hi], keys)
+        return (s.relu() * w[:, lo:hi].unsqueeze(-1)).sum(dim=2)
 
-            def candidates(row: torch.Tensor, a: int, b: int, where: Any) -> torch.Tensor:
-                d0, width = where.start, where.length
-                if not ix.is_candidate_source:  # only the source's candidate blocks compete
-                    allowed = candidates_in[:, a:b, d0 : d0 + width]
-                    allowed = F.pad(allowed, (0, width - allowed.shape[-1]))
-                    return row.masked_fill(~allowed, float("-inf"))
-                vis = torch.as_tensor(np.minimum(plan.cmp_count[a:b], width), device=row.device)
-                keep = nemo._select_candidate_blocks(
-                    row,
-                    vis.view(1, -1, 1).expand(batch, -1, 1),
-                    topk_blocks=ix.candidate_topk_blocks,
-                    block_size=ix.candidate_block_size,
-                ) & torch.isfinite(row)
-                stop = min(d0 + width, n_buf)
-                cands[:, a:b, d0:stop] = keep[..., : stop - d0]
-                return row
+    def block_candidates(
+        self, state: V41ForwardState, scores: torch.Tensor, lo: int, hi: int, row: Any
+    ) -> torch.Tensor:
+        """The two-level indexer on the one-process rows: the candidate source keeps the
+        blocks NeMo's ``_select_candidate_blocks`` keeps (into ``state.candidates``); a layer
+        that uses them picks only among them."""
+        ix = self.module.indexer
+        d0, width = row.start, row.length
+        if ix.uses_candidates and not ix.is_candidate_source:
+            allowed = state.candidates[:, lo:hi, d0 : d0 + width]
+            allowed = F.pad(allowed, (0, width - allowed.shape[-1]))
+            return scores.masked_fill(~allowed, float("-inf"))
+        if not ix.is_candidate_source:
+            return scores
+        plan, n_buf = state.plan, state.candidates.shape[-1]
+        vis = torch.as_tensor(np.minimum(plan.cmp_count[lo:hi], width), device=scores.device)
+        keep = _attn_mod()._select_candidate_blocks(
+            scores,
+            vis.view(1, -1, 1).expand(scores.shape[0], -1, 1),
+            topk_blocks=ix.candidate_topk_blocks,
+            block_size=ix.candidate_block_size,
+        ) & torch.isfinite(scores)
+        stop = min(d0 + width, n_buf)
+        state.candidates[:, lo:hi, d0:stop] = keep[..., : stop - d0]
+        return scores
 
-            picks = select_topk_chunked(
-                score,
-                plan,
-                int(ix.topk),
-                call.config.query_chunk,
-                batch=batch,
-                one_process_row="document",
-                sequence_rows=call.sequence_rows,
-                score_heads=int(ix.num_heads),
-                row_hook=candidates if ix.is_candidate_source or ix.uses_candidates else None,
-                ascending=True,
-            )
-        if cands is not None:
-            state.candidates = cands
-        return picks.to(xb.device)
+    def indexer_params(self) -> IndexerParams | None:
+        ix = self.module.indexer
+        return None if ix is None else IndexerParams(int(ix.topk), int(ix.num_heads))
 
     # ------------------------------------------------------------------ attention
 
-    def selection(self, state: V41ForwardState, call: DeepSeekV4CPContext) -> Any:
-        """The base's (own picks, or the Reuse layer's owner's), the candidates published
-        too, and the ``DeepseekV41AttentionState`` this layer returns: its own or the
-        owner's gathered buffers (Note [Layers that share their indexer])."""
-        selected = super().selection(state, call)
-        state.next_state = nemo_state = state.inputs.nemo_state
-        if self.role != "window":
-            candidates = state.candidates
-            if candidates is None:
-                candidates = call.reused.get("candidates")
-            if call.roles.publishes("candidates"):
-                call.outputs["candidates"] = candidates
-            state.next_state = type(nemo_state)(
-                compressed_kv=call.cmp_kv_global.transpose(0, 1),  # [B, N, D]
-                index_keys=call.cmp_idx_global.transpose(0, 1),  # [B, N, Di]
-                topk_indices=selected,
-                candidates=candidates,
-                compression_ratio=int(self.module.compress_ratio),
-            )
-        return selected
-
-    def sink(self) -> torch.Tensor:
-        return self.module.attn_sink
-
-    def scale(self) -> float:
-        return self.module.head_dim**-0.5
+    def attention_params(self) -> AttentionParams:
+        return AttentionParams(self.module.head_dim**-0.5, self.module.attn_sink)
 
     def output(self, o: torch.Tensor, state: V41ForwardState) -> torch.Tensor:
         """NeMo's ``_project_output`` (inverse RoPE, masked rows, grouped output)."""
@@ -352,7 +322,18 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         return self.module._project_output(o, state.angles, state.valid)
 
     def finish(self, out: torch.Tensor, state: V41ForwardState) -> Any:
-        return _attn_mod().DeepseekV41AttentionOutput(out, state.next_state)
+        """NeMo's output and the ``DeepseekV41AttentionState`` the layer returns: its own or
+        the owner's gathered buffers (Note [Layers that share their indexer])."""
+        nemo_state = state.inputs.nemo_state
+        if self.role != "window":
+            nemo_state = type(nemo_state)(
+                compressed_kv=state.slots,  # [B, N, D]
+                index_keys=state.keys,  # [B, N, Di]
+                topk_indices=state.selected,
+                candidates=state.candidates,
+                compression_ratio=int(self.module.compress_ratio),
+            )
+        return _attn_mod().DeepseekV41AttentionOutput(out, nemo_state)
 
     # ------------------------------------------------------------------ the call
 
@@ -369,21 +350,12 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         return V41CallInputs(
             hidden_states,
             position_ids,
+            None if packed_seq_ids is None else RECORDED,  # cp_nemo_batch records them
             nemo_state=state,
             attention_mask=attention_mask,
             cp_group=cp_group,
             packed_seq_ids=packed_seq_ids,
         )
-
-    def begin(self, cp_forward: Any, group: Any, inputs: V41CallInputs) -> Any:
-        """The base's, with the packed boundaries ``cp_nemo_batch`` recorded on the handle
-        (NeMo passes per-row document ids, not boundaries)."""
-        inputs.padding = cp_forward.sequence.padding
-        if inputs.packed_seq_ids is not None:
-            rows = rows_hint(inputs.hidden, 1) * group.size
-            inputs.cu_seqlens = cp_forward.sequence.documents(rows)
-            inputs.no_bounds = inputs.cu_seqlens is None
-        return super().begin(cp_forward, group, inputs)
 
     def project(self, state: V41ForwardState) -> Projection:
         """NeMo's projections: RoPE'd queries, the fp8-quantized window KV, the residual."""
@@ -397,34 +369,26 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
     # ------------------------------------------------------------------ checks
 
-    def problems(self, inputs: V41CallInputs) -> list[str]:
-        """What hp_cp cannot take from NeMo's call (recorded, raised on every rank)."""
-        m, out = self.module, []
-        if inputs.no_bounds:
-            out.append(
+    def check_inputs(self, inputs: V41CallInputs, checks: TensorChecks) -> None:
+        """The hidden states, and what hp_cp cannot take from NeMo's call."""
+        m, packed = self.module, inputs.cu_seqlens is not None
+        checks.hidden_states(inputs.hidden, int(m.wq_a.in_features), packed)
+        if inputs.packed_seq_ids is not None and inputs.cu_seqlens is None:
+            checks.fail(
                 "got packed_seq_ids without the packed boundaries of the sequence: lay "
                 "packed batches out with cp_nemo_batch(handle, input_ids, seq_lens=...) "
                 "(it records them on the handle), not NeMo's own packer."
             )
         if inputs.cp_group is not None or getattr(m, "cp_group", None) is not None:
-            out.append(_NEMO_CP_ON)
+            checks.fail(_NEMO_CP_ON)
         if m.training and m.attention_dropout > 0:
-            out.append(
+            checks.fail(
                 f"attention dropout ({m.attention_dropout}) in training is not supported under "
                 "CP; set attention_dropout=0.0 or call model.eval()."
             )
-        return out
 
     def layer_name(self) -> str:
         return f"DeepseekV41Attention layer {self.module.layer_idx}"
-
-    def hidden_size(self) -> int:
-        return int(self.module.wq_a.in_features)
-
-    def check_tensors(self, inputs: V41CallInputs, group: Any) -> TensorChecks:
-        where, packed = f"{self.layer_name()} under CP", inputs.cu_seqlens is not None
-        device = getattr(group, "device", None)
-        return check_hidden_states(device, where, inputs.hidden, self.hidden_size(), packed)
 
     def value_checks(self, inputs: V41CallInputs, plan: Any) -> list[tuple[Any, str]]:
         """The position ids, the mask and the document ids against the plan, on the device."""
@@ -436,9 +400,8 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         if inputs.cu_seqlens is not None:
             docs = Documents.packed(inputs.cu_seqlens, plan.layout.total_rows)
             ids = docs.doc_of(plan.local_rows) + 1
-            real = inputs.padding
-            if real is not None and real.pad_rows:
-                ids = np.where(plan.local_rows >= real.rows, 0, ids)
+            if inputs.real_rows is not None:
+                ids = np.where(plan.local_rows >= inputs.real_rows, 0, ids)
             doc_ids = torch.as_tensor(ids, device=dev)
             pid = inputs.packed_seq_ids.reshape(-1, inputs.packed_seq_ids.shape[-1])
             bad[2] = pid.shape[-1] != n_local or (pid != doc_ids).any()
@@ -512,11 +475,9 @@ class EngramHashCP:
             bad = ((input_ids < 0) | (input_ids >= h.token_map.numel())).any()
         check = self.cp_forward.inspect(n_local, cu, problems=problems)
         message = f"{where}: input_ids holds a token id outside the tokenizer vocabulary."
-        if group.size > 1 and self.handle.config.check_inputs_across_ranks:
-            check.deferred = [(bad, message)]
-        elif bool(torch.as_tensor(bad)):
-            check.fail(message)
-        plan = self.cp_forward.agree(check).plan
+        across = group.size > 1 and self.handle.config.check_inputs_across_ranks
+        device = getattr(input_ids, "device", None)
+        plan = agree_values(self.cp_forward, check, [(bad, message)], across, device).plan
         compressed = h.token_map[input_ids.long()]  # [B, L]
         if token_mask is not None:
             compressed = torch.where(token_mask, compressed, -1)

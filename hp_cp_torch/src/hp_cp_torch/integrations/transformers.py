@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,17 +62,26 @@ from hp_cp_core.columns import PlanColumns
 from hp_cp_torch._removed import removed_names
 from hp_cp_torch.attention import chunk_columns
 from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
-from hp_cp_torch.kernels.registry import AttentionRequest
+from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.kernels.smallop import gather_rows
-from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model_adapter import (
+    AttentionParams,
+    ForwardState,
+    IndexerParams,
+    LayerInputs,
+    ModelAdapter,
+    Projection,
+    Traits,
+)
 from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.training import cp_causal_lm_loss, cp_shift_labels, cp_sum_gradients
-from hp_cp_torch.validation import TensorChecks, check_hidden_states, rows_hint
+from hp_cp_torch.validation import TensorChecks
 
 # re-exported: the training helpers (hp_cp_torch.training) and HF's layout
 # (hp_cp_torch.hf_layout) serve any model, so they live outside the model files
 __all__ = [
     "DeepseekV4AttentionAdapter",
+    "TransformersAttention",
     "HFCPLayout",
     "cp_causal_lm_loss",
     "cp_shift_labels",
@@ -91,6 +101,13 @@ MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 
 def _hf() -> Any:
     return importlib.import_module(MODELING)
+
+
+def _rope_of(module: nn.Module) -> Any:
+    """The ``apply_rotary_pos_emb`` of the layer's own modeling file (a generated copy, such as
+    VeOmni's, has its own), else transformers' DeepSeek V4 one."""
+    own = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+    return own or _hf().apply_rotary_pos_emb
 
 
 def hf_adapter_for(module: Any) -> Any:
@@ -191,48 +208,75 @@ class RopeForwardState(ForwardState):
     qr: Any = None
 
 
-class DeepseekV4AttentionAdapter(ModelAdapter):
-    """The model adapter of transformers' ``DeepseekV4Attention`` (batch-major ``[B, S,
-    hidden]``): its call, checks, projections, compressors, indexer and tail; the machinery
-    is :class:`~hp_cp_torch.model_adapter.ModelAdapter`'s. NeMo's, VeOmni's and the DSA
-    adapters derive from it (the same call shape and checks)."""
+NO_ROPE_HINT = (
+    "needs the position_embeddings the model computes; call the model, not the layer, "
+    "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
+)
+"""The error when the layer is called without its RoPE tables."""
 
-    state_class = RopeForwardState
+MASK_HINT = (
+    "got an attention mask that hides tokens (padding, or a custom mask); HF's "
+    "compressors ignore padding, so CP supports only unpadded sequences. Pass "
+    "attention_mask=None (or all ones) and equal-length sequences."
+)
+"""The error for an attention mask that hides a token."""
 
-    packed_topk_row = "document"
-    """The indexer's top-k row of a packed document on one process (Note [The one-process
-    top-k row] in :mod:`hp_cp_core.columns`): each document alone."""
+POSITIONS_HINT = (
+    "got position_ids that are not the global row numbers of the local rows. Pass "
+    "position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with the same layout as "
+    "the inputs (packed: positions restarting per document, with the documents' "
+    "boundaries as hp_cp_cu_seqlens=...)."
+)
+"""The error for position ids that are not this rank's global rows."""
 
-    index_keys_without_grad = True  # the indexer only feeds integer top-k ids: no gradient
+LOCAL_LOSS_HINT = (
+    "got labels without shift_labels and num_items_in_batch: HF's loss would shift them "
+    "within this rank's rows. Pass labels=batch.labels, shift_labels=batch.labels, "
+    "num_items_in_batch=batch.n_tokens (batch = handle.batch(ids): the loss is then this "
+    "rank's share), or use cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)."
+)
+"""The error for HF's own loss on labels it would shift within the rank's rows."""
 
-    NO_ROPE_HINT = (
-        "needs the position_embeddings the model computes; call the model, not the layer, "
-        "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
-    )
-    """The error when the layer is called without its RoPE tables."""
 
-    MASK_HINT = (
-        "got an attention mask that hides tokens (padding, or a custom mask); HF's "
-        "compressors ignore padding, so CP supports only unpadded sequences. Pass "
-        "attention_mask=None (or all ones) and equal-length sequences."
-    )
-    """The error for an attention mask that hides a token."""
+def call_problems(
+    inputs: ModelCallInputs, training: bool, dropout: float, no_rope: str = NO_ROPE_HINT
+) -> list[str]:
+    """What CP cannot take from a transformers-style attention call: no RoPE tables
+    (``no_rope``, the fix), a KV cache, attention ``dropout`` in ``training``."""
+    problems = []
+    if inputs.position_embeddings is None:
+        problems.append(no_rope)
+    if inputs.past_key_values is not None:
+        problems.append(
+            "got a KV cache (past_key_values); caches and generation are not supported "
+            "under CP. Call the model with use_cache=False (config.use_cache defaults to "
+            "True) and without past_key_values."
+        )
+    if training and dropout > 0:
+        problems.append(
+            f"attention dropout ({dropout}) in training is not supported; set "
+            "config.attention_dropout=0.0 or call model.eval()."
+        )
+    return problems
 
-    POSITIONS_HINT = (
-        "got position_ids that are not the global row numbers of the local rows. Pass "
-        "position_ids=handle.shard(torch.arange(S).unsqueeze(0), 1) with the same layout as "
-        "the inputs (packed: positions restarting per document, with the documents' "
-        "boundaries as hp_cp_cu_seqlens=...)."
-    )
-    """The error for position ids that are not this rank's global rows."""
 
-    LOCAL_LOSS_HINT = (
-        "got labels without shift_labels and num_items_in_batch: HF's loss would shift them "
-        "within this rank's rows. Pass labels=batch.labels, shift_labels=batch.labels, "
-        "num_items_in_batch=batch.n_tokens (batch = handle.batch(ids): the loss is then this "
-        "rank's share), or use cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)."
-    )
-    """The error for HF's own loss on labels it would shift within the rank's rows."""
+def call_value_checks(
+    inputs: ModelCallInputs, plan: Any, mask: str = MASK_HINT, positions: str = POSITIONS_HINT
+) -> list[tuple[Any, str]]:
+    """A mask that hides a token; position ids that are not the plan's (``mask`` /
+    ``positions``: the errors, with the fix)."""
+    position_ids, bad_positions = inputs.position_ids, False
+    if position_ids is not None:
+        want = torch.as_tensor(plan.positions, device=position_ids.device)
+        got = position_ids.reshape(-1, position_ids.shape[-1])
+        bad_positions = got.shape[-1] != plan.n_local or (got != want).any()
+    return [(_mask_is_unsupported(inputs.attention_mask), mask), (bad_positions, positions)]
+
+
+class TransformersAttention(ModelAdapter):
+    """The hooks every transformers-style attention layer shares (the DeepSeek V4 and the DSA
+    adapters derive from it): its call's checks (:func:`call_problems`,
+    :func:`call_value_checks`), its name, and the refusal of HF's own loss on local rows."""
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
@@ -248,23 +292,45 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             if signature.bind_partial(*args, **kwargs).arguments.get("labels") is None:
                 return
             if kwargs.get("shift_labels") is None or kwargs.get("num_items_in_batch") is None:
-                raise HpCpError(f"{where}: {cls.LOCAL_LOSS_HINT}")
+                raise HpCpError(f"{where}: {LOCAL_LOSS_HINT}")
 
         hook = model.register_forward_pre_hook(refuse_local_shift, with_kwargs=True)
         handle.on_disable(hook.remove)
 
-    def apply_rope(self, *args: Any) -> Any:
-        """The modeling file's ``apply_rotary_pos_emb`` (a generated copy uses its own)."""
-        return _hf().apply_rotary_pos_emb(*args)
+    def layer_name(self) -> str:
+        """How errors name the layer: its class and ``layer_idx``."""
+        return f"{type(self.module).__name__} layer {self.module.layer_idx}"
 
-    def score(self, ix: nn.Module, q: Any, keys: Any, x: Any) -> Any:
-        """Indexer scores ``[B, l, N]`` of queries ``[B, l, H, D]`` over keys ``[B, N, D]``."""
-        return ix.scorer(q, keys, x)
+    def check_inputs(self, inputs: ModelCallInputs, checks: TensorChecks) -> None:
+        m = self.module
+        checks.hidden_states(
+            inputs.hidden, int(m.config.hidden_size), inputs.cu_seqlens is not None
+        )
+        for problem in call_problems(inputs, m.training, float(m.attention_dropout)):
+            checks.fail(problem)
+
+    def value_checks(self, inputs: ModelCallInputs, plan: Any) -> list[tuple[Any, str]]:
+        return call_value_checks(inputs, plan)
+
+
+class DeepseekV4AttentionAdapter(TransformersAttention):
+    """The model adapter of transformers' ``DeepseekV4Attention`` (batch-major ``[B, S,
+    hidden]``): its call, projections, compressors, indexer, attention and tail. NeMo's and
+    VeOmni's V4 adapters derive from it (the same layer)."""
+
+    traits = Traits(
+        state_class=RopeForwardState,
+        packed_topk_row="document",  # the indexer's top-k of a packed document: its own row
+        indexer_grad="none",  # the indexer only feeds integer top-k ids: no gradient
+    )
 
     @property
     def is_csa(self) -> bool:
         comp = self.module.compressor
         return comp is not None and getattr(comp, "indexer", None) is not None
+
+    def _rope(self, *args: Any) -> Any:
+        return _rope_of(self.module)(*args)
 
     def layer_spec(self) -> LayerSpec:
         m = self.module
@@ -285,12 +351,14 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             force_unfused=True,
         )
 
-    def compress(self, rows: torch.Tensor, start: int) -> torch.Tensor:
-        return _compress_rows(self.module.compressor, self.is_csa, rows, start, self.apply_rope)
+    def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
+        return _compress_rows(self.module.compressor, self.is_csa, rows, start, self._rope)
 
-    def compress_index_keys(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+    def compress_index_keys(
+        self, rows: torch.Tensor, start: int, state: ForwardState
+    ) -> torch.Tensor:
         indexer = self.module.compressor.indexer
-        return _compress_rows(indexer, True, rows, start, self.apply_rope)
+        return _compress_rows(indexer, True, rows, start, self._rope)
 
     def index_queries(self, state: RopeForwardState) -> torch.Tensor:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
@@ -298,25 +366,22 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
         with torch.no_grad():
             cos, sin = ix.rotary_emb(x, position_ids=state.positions, layer_type=ix.rope_layer_type)
             q = ix.q_b_proj(state.qr).view(*x.shape[:2], -1, ix.head_dim).transpose(1, 2)
-            return self.apply_rope(q, cos, sin).transpose(1, 2)
+            return self._rope(q, cos, sin).transpose(1, 2)
 
     def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
         ix = self.module.compressor.indexer
-        return self.score(ix, state.index_queries[:, lo:hi], keys, state.hidden[:, lo:hi])
+        return ix.scorer(state.index_queries[:, lo:hi], keys, state.hidden[:, lo:hi])
 
-    def index_topk(self) -> int:
-        return int(self.module.compressor.indexer.index_topk)
+    def indexer_params(self) -> IndexerParams | None:
+        if not self.is_csa:
+            return None
+        ix = self.module.compressor.indexer
+        return IndexerParams(int(ix.index_topk), int(ix.num_heads))
 
-    def index_heads(self) -> int:
-        return int(self.module.compressor.indexer.num_heads)
+    def attention_params(self) -> AttentionParams:
+        return AttentionParams(float(self.module.scaling), self.module.sinks)
 
-    def sink(self) -> torch.Tensor:
-        return self.module.sinks
-
-    def scale(self) -> float:
-        return float(self.module.scaling)
-
-    def model_attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
+    def attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
         """HF's ``eager_attention_forward`` on gathered columns instead of a dense mask.
 
         Each query attends to its plan columns (window, then the indexer picks for CSA or
@@ -354,21 +419,9 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
     def output(self, o: torch.Tensor, state: RopeForwardState) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped ``o_a_proj``, ``o_b_proj`` (HF's tail)."""
         m = self.module
-        o = self.apply_rope(o.transpose(1, 2), state.cos, -state.sin).transpose(1, 2)
+        o = self._rope(o.transpose(1, 2), state.cos, -state.sin).transpose(1, 2)
         grouped = o.reshape(o.shape[0], o.shape[1], m.config.o_groups, -1)
         return m.o_b_proj(m.o_a_proj(grouped).flatten(2))
-
-    def layer_name(self) -> str:
-        """How errors name the layer: its class and ``layer_idx``."""
-        return f"{type(self.module).__name__} layer {self.module.layer_idx}"
-
-    def hidden_size(self) -> int:
-        """The model's hidden size (the width ``hidden_states`` must have)."""
-        return int(self.module.config.hidden_size)
-
-    def attention_dropout(self) -> float:
-        """The layer's attention dropout probability (refused in training)."""
-        return float(self.module.attention_dropout)
 
     def read_inputs(
         self,
@@ -389,52 +442,12 @@ class DeepseekV4AttentionAdapter(ModelAdapter):
             kwargs=kwargs,
         )
 
-    def check_tensors(self, inputs: ModelCallInputs, group: Any) -> TensorChecks:
-        where = f"{self.layer_name()} under CP"
-        packed = inputs.cu_seqlens is not None
-        device = getattr(group, "device", None)
-        return check_hidden_states(device, where, inputs.hidden, self.hidden_size(), packed)
-
-    def problems(self, inputs: ModelCallInputs) -> list[str]:
-        """No RoPE tables, a KV cache, attention dropout in training."""
-        problems = []
-        if inputs.position_embeddings is None:
-            problems.append(self.NO_ROPE_HINT)
-        if inputs.past_key_values is not None:
-            problems.append(
-                "got a KV cache (past_key_values); caches and generation are not supported "
-                "under CP. Call the model with use_cache=False (config.use_cache defaults to "
-                "True) and without past_key_values."
-            )
-        dropout = self.attention_dropout()
-        if self.module.training and dropout > 0:
-            problems.append(
-                f"attention dropout ({dropout}) in training is not supported; set "
-                "config.attention_dropout=0.0 or call model.eval()."
-            )
-        return problems
-
-    def value_checks(self, inputs: ModelCallInputs, plan: Any) -> list[tuple[Any, str]]:
-        """A mask that hides a token; position ids that are not the plan's."""
-        position_ids, bad_positions = inputs.position_ids, False
-        if position_ids is not None:
-            want = torch.as_tensor(plan.positions, device=position_ids.device)
-            got = position_ids.reshape(-1, position_ids.shape[-1])
-            bad_positions = got.shape[-1] != plan.n_local or (got != want).any()
-        return [
-            (_mask_is_unsupported(inputs.attention_mask), self.MASK_HINT),
-            (bad_positions, self.POSITIONS_HINT),
-        ]
-
-    def checked_objects(self, inputs: ModelCallInputs) -> tuple[Any, ...]:
-        return (id(inputs.attention_mask), id(inputs.position_ids), rows_hint(inputs.hidden, 1))
-
     def project(self, state: RopeForwardState) -> Projection:
         """HF's projections: the shared KV now; the query residual and the indexer's queries
         while the halo travels, the queries while the slots do (Note [Overlapped exchanges]
         in hp_cp_core.collectives; each holds work with a gradient, so backward overlaps both
         exchanges too)."""
-        m, rope, x = self.module, self.apply_rope, state.hidden
+        m, rope, x = self.module, self._rope, state.hidden
         tables = state.inputs.position_embeddings
         state.cos, state.sin = tables[m.rope_layer_type] if isinstance(tables, dict) else tables
         shape = (*x.shape[:2], -1, m.head_dim)

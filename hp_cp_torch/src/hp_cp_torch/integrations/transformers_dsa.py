@@ -53,27 +53,32 @@ dropout in training.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPContext, LayerSpec
+from hp_cp_core import LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch._removed import removed_names
 from hp_cp_torch.integrations.transformers import (
-    DeepseekV4AttentionAdapter,
     ModelCallInputs,
+    TransformersAttention,
     cp_causal_lm_loss,
     cp_shift_labels,
     cp_sum_gradients,
 )
-from hp_cp_torch.kernels.registry import AttentionRequest
-from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
-from hp_cp_torch.model_adapter import ForwardState, Projection
+from hp_cp_torch.kernels.request import AttentionRequest
+from hp_cp_torch.model_adapter import (
+    AttentionParams,
+    ForwardState,
+    IndexerParams,
+    Latent,
+    Projection,
+    Traits,
+)
 from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
@@ -103,29 +108,51 @@ def dsa_adapter_for(module: Any) -> Any:
     return registered_adapter(module, DSAAttentionAdapter)
 
 
-@dataclass(kw_only=True)
-class DSAForwardState(ForwardState):
-    """One forward of a DSA layer (transformers' V3.2 / GLM-5, NeMo's GLM-5): the base's
-    fields (``projection.kv`` the local rows' latents ``[B, L, kv_lora_rank + rope]``, the
-    owned slots; ``index_queries`` the indexer's roped queries and per-head weights) and:
-
-    Attributes:
-        query: the queries ``[B, H, L, qk_head_dim]``.
-        index_k: the indexer's keys ``[L, B, D_I]`` (its owned slots).
-    """
-
-    query: Any = None
-    index_k: Any = None
+def latent_params(m: nn.Module, scale: float) -> AttentionParams:
+    """The attention of an MLA layer ``m``: on its latents, no sink."""
+    dims = Latent(
+        m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.kv_b_proj.weight
+    )
+    return AttentionParams(scale, kind="latent", latent=dims)
 
 
-class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
+def dense_latent_attention(
+    request: AttentionRequest, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """transformers' op order (``attention_kernel="model_ops"``) on the expanded latents
+    ``keys [B, H, N, qk_head_dim]`` / ``values [B, H, N, v_head_dim]``: each query chunk's
+    dense row over the tokens up to its last visible one, the unselected at ``finfo.min``. The
+    closest to transformers' rounding (Note [DSA attention on the latents]); keeps the
+    expanded keys and each chunk's weights for backward, ``O(S * S / cp)`` a rank. Returns
+    ``[B, L, H, v_head_dim]``."""
+    q, plan = request.q.transpose(1, 2), request.plan  # [B, H, L, D]
+    selected = request.selected.to(q.device)
+    batch = keys.shape[0]
+    stop = plan.cmp_start + plan.cmp_count
+    neg = torch.finfo(q.dtype).min
+    outs = []
+    for lo, hi in PlanColumns(plan, 0).chunks(request.query_chunk):
+        s1 = max(int(stop[lo:hi].max()) if hi > lo else 0, 1)
+        sel = selected[:, lo:hi]  # [B, l, k]
+        keep = torch.zeros((batch, hi - lo, s1 + 1), dtype=torch.bool, device=q.device)
+        keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
+        bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
+        k_c, v_c = keys[:, :, :s1], values[:, :, :s1]
+        w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * scale + bias
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+class DSAAttentionAdapter(TransformersAttention):
     """The model adapter of ``DeepseekV32Attention`` / ``GlmMoeDsaAttention`` (batch-major):
-    MLA's projections, the indexer, attention on the latents."""
+    MLA's projections, the indexer, attention on the latents. The projection's rows are the
+    slots (ratio 1): each token's latent and its indexer key."""
 
-    state_class = DSAForwardState
-
-    packed_topk_row = "stream"
-    """HF's one-process packed mask is block-diagonal over one row of the packed stream."""
+    traits = Traits(
+        packed_topk_row="stream",  # HF's packed mask: block-diagonal over one stream row
+        rows_are_slots=True,
+    )
 
     def __init__(self, module: nn.Module, modeling: str | None = None) -> None:
         super().__init__(module)
@@ -152,15 +179,6 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             reuses=("selection",) if self.shared else (),
         )
 
-    def compress_main(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        # ratio 1: the slots a rank owns are its rows, ascending (= local order, any layout)
-        return self.state(call).projection.kv.transpose(0, 1)
-
-    def compress_indexer(self, x: Any, halo_x: Any, call: DeepSeekV4CPContext) -> torch.Tensor:
-        return self.state(call).index_k
-
-    # ------------------------------------------------------------------ local projections
-
     def read_inputs(
         self,
         hidden_states: Any,
@@ -181,7 +199,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             kwargs=kwargs,
         )
 
-    def project(self, state: DSAForwardState) -> Projection:
+    def project(self, state: ForwardState) -> Projection:
         """HF's MLA projections: the queries, the latents (the owned slots) and, on a layer
         with its own indexer, the indexer's queries and keys."""
         m, x = self.module, state.hidden
@@ -195,19 +213,16 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         )
         k_rot = k_rot.view(batch, 1, length, m.qk_rope_head_dim)
         q_rot, k_rot = self._mod().apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-        state.query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, L, qk_head_dim]
+        query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, L, qk_head_dim]
+        latents = torch.cat([m.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)
+        index_k = None
         if not self.shared:
-            self.prepare_indexer(state, q_resid, cos, sin)
-        return Projection(None, torch.cat([m.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1))
+            index_q, index_k = self._indexer_qk(x, q_resid, cos, sin)
+            with torch.no_grad():
+                state.index_queries = (index_q, self._index_weights(x))
+        return Projection(query.transpose(1, 2), latents, index_keys=index_k)
 
-    def prepare_indexer(self, state: DSAForwardState, q_resid: torch.Tensor, *rope: Any) -> None:
-        """The indexer's queries, per-head weights (``state.index_queries``) and keys."""
-        index_q, index_k = self.indexer_qk(state.hidden, q_resid, *rope)
-        state.index_k = index_k.transpose(0, 1)
-        with torch.no_grad():
-            state.index_queries = (index_q, self.index_weights(state.hidden))
-
-    def indexer_qk(
+    def _indexer_qk(
         self, hidden_states: torch.Tensor, q_resid: torch.Tensor, cos: Any, sin: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` and keys ``[B, L, D_I]``, HF's
@@ -227,7 +242,7 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
             k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
         return q, k
 
-    def index_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _index_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The indexer's per-head weights ``[B, L, H_I]`` (fp32)."""
         ix = self.module.indexer
         weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
@@ -240,73 +255,33 @@ class DSAAttentionAdapter(DeepseekV4AttentionAdapter):
         s = s.mul_(ix.softmax_scale).relu_()  # [B, l, H_I, n]; HF's ops, in place
         return torch.matmul(weights[:, lo:hi].unsqueeze(-2), s).squeeze(-2)
 
-    def index_topk(self) -> int:
-        return int(self.module.indexer.index_topk)
-
-    def index_heads(self) -> int:
-        """The indexer's heads (transformers names them ``n_heads``, NeMo ``num_heads``)."""
+    def indexer_params(self) -> IndexerParams | None:
+        """The indexer's top-k and heads (transformers names them ``n_heads``, NeMo
+        ``num_heads``); a shared layer has none."""
         ix = self.module.indexer
-        return int(getattr(ix, "n_heads", None) or ix.num_heads)
+        if ix is None:
+            return None
+        heads = getattr(ix, "n_heads", None) or ix.num_heads
+        return IndexerParams(int(ix.index_topk), int(heads))
 
-    # ------------------------------------------------------------------ attention
+    def attention_params(self) -> AttentionParams:
+        return latent_params(self.module, float(self.module.scaling))
 
-    def sink(self) -> None:
-        return None  # MLA has no sink
-
-    def attend(
-        self, request: AttentionRequest, state: DSAForwardState, kernel: Any
-    ) -> torch.Tensor:
-        """Attention on the gathered latents (:func:`hp_cp_torch.latent_attention`):
-        ``[B, H, L, v_head_dim]``."""
-        m, q = self.module, state.query
-        q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        dims = MLADims(
-            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, self.scale()
-        )
-        latent, selected = request.cmp_kv, request.selected.to(q.device)
-        rows = chunk_rows(request.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
-        chunks = PlanColumns(request.plan, 0).chunks(rows)
-        return latent_attention(q_pass, q_rot, latent, selected, m.kv_b_proj.weight, dims, chunks)
-
-    def model_attention(self, request: AttentionRequest, state: DSAForwardState) -> torch.Tensor:
-        """transformers' op order (``attention_kernel="model_ops"``): every gathered latent
-        through ``expand_kv``, each query chunk's dense row over the tokens up to its last
-        visible one, the unselected at ``finfo.min``. The closest to transformers' rounding
-        (Note [DSA attention on the latents]); keeps the expanded keys and each chunk's
-        weights for backward, ``O(S * S / cp)`` a rank."""
-        q, latent, plan = state.query, request.cmp_kv, request.plan
-        selected = request.selected.to(q.device)
-        batch = latent.shape[0]
-        key_states, value_states = self.expand_latents(latent)
-        stop = plan.cmp_start + plan.cmp_count
-        neg = torch.finfo(q.dtype).min
-        outs = []
-        for lo, hi in PlanColumns(plan, 0).chunks(request.query_chunk):
-            s1 = max(int(stop[lo:hi].max()) if hi > lo else 0, 1)
-            sel = selected[:, lo:hi]  # [B, l, k]
-            keep = torch.zeros((batch, hi - lo, s1 + 1), dtype=torch.bool, device=q.device)
-            keep.scatter_(-1, torch.where(sel >= 0, sel, s1).long(), True)
-            bias = torch.where(keep[..., :s1], 0.0, neg).to(q.dtype).unsqueeze(1)  # [B,1,l,n]
-            k_c, v_c = key_states[:, :, :s1], value_states[:, :, :s1]
-            w = torch.matmul(q[:, :, lo:hi], k_c.transpose(2, 3)) * self.scale() + bias
-            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.matmul(w, v_c))  # [B, H, l, v]
-        return torch.cat(outs, dim=2)
-
-    def expand_latents(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[B, H, N, qk_head_dim]`` and values ``[B, H, N, v_head_dim]`` of the
-        gathered latents ``[B, N, kv_lora_rank + rope]``, through HF's ``expand_kv``."""
-        m = self.module
+    def attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
+        """transformers' op order: every gathered latent through HF's ``expand_kv``
+        (:func:`dense_latent_attention`)."""
+        m, latent = self.module, request.cmp_kv
         batch, n_slots = latent.shape[:2]
         kv_pass, k_rot = torch.split(latent, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        return m.expand_kv(
+        keys, values = m.expand_kv(
             kv_pass.view(batch, 1, n_slots, m.kv_lora_rank),
             k_rot.reshape(batch, 1, n_slots, m.qk_rope_head_dim),
         )
+        return dense_latent_attention(request, keys, values, float(m.scaling))
 
-    def output(self, o: torch.Tensor, state: DSAForwardState) -> torch.Tensor:
-        """``o_proj`` of the heads' values ``o [B, H, L, v_head_dim]``."""
-        return self.module.o_proj(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+    def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        """``o_proj`` of the heads' values ``o [B, L, H, v_head_dim]``."""
+        return self.module.o_proj(o.reshape(o.shape[0], o.shape[1], -1))
 
-    def finish(self, out: torch.Tensor, state: DSAForwardState) -> Any:
+    def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
         return (out, None, state.selected) if self.glm else (out, None)

@@ -23,6 +23,7 @@ re-padded; only the row's end is padded to what the layout needs, as its own doc
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -40,7 +41,9 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
+from hp_cp_torch.model_adapter import ForwardState
 from hp_cp_torch.model_registry import registered_adapter
+from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
     "VEOMNI_MODELING",
@@ -98,37 +101,40 @@ def veomni_adapter_for(module: Any) -> Any:
 
 
 class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
-    """The HF adapter on VeOmni's generated copy of ``DeepseekV4Attention``."""
+    """The HF adapter on VeOmni's generated copy of ``DeepseekV4Attention`` (its own
+    ``apply_rotary_pos_emb``, read from the layer's modeling file by the HF adapter)."""
 
-    packed_topk_row = "stream"
-    """VeOmni's packed indexer scores one row of every slot of the packed stream, the
-    query's own document visible (``packed_compressed_causal_ranges``)."""
+    traits = dataclasses.replace(
+        DeepseekV4AttentionAdapter.traits,
+        # VeOmni's packed indexer scores one row of every slot of the packed stream, the
+        # query's own document visible (``packed_compressed_causal_ranges``)
+        packed_topk_row="stream",
+    )
 
-    prepare_model = staticmethod(prepare_veomni_model)
+    @classmethod
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
+        prepare_veomni_model(model, layers, handle)
 
-    def apply_rope(self, *args: Any) -> Any:
-        return sys.modules[type(self.module).__module__].apply_rotary_pos_emb(*args)
-
-    def score(self, ix: nn.Module, q: Any, keys: Any, x: Any) -> Any:
+    def index_scores(self, state: ForwardState, lo: int, hi: int, keys: torch.Tensor) -> Any:
         """VeOmni's eager indexer score: ``sum_h w_h * relu(q_h . k) * scale`` (fp32)."""
+        ix, q, x = self.module.compressor.indexer, state.index_queries[:, lo:hi], state.hidden
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
         scores = F.relu(scores) * ix.softmax_scale  # [B, l, H, N]
-        weights = ix.weights_proj(x).float() * ix.weights_scaling  # [B, l, H]
+        weights = ix.weights_proj(x[:, lo:hi]).float() * ix.weights_scaling  # [B, l, H]
         return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
-    def problems(self, inputs: ModelCallInputs) -> list[str]:
+    def check_inputs(self, inputs: ModelCallInputs, checks: TensorChecks) -> None:
         """The HF adapter's, VeOmni's own sequence parallelism, and its packing metadata."""
-        problems = super().problems(inputs)
+        super().check_inputs(inputs, checks)
         problem = _veomni_sp_problem()
         if problem is not None:
-            problems.append(problem)
+            checks.fail(problem)
         for key in ("packed_sequence_slices", "packed_compression_metadata"):
             if inputs.kwargs.get(key) is not None:
-                problems.append(
+                checks.fail(
                     f"got VeOmni's {key} under hp_cp: pass the batch of cp_veomni_batch "
                     "(packed boundaries as hp_cp_cu_seqlens), not cu_seq_lens_q."
                 )
-        return problems
 
 
 VeOmniBatch = CPBatch

@@ -1,0 +1,528 @@
+"""The machinery that runs a model adapter's hooks under CP (the spec's ``PluginManager``).
+
+:class:`LayerRunner` drives one layer's :class:`~hp_cp_torch.model_adapter.ModelAdapter`: it
+is what the torch plugin's stage hooks call (:class:`hp_cp_core.adapters.AdapterHooks`), and no
+model subclasses or overrides it. One forward::
+
+    read_inputs -> checks, plan, one agreement on every rank (Note [Validate, agree, then
+    communicate] in hp_cp_core.validation) -> project -> the core's CP forward (halo, slots:
+    compress / compress_index_keys or the projection's rows) -> selection (index_queries,
+    index_scores, block_candidates; or the picks of the layer it shares them with) ->
+    attention (a registered kernel, latent attention, or the model's own) -> output -> the
+    indexer loss (indexer_loss_scores) -> finish
+
+:func:`agree_values` is "inspect, then agree" once: the runner, the function adapter (a spec
+implementation) and V4.1's Engram hash all agree through it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from hp_cp_core import CPContext, HpCpError, stage1_compress_with_halo
+from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
+from hp_cp_torch.kernels.request import AttentionRequest
+from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
+from hp_cp_torch.model_adapter import (
+    ATTENTION_KINDS,
+    RECORDED,
+    AttentionParams,
+    ForwardState,
+    LayerInputs,
+    ModelAdapter,
+)
+from hp_cp_torch.precision import uses_model_precision
+from hp_cp_torch.validation import TensorChecks, rows_hint
+
+__all__ = ["LayerRunner", "agree_values", "runner_of"]
+
+RUNNER_ATTR = "_hp_cp_runner"
+
+
+def runner_of(adapter: Any) -> LayerRunner | None:
+    """The runner of ``adapter`` (made once per adapter, so per installed layer), or
+    ``None`` for ``None``."""
+    if adapter is None:
+        return None
+    runner = adapter.__dict__.get(RUNNER_ATTR)
+    if runner is None:
+        runner = adapter.__dict__[RUNNER_ATTR] = LayerRunner(adapter)
+    return runner
+
+
+def agree_values(
+    cp_forward: Any,
+    check: Any,
+    flags: list[tuple[Any, str]],
+    across: bool,
+    device: Any,
+    extra: dict[str, Any] | None = None,
+) -> CPContext:
+    """Agree on one forward's ``check`` (``cp_forward.inspect``'s) with its value checks
+    ``flags`` (``(flag, message)``: a 0-dim bool tensor or a bool, ``True`` fails): ``across``
+    ranks they ride in the agreement's one gather as one entry (the first failed check's
+    number; every rank defers one, whatever its own checks found), else they are read here
+    (on ``device``, the inputs').
+
+    Raises:
+        HpCpError: on every rank, when a rank's check or flag failed (``cp_forward.agree``).
+    """
+    if across:
+        code = _first_failed([bad for bad, _ in flags], device) if check.ok else 0
+        check.deferred = [(code, tuple(message for _, message in flags) if check.ok else ())]
+    elif flags and check.ok:
+        read = torch.stack([torch.as_tensor(bad, device=device).reshape(()) for bad, _ in flags])
+        for bad, (_, message) in zip(read.cpu().tolist(), flags):
+            if bad:
+                check.fail(message)
+    return cp_forward.agree(check, extra)
+
+
+def _first_failed(flags: list[Any], device: Any) -> Any:
+    """``k`` (a 0-dim int64 tensor on ``device``, not read): the number of the first failed
+    flag, 1-based; 0 when none failed (or there are none)."""
+    if not flags:
+        return 0
+    failed = torch.stack([torch.as_tensor(f, device=device).reshape(()).bool() for f in flags])
+    number = torch.arange(1, len(flags) + 1, device=device)
+    return torch.where(failed, number, len(flags) + 1).min() % (len(flags) + 1)
+
+
+class LayerRunner:
+    """hp_cp's machinery for one layer, calling its adapter's hooks.
+
+    Args:
+        adapter: the layer's :class:`~hp_cp_torch.model_adapter.ModelAdapter`.
+    """
+
+    def __init__(self, adapter: ModelAdapter) -> None:
+        self.adapter = adapter
+        self.module = adapter.module
+        self.traits = adapter.traits
+        self._v03 = getattr(type(adapter), "_v03", {})
+        self._student_checked = False
+
+    # -------------------------------------------------------------- the core's stage hooks
+    def layer_spec(self) -> Any:
+        return self.adapter.layer_spec()
+
+    def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
+        """The window KV rows ``[L, B, D]``: what :meth:`make_forward` passed."""
+        return key
+
+    def compress_main(self, x: Any, halo_x: Any, call: CPContext) -> torch.Tensor:
+        state = call.extra["state"]
+        if self.traits.rows_are_slots:  # the slots a rank owns are its rows, ascending
+            return state.projection.kv.transpose(0, 1)
+        compress = self._rows("compress(rows, start, state)", self.adapter.compress, state, call)
+        return stage1_compress_with_halo(compress, x, halo_x, call)
+
+    def compress_indexer(self, x: Any, halo_x: Any, call: CPContext) -> torch.Tensor:
+        state = call.extra["state"]
+        if self.traits.rows_are_slots:
+            return _keys_of(self.adapter, state).transpose(0, 1)
+        grad = self.traits.indexer_grad
+        if grad != "full":
+            x, halo_x = x.detach(), None if halo_x is None else halo_x.detach()
+        hook = "compress_index_keys(rows, start, state)"
+        keys = self._rows(hook, self.adapter.compress_index_keys, state, call)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grad != "none"):
+            return stage1_compress_with_halo(keys, x, halo_x, call)
+
+    def run_attention(self, query: Any, ori_ext: Any, x: Any, qr: Any, call: CPContext) -> Any:
+        """Stage 4 on this rank's queries: the picks, the attention, :meth:`output`, the
+        indexer loss. ``query`` is ``None`` when ``project`` left it to its ``local_work``."""
+        a, state = self.adapter, call.extra["state"]
+        state.slots = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
+        state.keys = None if call.cmp_idx_global is None else call.cmp_idx_global.transpose(0, 1)
+        state.candidates = call.reused.get("candidates")
+        params = self.attention_params()
+        selected = self.selection(state, call, params)
+        q = state.projection.query if query is None else query.transpose(0, 1)
+        request = AttentionRequest(
+            q,
+            ori_ext.transpose(0, 1),  # [B, E, D]
+            state.slots,
+            call.plan,
+            selected,
+            params.sink,
+            params.scale,
+            call.config.query_chunk,
+        )
+        o = self.attend(request, state, params, call)
+        self.expect("the attention", o, (*state.hidden.shape[:2], None, None), "[B, L, H, D]")
+        out = a.output(o, state)
+        return self.indexer_loss(out, state, call, request)
+
+    def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
+        """The layer's forward under CP: ``read_inputs``, :meth:`begin` (check, agree,
+        state), ``project``, the core's CP forward (its stages call :meth:`compress_main`,
+        :meth:`compress_indexer`, :meth:`run_attention`), ``finish``."""
+        runner, adapter = self, self.adapter
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            inputs = adapter.read_inputs(*args, **kwargs)
+            hidden = inputs.hidden
+            seq_major = (
+                runner.traits.sequence_dim == 0
+                and isinstance(hidden, torch.Tensor)
+                and hidden.dim() == 3
+            )
+            if seq_major:  # the hooks see batch-major rows
+                inputs.hidden = hidden.transpose(0, 1)
+            call, state = runner.begin(cp_forward, group, inputs)
+            state.projection = proj = adapter.project(state)
+            rows = tuple(state.hidden.shape[:2])
+            runner.expect("project(state).kv", proj.kv, (*rows, None), "[B, L, D]")
+            if proj.query is not None:
+                runner.expect(
+                    "project(state).query", proj.query, (*rows, None, None), "[B, L, H, D]"
+                )
+            out = cp_forward(
+                None if proj.query is None else proj.query.transpose(0, 1),
+                proj.kv.transpose(0, 1),
+                state.hidden.transpose(0, 1),
+                None,
+                call=call,
+                local_work=proj.local_work,
+                state=state,
+            )
+            return adapter.finish(out.transpose(0, 1) if seq_major else out, state)
+
+        own = inspect.signature(adapter.read_inputs)  # the layer's own arguments
+        forward.__signature__ = own.replace(return_annotation=inspect.Signature.empty)
+        return forward
+
+    # -------------------------------------------------------------- one forward's steps
+    def begin(
+        self, cp_forward: Any, group: Any, inputs: LayerInputs
+    ) -> tuple[CPContext, ForwardState]:
+        """The recorded values (:data:`~hp_cp_torch.model_adapter.RECORDED` boundaries, the
+        real rows), :meth:`agree_inputs`, then this forward's state (the rows batch-major,
+        the positions given or the plan's)."""
+        sequence, x = cp_forward.sequence, inputs.hidden
+        if inputs.cu_seqlens is RECORDED:
+            rows = rows_hint(x, -2) * group.size
+            inputs.cu_seqlens = None if sequence is None else sequence.documents(rows)
+        pad = None if sequence is None else sequence.padding
+        inputs.real_rows = pad.rows if pad is not None and pad.pad_rows else None
+        call, mask = self.agree_inputs(cp_forward, group, inputs)
+        xb = x[None] if x.dim() == 2 else x  # [B, L, hidden]
+        positions = inputs.position_ids
+        if positions is None:
+            positions = torch.as_tensor(call.positions, device=x.device)
+        positions = positions.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
+        state = self.traits.state_class(inputs, xb, positions, loss_mask=mask)
+        state.plan = call.plan
+        return call, state
+
+    def agree_inputs(
+        self, cp_forward: Any, group: Any, inputs: LayerInputs
+    ) -> tuple[CPContext, torch.Tensor | None]:
+        """Check one forward's inputs on every rank, before any exchange, and agree on them:
+        ``check_inputs``, the kernel, the plan, ``value_checks`` (deferred into the
+        agreement's gather, or read here once when the agreement is reused or local; skipped
+        by a later layer of the same forward handed the same tensors) and the indexer loss's
+        row count.
+
+        Returns:
+            The agreed context and the ``[B, L]`` rows that count in the indexer loss
+            (``None``: all, or no loss).
+        """
+        a, x = self.adapter, inputs.hidden
+        checks = TensorChecks(getattr(group, "device", None), f"{a.layer_name()} under CP")
+        a.check_inputs(inputs, checks)
+        if isinstance(x, torch.Tensor) and self.attention_params().kind != "own":
+            checks.kernel(cp_forward.config.attention_kernel, x.device)
+        check = cp_forward.inspect(
+            rows_hint(x, -2),
+            checks.host_cu_seqlens(inputs.cu_seqlens),
+            problems=checks.problems,
+            signature=checks.signature,
+        )
+        memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
+        params = self.indexer_params(cp_forward.spec)
+        with_loss = params is not None and params.loss_coeff is not None
+        counted = with_loss and inputs.loss_mask is not None  # a per-rank count to sum
+        reuse = memo is not None and cp_forward.reuses_agreement(counted)
+        across = not reuse and group.size > 1 and cp_forward.config.check_inputs_across_ranks
+        if not check.ok:
+            return agree_values(cp_forward, check, [], across, None), None
+        xb = x[None] if x.dim() == 2 else x  # [B, L, hidden]
+        mask, extra = _loss_rows(cp_forward, xb, inputs.loss_mask, with_loss)
+        seen = self.read_objects(inputs)
+        # a group of one never reuses an agreement (there is none); a later layer of the same
+        # forward (a higher index) given the very objects its first layer checked skips too
+        same_forward = group.size == 1 and memo is not None and index > memo.checked_index
+        replay = getattr(cp_forward, "replayed", lambda: None)()  # a recomputation: as before
+        if replay is not None:
+            skip = replay.checks_skipped
+        else:
+            skip = seen is not None and (reuse or same_forward) and memo.checked == seen
+        if skip:
+            if replay is None:
+                cp_forward.skip_checks()
+            return cp_forward.agree(check, extra), mask  # checked by this forward's first layer
+        flags = [(bad, f"{checks.where}: {m}") for bad, m in a.value_checks(inputs, check.plan)]
+        if memo is not None and replay is None:
+            memo.checked = None
+        call = agree_values(cp_forward, check, flags, across, x.device, extra)
+        if memo is not None and replay is None:  # reached only when every flag was clear
+            memo.checked, memo.checked_index = seen, index
+        return call, mask
+
+    def read_objects(self, inputs: LayerInputs) -> tuple[Any, ...] | None:
+        """What ``value_checks`` may read: the identities of every tensor field of ``inputs``
+        but ``hidden``, and the rows (a 0.3 adapter's ``checked_objects`` where it has one)."""
+        old = self._v03.get("checked_objects")
+        if old is not None:
+            return old(self.adapter, inputs)
+        values = (getattr(inputs, f.name) for f in fields(inputs) if f.name != "hidden")
+        tensors = (id(t) for t in values if isinstance(t, torch.Tensor))
+        return (*tensors, rows_hint(inputs.hidden, -2))
+
+    def attention_params(self) -> AttentionParams:
+        params = self.adapter.attention_params()
+        if params.kind not in ATTENTION_KINDS or (params.kind == "latent") != (
+            params.latent is not None
+        ):
+            raise HpCpError(
+                f"{self.adapter.layer_name()}: attention_params() returned kind="
+                f"{params.kind!r} with latent={params.latent!r}; expected one of "
+                f"{ATTENTION_KINDS}, with latent=Latent(...) exactly for kind='latent'."
+            )
+        if params.kind != "own" and params.scale is None:
+            raise HpCpError(
+                f"{self.adapter.layer_name()}: attention_params() has no scale; return "
+                "AttentionParams(scale=<the softmax scale>, sink=...)."
+            )
+        return params
+
+    def indexer_params(self, spec: Any) -> Any:
+        """The adapter's ``indexer_params()`` on a layer with an indexer, else ``None``."""
+        return self.adapter.indexer_params() if spec.has_indexer else None
+
+    def selection(
+        self, state: ForwardState, call: CPContext, params: AttentionParams
+    ) -> torch.Tensor | None:
+        """The picks this forward attends to: those of the layer it shares them with
+        (``call.reused``, Note [Layers that share their indexer]), else :meth:`select`'s;
+        published with the candidates for the layers that reuse them, kept as
+        ``state.selected``."""
+        if "selection" in call.reused:
+            selected = call.reused["selection"]
+        elif state.keys is None or params.kind == "own":
+            selected = None  # no indexer, or the model's own attention picks
+        else:
+            if state.index_queries is None:
+                state.index_queries = self.adapter.index_queries(state)
+            selected = self.select(state, call)
+        if selected is not None:
+            selected = selected.to(state.hidden.device)
+        roles = call.roles
+        if selected is not None and roles is not None and roles.publishes("selection"):
+            call.outputs["selection"] = selected
+        if roles is not None and roles.publishes("candidates"):
+            call.outputs["candidates"] = state.candidates
+        state.selected = selected
+        return selected
+
+    def select(self, state: ForwardState, call: CPContext) -> torch.Tensor:
+        """The indexer's top-k over each local query's visible slots (global slot ids,
+        ``-1`` = none)."""
+        a, keys, params = self.adapter, state.keys, self.indexer_params(call.spec)
+        if params is None:
+            raise HpCpError(
+                f"{a.layer_name()}: its layer_spec() has an indexer but indexer_params() "
+                "returns None; return IndexerParams(topk=..., heads=...)."
+            )
+        hook = None
+        if type(a).block_candidates is not ModelAdapter.block_candidates:
+
+            def hook(scores: Any, lo: int, hi: int, row: Any) -> Any:
+                return a.block_candidates(state, scores, lo, hi, row)
+
+        def scores(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
+            got = a.index_scores(state, lo, hi, keys[:, s0:s1])
+            want = (keys.shape[0], hi - lo, s1 - s0)
+            self.expect("index_scores(state, lo, hi, keys)", got, want, "[B, hi - lo, s]")
+            return got
+
+        with torch.no_grad():  # the picks are discrete; the loss's student is recomputed
+            return select_topk_chunked(
+                scores,
+                call.plan,
+                params.topk,
+                call.config.query_chunk,
+                batch=state.hidden.shape[0],
+                score_heads=params.heads,
+                one_process_row=self.traits.packed_topk_row,
+                sequence_rows=call.sequence_rows,
+                cu_seqlens=call.cu_seqlens,
+                row_hook=hook,
+                ascending=self.traits.ascending_picks,
+            )
+
+    def attend(
+        self, request: AttentionRequest, state: ForwardState, params: AttentionParams, call: Any
+    ) -> torch.Tensor:
+        """The attention ``[B, L, H, D]``: the model's own (``kind="own"``, or its op order
+        for ``model_ops`` / ``attention_precision="model"``), else by ``params.kind``."""
+        a, kernel = self.adapter, call.config.attention_kernel
+        if params.kind == "own" or uses_model_precision(call.config):
+            o = a.attention(request, state)
+            if o is not None:
+                return o
+            if params.kind == "own":
+                raise HpCpError(
+                    f"{a.layer_name()}: attention_params() declares kind='own' but "
+                    "attention(request, state) returned None; return the attention [B, L, H, D]."
+                )
+        if "attend" in self._v03:  # a 0.3 adapter's own kernel call
+            return self._v03["attend"](a, request, state, kernel)
+        if params.kind == "latent":
+            return _latent(request, params)
+        return run_sparse_attention(
+            request.q,
+            request.ori_ext,
+            request.cmp_kv,
+            request.plan,
+            request.selected,
+            request.sink,
+            request.scale,
+            kernel=kernel,
+            query_chunk=request.query_chunk,
+        )
+
+    def indexer_loss(
+        self, out: torch.Tensor, state: ForwardState, call: CPContext, request: AttentionRequest
+    ) -> torch.Tensor:
+        """The indexer loss's share of this rank attached to ``out`` (Note [Indexer loss
+        under CP]); its global mean, the same on every rank, kept as ``module.indexer_loss``."""
+        params = self.indexer_params(call.spec)
+        selected = request.selected
+        if params is None or params.loss_coeff is None or selected is None or state.keys is None:
+            self.record_indexer_loss(None)
+            return out
+        student = self.adapter.indexer_loss_scores(state, state.keys, selected)
+        self.check_student_once(state, student)
+        share = indexer_loss_share(
+            call,
+            request.q,
+            request.ori_ext,
+            request.cmp_kv,
+            selected,
+            student,
+            request.sink,
+            request.scale,
+            state.loss_mask,
+        )
+        self.record_indexer_loss(call.group.sum_detached(share))  # no host sync
+        return attach_indexer_loss(out, share, params.loss_coeff)
+
+    def record_indexer_loss(self, loss: torch.Tensor | None) -> None:
+        """``module.indexer_loss = loss`` (``None`` is set only on a module that has the
+        attribute; a 0.3 adapter's ``record_indexer_loss`` where it has one)."""
+        old = self._v03.get("record_indexer_loss")
+        if old is not None:
+            old(self.adapter, loss)
+        elif loss is not None or hasattr(self.module, "indexer_loss"):
+            self.module.indexer_loss = loss
+
+    def _rows(
+        self, hook: str, fn: Callable[..., torch.Tensor], state: Any, call: CPContext
+    ) -> Callable[..., torch.Tensor]:
+        """``fn(rows [B, n, C], start, state)`` for the core's sequence-major rows ``[n, B,
+        C]``, its slots checked to be ``[B, n // r, D]``."""
+        r = call.spec.compress_ratio
+
+        def compress(rows: torch.Tensor, start: int) -> torch.Tensor:
+            out = fn(rows.transpose(0, 1), start, state)
+            self.expect(hook, out, (rows.shape[1], rows.shape[0] // r, None), "[B, n // r, D]")
+            return out.transpose(0, 1)
+
+        return compress
+
+    def expect(self, hook: str, got: Any, want: tuple[Any, ...], layout: str) -> None:
+        """``got`` is a tensor of shape ``want`` (``None``: any size), else an
+        :class:`~hp_cp_core.HpCpError` naming the hook and the shape it must return."""
+        shape = getattr(got, "shape", None)
+        if shape is not None and len(shape) == len(want):
+            if all(w is None or int(n) == w for n, w in zip(shape, want)):
+                return
+        got_text = list(shape) if shape is not None else type(got).__name__
+        want_text = ", ".join("*" if w is None else str(w) for w in want)
+        raise HpCpError(
+            f"{self.adapter.layer_name()} under CP: the hook {hook} returned {got_text}; "
+            f"expected {layout} = [{want_text}] (docs/writing-a-model-adapter.md)."
+        )
+
+    def check_student_once(self, state: ForwardState, student: torch.Tensor) -> None:
+        """Warn (once per layer) when the default ``indexer_loss_scores`` (DeepSeek's
+        formula) scores otherwise than the model's ``index_scores``: its indexer loss would
+        silently train another score. A warning, not an error: a rank whose queries have no
+        picks cannot compare, and an error on some ranks only would hang the rest."""
+        a = self.adapter
+        if type(a).indexer_loss_scores is not ModelAdapter.indexer_loss_scores:
+            return
+        if self._student_checked:
+            return
+        self._student_checked = True
+
+        def scores(lo: int, hi: int, keys: Any) -> Any:
+            return a.index_scores(state, lo, hi, keys)
+
+        problem = student_mismatch(scores, state.keys, state.selected, student)
+        if problem is not None:
+            warnings.warn(f"{a.layer_name()} under CP: {problem}", stacklevel=2)
+
+
+def _keys_of(adapter: Any, state: ForwardState) -> torch.Tensor:
+    keys = state.projection.index_keys
+    if keys is None:
+        raise HpCpError(
+            f"{adapter.layer_name()}: traits.rows_are_slots with an indexer needs each row's "
+            "indexer key: return Projection(..., index_keys=[B, L, D_I]) from project(state)."
+        )
+    return keys
+
+
+def _latent(request: AttentionRequest, params: AttentionParams) -> torch.Tensor:
+    """Latent (MLA) attention on the gathered latents (:func:`hp_cp_torch.latent_attention`)."""
+    lat, q = params.latent, request.q.transpose(1, 2)  # [B, H, L, nope + rope]
+    q_pass, q_rot = torch.split(q, [lat.nope, lat.rope], dim=-1)
+    dims = MLADims(lat.nope, lat.rope, lat.value, lat.rank, params.scale)
+    latent, selected = request.cmp_kv, request.selected.to(q.device)
+    rows = chunk_rows(request.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
+    chunks = PlanColumns(request.plan, 0).chunks(rows)
+    out = latent_attention(q_pass, q_rot, latent, selected, lat.up_proj, dims, chunks)
+    return out.transpose(1, 2)  # [B, L, H, value]
+
+
+def _loss_rows(cp_forward: Any, xb: torch.Tensor, loss_mask: Any, with_loss: bool) -> Any:
+    """``(mask [B, L] or None, extra)``: the local rows that count in the indexer loss and
+    the agreement's count of them (``{}`` without a loss): a loss mask's rows are this
+    rank's ``loss_rows``, summed in the agreement; else every real row counts and the
+    total, batch x real rows, is known on every rank (``loss_rows_total``). The rows
+    ``handle.shard(..., pad_value=)`` appended never count."""
+    if not with_loss:
+        return None, {}
+    real = cp_forward.real_rows(xb.shape[1])
+    real_t = None if real is None else torch.as_tensor(real, device=xb.device)
+    if loss_mask is not None:
+        keep = loss_mask.reshape(-1, xb.shape[1]) != 0
+        keep = keep if real_t is None else keep & real_t
+        mask = keep.expand(xb.shape[0], -1)
+        return mask, {"loss_rows": int(mask.sum())}
+    total = {"loss_rows_total": cp_forward.loss_rows_total(xb.shape[1], xb.shape[0])}
+    if real_t is not None:
+        return real_t.reshape(1, -1).expand(xb.shape[0], -1), total
+    return None, total  # every row counts

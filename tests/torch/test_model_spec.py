@@ -1,0 +1,337 @@
+"""The model-adapter contract, declared (hp_cp_torch 0.4): the spec
+(:class:`hp_cp_torch.model_adapter.ModelAdapter`) has only model-math hooks, each documented
+once with when it is called and its default; the guide's tables are generated from those
+docstrings; no shipped model adapter overrides anything but a spec hook; the machinery cannot
+be overridden; an adapter written against 0.3.0 warns, naming each new hook.
+
+``python tests/torch/test_model_spec.py`` rewrites the guide's generated tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import inspect
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from hp_cp_core import HpCpError
+from hp_cp_torch.model_adapter import RENAMED_0_3, ModelAdapter, Traits
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-model-adapter.md"
+
+SPEC = (
+    "claims traits prepare_model layer_spec layer_name read_inputs check_inputs value_checks "
+    "project compress compress_index_keys index_queries index_scores indexer_loss_scores "
+    "block_candidates indexer_params attention_params attention output finish"
+).split()
+"""The spec's public names, in the order the guide's table lists them."""
+
+
+def spec_names() -> list[str]:
+    """The public names of :class:`ModelAdapter`, in definition order."""
+    return [n for n in vars(ModelAdapter) if not n.startswith("_")]
+
+
+def _md(text: str) -> str:
+    """reST roles and double backticks as Markdown, on one line."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
+    return " ".join(text.replace("``", "`").split())
+
+
+def _sections(doc: str) -> dict[str, str]:
+    """The docstring's first paragraph (``""``) and its ``Called:`` / ``Default:`` lines."""
+    paragraphs = doc.split("\n\n")
+    out, key = {"": paragraphs[0]}, None
+    for line in "\n".join(paragraphs[1:]).splitlines():
+        match = re.match(r"(Called|Default):\s*(.*)", line.strip())
+        if match:
+            key = match.group(1)
+            out[key] = match.group(2)
+        elif key is not None and line.strip() and not line.strip().endswith(":"):
+            out[key] += " " + line.strip()
+        else:
+            key = None
+    return out
+
+
+def _attributes(doc: str) -> dict[str, str]:
+    """A Google-style ``Attributes:`` section: name -> its text."""
+    section = doc.split("Attributes:\n", 1)[1].split("\n\n", 1)[0]
+    out: dict[str, str] = {}
+    name = None
+    for line in section.splitlines():
+        match = re.match(r"\s{4}(\w+): (.*)", line)
+        if match:
+            name = match.group(1)
+            out[name] = match.group(2)
+        elif name is not None:
+            out[name] += " " + line.strip()
+    return out
+
+
+def hook_table() -> list[str]:
+    """The guide's table of the spec, one row per public name, from the docstrings."""
+    rows = ["| hook | what the model returns | called | default |", "|---|---|---|---|"]
+    attributes = _attributes(inspect.getdoc(ModelAdapter))
+    for name in spec_names():
+        value = inspect.getattr_static(ModelAdapter, name)
+        if name in attributes:
+            shown = "Traits()" if isinstance(value, Traits) else repr(value)
+            rows.append(f"| `{name}` | {_md(attributes[name])} | class attribute | `{shown}` |")
+            continue
+        fn = value.__func__ if isinstance(value, classmethod) else value
+        params = list(inspect.signature(fn).parameters)[1:]
+        doc = _sections(inspect.getdoc(fn))
+        cells = [_md(doc[""]), _md(doc["Called"]), _md(doc["Default"])]
+        rows.append(f"| `{name}({', '.join(params)})` | " + " | ".join(cells) + " |")
+    return rows
+
+
+def traits_table() -> list[str]:
+    """The guide's table of :class:`Traits`, from its docstring."""
+    rows = ["| trait | meaning | default |", "|---|---|---|"]
+    defaults = Traits()
+    for name, text in _attributes(inspect.getdoc(Traits)).items():
+        value = getattr(defaults, name)
+        shown = value.__name__ if isinstance(value, type) else repr(value)
+        rows.append(f"| `{name}` | {_md(text)} | `{shown}` |")
+    return rows
+
+
+TABLES = {"spec table": hook_table, "traits table": traits_table}
+
+
+def guide_table(text: str, name: str) -> list[str]:
+    """The lines of the guide between ``<!-- name ... -->`` and ``<!-- /name -->``."""
+    match = re.search(rf"<!-- {name}[^>]*-->\n(.*?)<!-- /{name} -->", text, re.S)
+    assert match, f"{GUIDE.name} has no generated {name}"
+    return match.group(1).splitlines()
+
+
+def write_guide() -> None:
+    """Rewrite the guide's generated tables from the spec."""
+    text = GUIDE.read_text()
+    for name, make in TABLES.items():
+        table = "\n".join(make()) + "\n"
+        text = re.sub(
+            rf"(<!-- {name}[^>]*-->\n).*?(<!-- /{name} -->)",
+            lambda m, table=table: m.group(1) + table + m.group(2),
+            text,
+            flags=re.S,
+        )
+    GUIDE.write_text(text)
+
+
+# ------------------------------------------------------------------------------ the spec
+
+
+def test_the_spec_is_at_most_20_model_math_names() -> None:
+    assert spec_names() == SPEC
+    assert len(SPEC) <= 20
+
+
+def test_every_hook_says_when_it_is_called_and_its_default() -> None:
+    for name in SPEC:
+        value = inspect.getattr_static(ModelAdapter, name)
+        if name in ("claims", "traits"):
+            continue
+        fn = value.__func__ if isinstance(value, classmethod) else value
+        doc = _sections(inspect.getdoc(fn))
+        assert doc.get("Called") and doc.get("Default"), name
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_the_guide_tables_are_generated_from_the_spec(name: str) -> None:
+    """Run ``python tests/torch/test_model_spec.py`` after changing a hook's docstring."""
+    assert guide_table(GUIDE.read_text(), name) == TABLES[name]()
+
+
+def test_the_machinery_cannot_be_overridden() -> None:
+    for name in ("selection", "begin", "compress_main", "make_forward", "run_attention"):
+        with pytest.raises(HpCpError, match=f"defines \\['{name}'\\]: hp_cp's machinery"):
+            type("Adapter", (ModelAdapter,), {name: lambda self: None})
+
+
+def test_a_missing_required_hook_names_itself() -> None:
+    class Empty(ModelAdapter):
+        pass
+
+    with pytest.raises(HpCpError, match=r"does not define the hook project\(state\)"):
+        Empty(object()).project(None)
+
+
+def test_a_wrong_index_queries_layout_names_the_hook_and_the_shape() -> None:
+    """The default student reads ``state.index_queries`` as DeepSeek's pair; another layout
+    is an ``HpCpError`` naming the hook and the shapes, not an einsum error."""
+    import torch
+
+    from hp_cp_torch.model_adapter import ForwardState, LayerInputs
+
+    adapter = ModelAdapter(torch.nn.Linear(2, 2))
+    queries = (torch.zeros(2, 5, 16, 3), torch.zeros(2, 5))  # [B, L, D_I, h]: transposed
+    state = ForwardState(LayerInputs(None), torch.zeros(2, 5, 8), torch.zeros(2, 5))
+    state.index_queries = queries
+    message = (
+        r"Linear under CP: the default indexer_loss_scores reads index_queries\(state\) as "
+        r"\(queries \[B, L, h, D_I\], weights \[B, L, h\]\) = \(\[2, 5, h, 16\], "
+        r"\[2, 5, h\]\); got \[\[2, 5, 16, 3\], \[2, 5\]\]"
+    )
+    with pytest.raises(HpCpError, match=message):
+        adapter.indexer_loss_scores(state, torch.zeros(2, 7, 16), torch.zeros(2, 5, 2).long())
+    state.index_queries = (torch.zeros(2, 5, 3, 16), torch.ones(2, 5, 3))  # the right one
+    scores = adapter.indexer_loss_scores(state, torch.zeros(2, 7, 16), torch.zeros(2, 5, 2).long())
+    assert tuple(scores.shape) == (2, 5, 2)
+
+
+def test_a_hook_returning_a_wrong_shape_names_the_hook_and_the_shape() -> None:
+    import torch
+
+    from hp_cp_torch.runner import LayerRunner
+
+    runner = LayerRunner(ModelAdapter(torch.nn.Linear(2, 2)))
+    message = (
+        r"Linear under CP: the hook compress\(rows, start, state\) returned \[2, 3\]; "
+        r"expected \[B, n // r, D\] = \[2, 1, \*\]"
+    )
+    with pytest.raises(HpCpError, match=message):
+        runner.expect(
+            "compress(rows, start, state)", torch.zeros(2, 3), (2, 1, None), "[B, n // r, D]"
+        )
+    runner.expect(
+        "compress(rows, start, state)", torch.zeros(2, 1, 4), (2, 1, None), "[B, n // r, D]"
+    )
+
+
+# ------------------------------------------------------------------ the shipped models
+
+
+def shipped_adapters() -> list[type]:
+    """Every model adapter class hp_cp_torch ships: its entry points, and the function
+    adapter."""
+    from hp_cp_torch.adapter import TorchDeepSeekV4CSAAdapter
+
+    found = {TorchDeepSeekV4CSAAdapter}
+    for ep in md.entry_points(group="hp_cp.torch_models"):
+        if ep.value.startswith("hp_cp_torch."):
+            found.add(ep.load())
+    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
+
+
+def overrides(cls: type) -> dict[str, list[str]]:
+    """Per class between ``cls`` and :class:`ModelAdapter`: the names it defines that a base
+    class defines too (its overrides), dunder methods left out."""
+    chain = cls.__mro__[: cls.__mro__.index(ModelAdapter)]
+    out = {}
+    for i, klass in enumerate(chain):
+        later = [vars(base) for base in cls.__mro__[i + 1 :]]
+        names = [
+            n
+            for n in vars(klass)
+            if not (n.startswith("__") and n.endswith("__")) and any(n in v for v in later)
+        ]
+        if names:
+            out[klass.__qualname__] = names
+    return out
+
+
+def test_the_shipped_models_override_only_spec_hooks() -> None:
+    adapters = shipped_adapters()
+    assert len(adapters) == 9  # 8 by entry point (V3.2 and GLM-5 share one), the function one
+    report = {cls.__qualname__: overrides(cls) for cls in adapters}
+    stray = {
+        name: {klass: [n for n in names if n not in SPEC] for klass, names in found.items()}
+        for name, found in report.items()
+    }
+    assert {n: s for n, s in stray.items() if any(s.values())} == {}
+    # what each overrides (a model file's whole surface: the spec's hooks)
+    assert set(report["DeepseekV4AttentionAdapter"]["DeepseekV4AttentionAdapter"]) >= {
+        "layer_spec",
+        "compress",
+        "attention",
+        "traits",
+    }
+    assert (
+        "block_candidates"
+        in report["NemoDeepseekV41AttentionAdapter"]["NemoDeepseekV41AttentionAdapter"]
+    )
+
+
+def test_overrides_are_found() -> None:
+    class Base(ModelAdapter):
+        def helper(self) -> None: ...
+
+    class Child(Base):
+        def helper(self) -> None: ...
+
+        def project(self, state):  # noqa: ANN001, ANN201
+            return None
+
+    assert overrides(Child) == {"test_overrides_are_found.<locals>.Child": ["helper", "project"]}
+
+
+# ------------------------------------------------------------------ 0.3.0 adapters
+
+
+def _fresh_import(name: str) -> list[str]:
+    """Import ``name`` anew; the deprecation warnings its class definitions raise."""
+    sys.modules.pop(name, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        importlib.import_module(name)
+    return [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+
+
+def test_the_0_3_example_warns_naming_each_new_hook() -> None:
+    """The guide's 0.3.0 example adapter, unchanged: one warning per 0.3 name, each naming
+    the hook that replaces it (it runs under CP as before: ``test_model_example.py``)."""
+    got = _fresh_import("hp_cp_model_example.adapter_v03")
+    old = ["packed_topk_row", "hidden_size", "compress", "compress_index_keys", "index_topk"]
+    old += ["sink", "scale"]
+    assert len(got) == len(old), got
+    for name in old:
+        start = f"PooledAttentionAdapter.{name} is the hp_cp 0.3 model-adapter API"
+        message = next(m for m in got if start in m)
+        assert "deprecated since 0.4.0" in message
+        assert f"use {RENAMED_0_3[name]} instead" in message, message
+
+
+def test_a_0_3_third_party_adapter_warns_naming_each_new_hook() -> None:
+    """A third party's 0.3 adapter with ``compress(rows, start, state)`` (already the 0.4
+    signature: no warning for it) and its own ``index_scores_at`` (it trains the reference
+    layer's indexer under CP as before: ``test_indexer_loss.py``)."""
+    got = " ".join(_fresh_import("v03_adapters"))
+    for name in ("index_scores_at", "index_topk", "index_heads", "indexer_loss_coeff"):
+        assert f"ThirdPartyAdapter.{name} is the hp_cp 0.3" in got
+    assert "use indexer_loss_scores(state, keys, selected) instead" in got
+    assert "ThirdPartyAdapter.compress is" not in got
+
+
+def test_a_0_3_adapter_runs_its_0_3_methods_as_the_new_hooks() -> None:
+    import v03_adapters
+
+    from hp_cp_torch.model_adapter import AttentionParams, IndexerParams
+
+    cls = v03_adapters.ThirdPartyAdapter
+    assert cls.traits.indexer_grad == "loss"
+    assert cls.indexer_loss_scores is cls.__dict__["index_scores_at"]
+
+    class Layer:
+        class config:  # noqa: N801
+            index_topk, indexer_loss_coeff = 3, 0.5
+
+        indexer = type("Indexer", (), {"n_heads": 2})()
+        softmax_scale, attn_sink = 0.25, "sink"
+        computes_indexer_loss = True
+
+    adapter = cls(Layer())
+    assert adapter.indexer_params() == IndexerParams(3, 2, 0.5)
+    assert adapter.attention_params() == AttentionParams(0.25, "sink")
+
+
+if __name__ == "__main__":
+    write_guide()
