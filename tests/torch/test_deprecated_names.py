@@ -85,7 +85,7 @@ def test_cp_causal_lm_batch_is_removed_for_handle_batch() -> None:
 
 
 def test_cp_dsa_batch_is_removed_for_handle_batch() -> None:
-    _removed("transformers_dsa", "cp_dsa_batch", "handle.batch(input_ids, labels=labels, cu")
+    _removed("transformers_dsa", "cp_dsa_batch", "handle.batch(input_ids, cu_seqlens=cu)")
     handle = BatchRecorder()
     got = handle.batch(IDS, cu_seqlens=[0, 3, 8])
     assert handle.calls[0]["cu_seqlens"] == [0, 3, 8]

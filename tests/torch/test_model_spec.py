@@ -318,7 +318,6 @@ def test_a_0_3_adapter_runs_its_0_3_methods_as_the_new_hooks() -> None:
 
     cls = v03_adapters.ThirdPartyAdapter
     assert cls.traits.indexer_grad == "loss"
-    assert cls.indexer_loss_scores is cls.__dict__["index_scores_at"]
 
     class Layer:
         class config:  # noqa: N801
@@ -331,6 +330,8 @@ def test_a_0_3_adapter_runs_its_0_3_methods_as_the_new_hooks() -> None:
     adapter = cls(Layer())
     assert adapter.indexer_params() == IndexerParams(3, 2, 0.5)
     assert adapter.attention_params() == AttentionParams(0.25, "sink")
+    adapter.index_scores_at = lambda state, keys, selected: (state, keys, selected)
+    assert adapter.indexer_loss_scores(1, 2, 3) == (1, 2, 3)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,5 @@
-"""The names 0.3.0 deprecated and 0.4.0 removed: importing one says what to use instead.
-
-An integration module sets ``__getattr__ = removed_names(__name__, {old: replacement})``
-(CHANGELOG, 0.4.0 "Removed"); reading a removed name
-(``from hp_cp_torch.integrations.veomni import enable_cp``) then raises an ``ImportError``
-naming its replacement, not Python's bare "cannot import name".
-"""
+"""The names 0.4.0 removed: a module's ``__getattr__ = removed_names(__name__, old=new)``
+makes importing one an ``ImportError`` that names its replacement (CHANGELOG, 0.4.0)."""
 
 from __future__ import annotations
 
@@ -14,12 +9,13 @@ from typing import NoReturn
 ENABLE = "hp_cp_core.enable_cp(model, mesh, config)"
 DISABLE = "hp_cp_core.disable_cp(handle)"
 NEMO_BATCH = "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch"
+ADAPTER_FOR = "hp_cp_torch.adapter.adapter_for(module) (the registry of hp_cp.torch_models)"
 
 
-def removed_names(module: str, gone: dict[str, str]) -> Callable[[str], NoReturn]:
-    """The module-level ``__getattr__`` of ``module``: a name of ``gone`` (removed name -> what
-    replaces it) raises an ``ImportError`` naming its replacement, any other missing name the
-    usual ``AttributeError``."""
+def removed_names(module: str, **gone: str) -> Callable[[str], NoReturn]:
+    """The module-level ``__getattr__`` of ``module``: a name of ``gone`` (removed name =
+    what replaces it) raises an ``ImportError`` naming its replacement, any other missing
+    name the usual ``AttributeError``."""
 
     def __getattr__(name: str) -> NoReturn:
         if name in gone:

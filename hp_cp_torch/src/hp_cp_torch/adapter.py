@@ -181,18 +181,10 @@ class TorchDeepSeekV4CSAAdapter(ModelAdapter):
       zero); ``None`` when r = 0 / without an indexer. The outputs are concatenated in
       local row order.
 
-    A spec implementation like any model's: sequence-major (``traits.sequence_dim = 0``), its
-    compressors the hooks ``compress`` / ``compress_index_keys``, ``attention_fn`` its own
-    attention (``kind="own"``: it picks its slots itself).
-
-    Args:
-        module: the module whose forward is replaced.
-        compressor: ``compressor(x, rope_pos_offset=int)`` on sequence-major rows (r > 0).
-        indexer_compressor: the indexer's compressor (r = 4 with an indexer), or ``None``.
-        attention_fn: the attention entry point (keyword arguments above).
-        compress_ratio: 0, 4 or 128.
-        window_size: W.
-        force_unfused: recorded in the layer spec.
+    A spec implementation like any model's: sequence-major, its compressors the ``compress``
+    hooks, ``attention_fn`` its own attention (``kind="own"``: it picks its slots itself).
+    ``compress_ratio`` is 0, 4 or 128 (a compressor for r > 0, an indexer compressor at 4),
+    ``window_size`` W; ``force_unfused`` is recorded in the layer spec.
     """
 
     traits = Traits(sequence_dim=0, indexer_grad="full")
@@ -220,20 +212,17 @@ class TorchDeepSeekV4CSAAdapter(ModelAdapter):
                 "cmp_idx_global."
             )
         super().__init__(module)
-        self.compressor = compressor
-        self.indexer_compressor = indexer_compressor
+        self.compressor, self.indexer_compressor = compressor, indexer_compressor
         self.attention_fn = attention_fn
-        self.compress_ratio = int(compress_ratio)
-        self.window_size = int(window_size)
-        self.force_unfused = bool(force_unfused)
+        self.spec = LayerSpec(
+            compress_ratio=int(compress_ratio),
+            window_size=int(window_size),
+            has_indexer=indexer_compressor is not None and compress_ratio == 4,
+            force_unfused=bool(force_unfused),
+        )
 
     def layer_spec(self) -> LayerSpec:
-        return LayerSpec(
-            compress_ratio=self.compress_ratio,
-            window_size=self.window_size,
-            has_indexer=self.indexer_compressor is not None and self.compress_ratio == 4,
-            force_unfused=self.force_unfused,
-        )
+        return self.spec
 
     def layer_name(self) -> str:
         return "patched module"
@@ -334,25 +323,22 @@ def patch_torch_deepseek_v4_csa_forward(
     Returns:
         The ``enable_cp`` handle; ``disable_cp(handle)`` restores the module.
     """
-    ratio = compress_ratio
-    if ratio is None:
-        ratio = getattr(module, "compress_ratio", None)
-    window = window_size if window_size is not None else getattr(module, "window_size", None)
+
+    def given(value: Any, name: str, default: Any = None) -> Any:
+        return value if value is not None else getattr(module, name, default)
+
+    ratio, window = given(compress_ratio, "compress_ratio"), given(window_size, "window_size")
     if ratio is None or window is None:
         raise HpCpError(
             f"patch_torch_deepseek_v4_csa_forward could not find compress_ratio / window_size "
             f"on a `{type(module).__name__}`; pass compress_ratio=... and window_size=...."
         )
-    indexer = getattr(module, "indexer", None)
+    indexer = getattr(getattr(module, "indexer", None), "compressor", None)
     adapter = TorchDeepSeekV4CSAAdapter(
         module,
-        compressor=compressor if compressor is not None else getattr(module, "compressor", None),
-        indexer_compressor=indexer_compressor
-        if indexer_compressor is not None
-        else getattr(module, "indexer_compressor", getattr(indexer, "compressor", None)),
-        attention_fn=attention_fn
-        if attention_fn is not None
-        else getattr(module, "attention_fn", None),
+        compressor=given(compressor, "compressor"),
+        indexer_compressor=given(indexer_compressor, "indexer_compressor", indexer),
+        attention_fn=given(attention_fn, "attention_fn"),
         compress_ratio=int(ratio),
         window_size=int(window),
     )

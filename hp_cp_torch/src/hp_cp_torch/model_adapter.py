@@ -1,24 +1,11 @@
 """The model-adapter spec: the hooks a model fills to run under CP, each optional with a default.
 
-A model adapter is a subclass of :class:`ModelAdapter` registered under the entry-point group
-``hp_cp.torch_models`` (:mod:`hp_cp_torch.model_registry`); ``hp_cp_core.enable_cp(model,
-mesh)`` then finds every module of a claimed class, builds one adapter per layer at install
-(kept on the layer until ``disable_cp``) and replaces the layer's forward. As pluggy separates
-a hookspec from the ``PluginManager`` that calls it, this module is the spec and
-:mod:`hp_cp_torch.runner` the machinery: the runner calls these hooks, and a subclass cannot
-override the runner's steps (they are not here to override; naming one raises at class
-definition). ``docs/writing-a-model-adapter.md`` holds the table of the hooks, generated from
-their docstrings (``tests/torch/test_model_spec.py``).
-
-Every hook runs on the rank's *local* rows, batch-major (``[B, L, ...]``); packed documents
-come as one row (``B = 1``) whose positions restart at 0 per document. One forward's values
-travel in a typed :class:`ForwardState` (its :attr:`ForwardState.inputs` is what
-:meth:`ModelAdapter.read_inputs` returned: the one path of per-call values, such as a rotary
-table the model passes its layer).
-
-An adapter written against 0.3.0's ``ModelAdapter`` keeps working through 0.4: each 0.3 name
-it defines warns (a ``DeprecationWarning`` naming the hook that replaces it) and runs as that
-hook (:data:`RENAMED_0_3`).
+A model adapter subclasses :class:`ModelAdapter`, fills the hooks its model needs and is
+registered under the entry-point group ``hp_cp.torch_models``. As pluggy separates a hookspec
+from its ``PluginManager``, this is the spec and :mod:`hp_cp_torch.runner` the machinery, which
+no subclass can override. ``docs/writing-a-model-adapter.md``'s table is generated from the
+hooks' docstrings. An adapter written against 0.3.0 keeps working through 0.4: each 0.3 name it
+defines warns, naming the hook that replaces it (:data:`RENAMED_0_3`), and runs as that hook.
 """
 
 from __future__ import annotations
@@ -52,30 +39,22 @@ __all__ = [
 ]
 
 RECORDED: Any = SimpleNamespace(name="RECORDED")
-"""``LayerInputs(cu_seqlens=RECORDED)``: the packed boundaries the batch recorded
-(``handle.batch`` / ``cp_nemo_batch``), for a model that hands its layers per-row document
-ids instead of boundaries. hp_cp puts them in before the checks (``None`` when none were
-recorded for this sequence)."""
+"""``LayerInputs(cu_seqlens=RECORDED)``: the packed boundaries the batch recorded (for a model
+that hands its layers per-row document ids), put in by hp_cp before the checks."""
 
 
 @dataclass
 class LayerInputs:
-    """A layer forward's arguments, as :meth:`ModelAdapter.read_inputs` reads them.
-
-    Subclass it for the model's own arguments (a rotary table, a mask, a cache); every hook
-    reads them as ``state.inputs``.
+    """A layer forward's arguments (:meth:`ModelAdapter.read_inputs`); subclass it for the
+    model's own (a rotary table, a mask), read by every hook as ``state.inputs``.
 
     Attributes:
-        hidden: the local rows ``[B, L, hidden]`` (padded) or ``[L, hidden]`` /
-            ``[1, L, hidden]`` with ``cu_seqlens`` (packed), batch-major whatever the
-            model's :attr:`Traits.sequence_dim` (hp_cp transposes).
-        position_ids: the rows' positions (``[L]`` or ``[B, L]``; packed: restarting per
-            document), or ``None`` to take the plan's.
-        cu_seqlens: the global document boundaries ``[0, ..., S]`` (packed), :data:`RECORDED`,
-            else ``None``.
+        hidden: the local rows ``[B, L, hidden]``, or ``[L, hidden]`` / ``[1, L, hidden]``
+            with ``cu_seqlens`` (packed); batch-major whatever :attr:`Traits.sequence_dim`.
+        position_ids: ``[L]`` or ``[B, L]`` (packed: per document), or ``None``: the plan's.
+        cu_seqlens: the global document boundaries ``[0, ..., S]``, :data:`RECORDED` or ``None``.
         loss_mask: rows that count in the indexer loss (``[L]`` or ``[B, L]``), or ``None``.
-        real_rows: set by hp_cp: the global rows before the padding the layout added
-            (``handle.batch``, ``handle.shard(..., pad_value=)``), ``None`` when none.
+        real_rows: set by hp_cp: the global rows before the layout's padding, or ``None``.
     """
 
     hidden: Any
@@ -90,18 +69,13 @@ class Projection:
     """What :meth:`ModelAdapter.project` returns for the local rows.
 
     Attributes:
-        query: ``[B, L, H, D]``, roped as the model ropes them (latent attention: ``D`` is
-            ``nope + rope``).
-        kv: the shared KV head ``[B, L, D]`` (keys and values are one row), roped; latent
-            attention: each row's latent ``[c ; k_rot]``.
-        index_input: what :meth:`ModelAdapter.index_queries` needs beyond the state (e.g. the
-            query's low-rank residual), or ``None``.
-        index_keys: with :attr:`Traits.rows_are_slots`, each row's indexer key ``[B, L, D_I]``
-            (its own slot of the indexer).
-        local_work: work that needs no received row, run while the exchanges travel (Note
-            [Overlapped exchanges] in :mod:`hp_cp_core.collectives`): the first callable
-            during the halo exchange, the rest during the slot exchange. With it ``query``
-            may be ``None`` here, set on ``state.projection`` by the work.
+        query: ``[B, L, H, D]``, roped (latent attention: ``D`` is ``nope + rope``).
+        kv: the shared KV head ``[B, L, D]`` (keys = values), roped; latent: ``[c ; k_rot]``.
+        index_input: what :meth:`ModelAdapter.index_queries` needs beyond the state, or ``None``.
+        index_keys: with :attr:`Traits.rows_are_slots`, each row's indexer key ``[B, L, D_I]``.
+        local_work: callables run while the exchanges travel (the first during the halo
+            exchange, the rest during the slot exchange; Note [Overlapped exchanges] in
+            :mod:`hp_cp_core.collectives`); they may set ``state.projection.query``.
     """
 
     query: torch.Tensor | None
@@ -113,25 +87,21 @@ class Projection:
 
 @dataclass
 class ForwardState:
-    """One layer's CP forward, handed to the hooks; a model adds fields by subclassing it
-    (``@dataclass(kw_only=True)``) and naming the subclass in :attr:`Traits.state_class`.
+    """One layer's CP forward, handed to the hooks; a model adds fields in a subclass
+    (``@dataclass(kw_only=True)``) named in :attr:`Traits.state_class`.
 
     Attributes:
-        inputs: the forward's :class:`LayerInputs` (:meth:`ModelAdapter.read_inputs`).
-        hidden: the local rows, batch-major ``[B, L, hidden]``.
+        inputs: the forward's :class:`LayerInputs`; hidden: its rows ``[B, L, hidden]``.
         positions: ``[B, L]`` positions of the local rows (packed: per document).
-        projection: the layer's :class:`Projection` (set before the exchanges).
+        projection: the layer's :class:`Projection`; plan: this rank's ``RankPlan``.
         loss_mask: ``[B, L]`` bool rows that count in the indexer loss, or ``None`` (all).
         index_queries: what :meth:`ModelAdapter.index_queries` returned.
-        plan: this rank's plan (:class:`hp_cp_core.plan.RankPlan`).
-        slots: the gathered compressed slots ``[B, N, D]`` in global slot order (the layer's
-            own, or those of the layer it shares them with), or ``None``.
+        slots: the gathered compressed slots ``[B, N, D]`` in global slot order, or ``None``.
         keys: the gathered indexer keys ``[B, N, D_I]``, or ``None``.
-        selected: the picks this forward attends to (``[B, L, k]`` global slot ids, ``-1``
-            none), or ``None`` (no indexer).
-        candidates: the candidate blocks this layer selects among (``[B, L, N]`` bool: handed
-            from the layer that publishes them, or set by
-            :meth:`ModelAdapter.block_candidates` on the layer that makes them), or ``None``.
+        selected: the picks ``[B, L, k]`` (global slot ids, ``-1`` none), or ``None``.
+        candidates: the candidate blocks ``[B, L, N]`` (bool) this layer selects among,
+            handed from the layer that makes them (its :meth:`ModelAdapter.block_candidates`
+            sets them), or ``None``.
     """
 
     inputs: LayerInputs
@@ -153,23 +123,18 @@ class Traits:
 
     Attributes:
         state_class: the :class:`ForwardState` (sub)class one forward's values travel in.
-        sequence_dim: the dimension of the layer's hidden rows that runs along the sequence: 1
-            for batch-major ``[B, L, hidden]``, 0 for sequence-major ``[L, B, hidden]``
-            (Megatron's). The hooks see batch-major rows either way and the layer returns
-            its output in the model's layout; the rows it sees along this dimension are
-            checked against the sequence ``handle.shard`` / ``handle.batch`` cut.
-        packed_topk_row: how the model on one process picks its indexer top-k (Note [The
-            one-process top-k row] in :mod:`hp_cp_core.columns`): ``"document"`` (each
-            document's own row), ``"stream"`` (one row for the packed stream), or ``None``:
-            hp_cp's device-independent top-k (lower slot id first on ties).
-        ascending_picks: the picks in ascending slot order (a model that calls
-            ``torch.topk(..., sorted=False)`` and sorts), else in descending-score order.
-        indexer_grad: what the indexer's compressor learns from: ``"loss"`` (its input rows
-            detached: the indexer loss only, as Megatron), ``"none"`` (run without autograd:
-            an indexer that only feeds integer picks, HF's and NeMo's) or ``"full"``
-            (gradients reach the layer's input through the keys).
-        rows_are_slots: the projection's rows are the slots (DSA, ratio 1): ``Projection.kv``
-            the main slots and ``Projection.index_keys`` the indexer's, no compressor.
+        sequence_dim: the sequence's dimension of the layer's hidden rows: 1 (``[B, L,
+            hidden]``) or 0 (``[L, B, hidden]``, Megatron's). The hooks see batch-major rows
+            either way; the output is returned in the model's layout.
+        packed_topk_row: the row the model's own top-k runs on (Note [The one-process top-k
+            row] in :mod:`hp_cp_core.columns`): ``"document"``, ``"stream"`` (the packed
+            stream's), or ``None``: hp_cp's device-independent top-k (lower slot first).
+        ascending_picks: picks in ascending slot order (``topk(sorted=False)``, then sorted).
+        indexer_grad: the indexer compressor's gradient: ``"loss"`` (its rows detached: the
+            indexer loss only, as Megatron), ``"none"`` (no autograd: HF's, NeMo's) or
+            ``"full"`` (gradients reach the layer's input through the keys).
+        rows_are_slots: the projection's rows are the slots (DSA): ``Projection.kv`` and
+            ``Projection.index_keys``, no compressor.
     """
 
     state_class: type[ForwardState] = ForwardState
@@ -186,13 +151,10 @@ class IndexerParams:
 
     Attributes:
         topk: the slots it keeps per query.
-        heads: the heads :meth:`ModelAdapter.index_scores` scores before summing them (it
-            bounds each score chunk's ``[rows, heads, slots]`` intermediate).
-        loss_coeff: the indexer loss's weight in the output's gradient, or ``None``: no loss.
-            The loss (KL of the attention's weights at the picks to the indexer's softmax, a
-            mean over the rows that count, the same on every rank) is attached to the layer
-            output, and its value is kept as ``module.indexer_loss``: a model that adds
-            ``layer.indexer_loss`` to its own loss counts it twice.
+        heads: the heads :meth:`ModelAdapter.index_scores` sums (it bounds a score chunk).
+        loss_coeff: the indexer loss's weight, or ``None``: no loss. The loss (a mean over
+            the rows that count on all ranks) is attached to the layer output; its value,
+            ``module.indexer_loss``, is for logging (adding it to a loss counts it twice).
     """
 
     topk: int
@@ -202,14 +164,9 @@ class IndexerParams:
 
 @dataclass(frozen=True)
 class Latent:
-    """Latent (MLA) attention: keys and values are each row's latent ``[c ; k_rot]`` through
-    ``up_proj`` (Note [DSA attention on the latents] in :mod:`hp_cp_torch.latent_attention`).
-
-    Attributes:
-        nope: ``qk_nope_head_dim``; rope: ``qk_rope_head_dim``; value: ``v_head_dim``;
-        rank: ``kv_lora_rank``.
-        up_proj: ``kv_b_proj.weight`` ``[H * (nope + value), rank]``.
-    """
+    """Latent (MLA) attention's dims (``qk_nope_head_dim``, ``qk_rope_head_dim``,
+    ``v_head_dim``, ``kv_lora_rank``) and ``up_proj``, ``kv_b_proj.weight`` (Note [DSA
+    attention on the latents] in :mod:`hp_cp_torch.latent_attention`)."""
 
     nope: int
     rope: int
@@ -227,12 +184,10 @@ class AttentionParams:
 
     Attributes:
         scale: the softmax scale.
-        sink: per-head sink logits ``[H]`` (inside the softmax's max and denominator), or
-            ``None``.
-        kind: ``"shared_kv"`` (the family's attention over one shared KV head, by the
-            configured kernel), ``"latent"`` (MLA, with :attr:`latent`) or ``"own"`` (the
-            model's :meth:`ModelAdapter.attention` always, whatever the kernel: it picks its
-            slots itself from ``state.keys``; hp_cp runs no selection).
+        sink: per-head sink logits ``[H]`` (inside the softmax), or ``None``.
+        kind: ``"shared_kv"`` (one shared KV head, by the configured kernel), ``"latent"``
+            (MLA, with :attr:`latent`) or ``"own"`` (:meth:`ModelAdapter.attention` always:
+            it picks its slots itself from ``state.keys``; hp_cp runs no selection).
         latent: the dims of ``kind="latent"``.
     """
 
@@ -240,6 +195,15 @@ class AttentionParams:
     sink: torch.Tensor | None = None
     kind: str = "shared_kv"
     latent: Latent | None = None
+
+    def __post_init__(self) -> None:
+        latent, scaled = self.latent is not None, self.scale is not None or self.kind == "own"
+        if self.kind not in ATTENTION_KINDS or (self.kind == "latent") != latent or not scaled:
+            raise HpCpError(
+                f"AttentionParams(kind={self.kind!r}, scale={self.scale!r}, latent given: "
+                f"{latent}): expected a kind of {ATTENTION_KINDS}, a Latent exactly for "
+                "kind='latent', and a softmax scale (but for kind='own')."
+            )
 
 
 def _required(adapter: Any, hook: str, why: str) -> HpCpError:
@@ -250,16 +214,13 @@ def _required(adapter: Any, hook: str, why: str) -> HpCpError:
 
 
 class ModelAdapter:
-    """The spec of a model adapter: subclass it and define the hooks your model needs.
+    """The spec of a model adapter for the layer ``module`` (one adapter per layer): subclass it
+    and define the hooks your model needs.
 
     Attributes:
-        claims: qualified names of the modeling classes this adapter runs
-            (``"package.module.Class"``), read when the entry point's name is not itself a
-            class name.
-        traits: the model's :class:`Traits` (default ``Traits()``).
-
-    Args:
-        module: the layer this adapter drives (one adapter per layer, built at install).
+        claims: the modeling classes it runs (``"package.module.Class"``), read when the entry
+            point's name is not a class name.
+        traits: the model's :class:`Traits`.
     """
 
     claims: ClassVar[tuple[str, ...]] = ()
@@ -274,8 +235,8 @@ class ModelAdapter:
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
-        """Model-level work under CP (guards, pre-hooks, another module's forward), once per
-        adapter class and ``enable_cp``, with that class's layers.
+        """Model-level work under CP (guards, pre-hooks, another module's forward), with the
+        layers of this adapter class.
 
         Called: in ``enable_cp`` before any layer is installed; undo through
         ``handle.on_disable(fn)``.
@@ -295,9 +256,10 @@ class ModelAdapter:
         """How error messages name the layer (``"<name> under CP: ..."``).
 
         Called: when a message is made.
-        Default: the layer's class name.
+        Default: its class name, and ``layer <layer_idx>`` where the layer has one.
         """
-        return type(self.module).__name__
+        index = getattr(self.module, "layer_idx", None)
+        return type(self.module).__name__ + ("" if index is None else f" layer {index}")
 
     def read_inputs(
         self,
@@ -306,8 +268,8 @@ class ModelAdapter:
         cu_seqlens: Any = None,
         loss_mask: Any = None,
     ) -> LayerInputs:
-        """The layer's forward arguments, as the model calls the layer, into a
-        :class:`LayerInputs` (subclass it for the model's own; a missing value is ``None``).
+        """The layer's forward arguments, as the model calls the layer, as a
+        :class:`LayerInputs` (a missing value is ``None``).
 
         Called: first in every CP forward, with exactly the layer's arguments.
         Default: ``forward(hidden_states, position_ids=None, cu_seqlens=None, loss_mask=None)``.
@@ -315,23 +277,19 @@ class ModelAdapter:
         return LayerInputs(hidden_states, position_ids, cu_seqlens, loss_mask)
 
     def check_inputs(self, inputs: LayerInputs, checks: TensorChecks) -> None:
-        """Record what CP cannot run in this call: ``checks.fail(message)`` (a bad shape, a
-        cache, dropout in training, a framework's own CP), with the fix; the layer's name is
-        prepended. Recorded, never raised: every rank raises them together.
+        """Record what CP cannot run in this call (a bad shape, a cache, dropout in training)
+        as ``checks.fail(message)``, with the fix; every rank raises them together.
 
         Called: every forward, before any exchange.
-        Default: ``checks.layer_input(module, inputs)``: ``x [B, L, hidden]`` (``[L, hidden]``
-        packed) of the parameters' dtype and device, ``module.config.hidden_size`` wide,
-        per-row ``position_ids`` / ``loss_mask``.
+        Default: ``checks.layer_input(module, inputs)``: ``x [B, L, hidden]`` (packed: ``[L,
+        hidden]``) of the parameters' dtype and device, per-row ``position_ids`` / ``loss_mask``.
         """
         checks.layer_input(self.module, inputs)
 
     def value_checks(self, inputs: LayerInputs, plan: Any) -> list[tuple[Any, str]]:
-        """Checks that read tensor values, as ``(flag, message)`` (a 0-dim bool tensor on the
-        device, or a bool; ``True`` fails): e.g. position ids against ``plan.positions`` (a
-        numpy array ``[L]``). The flags ride on the agreement's one gather (no host read of
-        their own); a later layer of the same forward handed the very same tensors (every
-        tensor field of its inputs but ``hidden``) skips them.
+        """Checks that read tensor values, as ``(flag, message)`` (a 0-dim bool tensor or a
+        bool; ``True`` fails), e.g. position ids against ``plan.positions``; the flags ride on
+        the agreement's one gather. A later layer handed the same tensors skips them.
 
         Called: every forward, once the plan exists.
         Default: none.
@@ -348,10 +306,9 @@ class ModelAdapter:
         raise _required(self, "project(state)", "every layer")
 
     def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
-        """The main compressor: slots ``[B, n // r, D]`` of one document's rows ``rows [B, n,
-        hidden]`` starting on a block boundary (one block early for r = 4's overlap: that slot
-        is dropped), slot ``j`` at document position ``start + j*r``. ``state`` carries the
-        forward's values (``state.inputs``: a rotary table the model passed).
+        """The main compressor: slots ``[B, n // r, D]`` of one document's rows ``[B, n,
+        hidden]`` from a block boundary (one block early for r = 4's overlap: that slot is
+        dropped), slot ``j`` at position ``start + j*r``; ``state.inputs`` has the call's values.
 
         Called: per document segment of the rank (r > 0; ``n`` may be 0: return
         ``[B, 0, D]`` with the parameters in the graph).
@@ -371,9 +328,8 @@ class ModelAdapter:
         raise _required(self, "compress_index_keys(rows, start, state)", "an indexer")
 
     def index_queries(self, state: ForwardState) -> Any:
-        """What :meth:`index_scores` scores with (e.g. the indexer's roped queries and
-        per-head weights), from ``state.hidden``, ``state.positions`` and
-        ``state.projection.index_input``; kept as ``state.index_queries``.
+        """What :meth:`index_scores` scores with (the indexer's roped queries and per-head
+        weights, say), kept as ``state.index_queries``.
 
         Called: once per forward of a layer that selects, unless the projection set it.
         Default: ``None``.
@@ -394,9 +350,8 @@ class ModelAdapter:
     def indexer_loss_scores(
         self, state: ForwardState, keys: torch.Tensor, selected: torch.Tensor
     ) -> torch.Tensor:
-        """The indexer loss's student: each local query's scores ``[B, L, k]`` at its own
-        picks ``selected`` (global slot ids into ``keys [B, N, D_I]``, ``-1``: any value),
-        with autograd, as :meth:`index_scores` scores them.
+        """The indexer loss's student: scores ``[B, L, k]`` at each query's picks ``selected``
+        (slot ids into ``keys [B, N, D_I]``, ``-1``: any), with autograd, as :meth:`index_scores`.
 
         Called: once per forward with an indexer loss.
         Default: DeepSeek's ``sum_h w * relu(q . k)`` from ``state.index_queries = (q [B, L,
@@ -424,11 +379,10 @@ class ModelAdapter:
     def block_candidates(
         self, state: ForwardState, scores: torch.Tensor, lo: int, hi: int, row: Any
     ) -> torch.Tensor:
-        """Candidate-block selection (DeepSeek V4.1's two-level indexer): the one-process
-        score rows ``scores [B, hi - lo, row.length]`` (fp32, ``-inf`` where invisible) of
-        local queries ``lo:hi`` (``row.start``: the row's first slot), returned with what they
-        may not pick masked ``-inf``; the layer that makes the candidates sets
-        ``state.candidates`` (published to the layers that reuse them), the others read it.
+        """Candidate blocks (V4.1's two-level indexer): the one-process score rows ``scores
+        [B, hi - lo, row.length]`` of queries ``lo:hi`` (slots from ``row.start``), returned
+        with what they may not pick at ``-inf``; the layer that makes the candidates sets
+        ``state.candidates`` (published), the others read it.
 
         Called: per block of rows before the top-k (with ``traits.packed_topk_row``).
         Default: the scores as they are.
@@ -509,7 +463,7 @@ RENAMED_0_3 = {
     "sink": "attention_params() -> AttentionParams(scale, sink)",
     "scale": "attention_params() -> AttentionParams(scale, sink)",
     "model_attention": "attention(request, state)",
-    "attend": "attention_params() -> AttentionParams(kind='latent' or 'own')",
+    "attend": "AttentionParams(kind='latent' or 'own') from attention_params()",
     "hidden_size": "check_inputs(inputs, checks)",
     "check_tensors": "check_inputs(inputs, checks)",
     "problems": "check_inputs(inputs, checks)",
@@ -537,12 +491,9 @@ def _adopt_0_3(cls: type) -> None:
             "which a model adapter cannot override since 0.4.0. Fill the hooks of "
             "hp_cp_torch.model_adapter.ModelAdapter instead (docs/writing-a-model-adapter.md)."
         )
-    old = {name: own[name] for name in RENAMED_0_3 if name in own}
-    if "compress" in old and len(inspect.signature(old["compress"]).parameters) == 4:
-        del old["compress"]  # compress(self, rows, start, state): the 0.4 signature
-    if "compress_index_keys" in old:
-        if len(inspect.signature(old["compress_index_keys"]).parameters) == 4:
-            del old["compress_index_keys"]
+    four = {n for n in ("compress", "compress_index_keys") if n in own}
+    four = {n for n in four if len(inspect.signature(own[n]).parameters) == 4}  # 0.4's already
+    old = {name: own[name] for name in RENAMED_0_3 if name in own and name not in four}
     if not old:
         return
     for name in old:
@@ -552,57 +503,50 @@ def _adopt_0_3(cls: type) -> None:
             DeprecationWarning,
             stacklevel=4,
         )
-    fields = {n: own[n] for n in ("state_class", "sequence_dim", "packed_topk_row") if n in old}
-    detach = own.get("detach_indexer_inputs", getattr(cls, "detach_indexer_inputs", True))
-    if "index_keys_without_grad" in old or "detach_indexer_inputs" in old:
-        no_grad = own.get("index_keys_without_grad", getattr(cls, "index_keys_without_grad", 0))
-        fields["indexer_grad"] = "none" if no_grad else ("loss" if detach else "full")
-    if fields:
-        cls.traits = dataclasses.replace(cls.traits, **fields)
-    hooks = _hooks_0_3(cls, old)
-    for name, hook in hooks.items():
-        if name not in own or name in old:  # compress(rows, start): the same name, replaced
-            setattr(cls, name, hook)
+    traits = {n: own[n] for n in ("state_class", "sequence_dim", "packed_topk_row") if n in old}
+    if old.keys() & {"detach_indexer_inputs", "index_keys_without_grad"}:
+        no_grad = getattr(cls, "index_keys_without_grad", False)
+        detach = getattr(cls, "detach_indexer_inputs", True)
+        traits["indexer_grad"] = "none" if no_grad else ("loss" if detach else "full")
+    if traits:
+        cls.traits = dataclasses.replace(cls.traits, **traits)
+    for hook in [n for n in vars(_Hooks03) if not n.startswith("_")]:  # a 0.3 name stands
+        stands = any(RENAMED_0_3[n].startswith(f"{hook}(") for n in old)  # for it: ours runs
+        if stands and (hook not in own or hook in old):
+            setattr(cls, hook, vars(_Hooks03)[hook])
     cls._v03 = {**getattr(cls, "_v03", {}), **old}
 
 
-def _hooks_0_3(cls: type, old: dict[str, Any]) -> dict[str, Callable[..., Any]]:
-    """The 0.4 hooks of a 0.3 adapter class, each calling its 0.3 methods."""
-    hooks: dict[str, Callable[..., Any]] = {}
-    for name in ("compress", "compress_index_keys"):
-        if name in old:
-            fn = old[name]
-            hooks[name] = lambda self, rows, start, state, fn=fn: fn(self, rows, start)
-    if "index_scores_at" in old:
-        hooks["indexer_loss_scores"] = old["index_scores_at"]
-    if old.keys() & {"index_topk", "index_heads", "indexer_loss_coeff"}:
+class _Hooks03:
+    """The 0.4 hooks of an adapter written against 0.3.0, each calling its 0.3 methods."""
 
-        def indexer_params(self: Any) -> IndexerParams | None:
-            coeff = getattr(self, "indexer_loss_coeff", lambda: None)()
-            topk = getattr(self, "index_topk", None)
-            if topk is None:
-                return None if coeff is None else IndexerParams(0, loss_coeff=coeff)
-            heads = getattr(self, "index_heads", lambda: 1)()
-            return IndexerParams(int(topk()), int(heads), coeff)
+    def compress(self, rows: Any, start: int, state: Any) -> Any:
+        return self._v03["compress"](self, rows, start)
 
-        hooks["indexer_params"] = indexer_params
-    if old.keys() & {"sink", "scale"}:
-        hooks["attention_params"] = lambda self: AttentionParams(self.scale(), self.sink())
-    if "model_attention" in old:
-        hooks["attention"] = old["model_attention"]
-    if old.keys() & {"hidden_size", "check_tensors", "problems"}:
+    def compress_index_keys(self, rows: Any, start: int, state: Any) -> Any:
+        return self._v03["compress_index_keys"](self, rows, start)
 
-        def check_inputs(self: Any, inputs: Any, checks: TensorChecks) -> None:
-            tensors = getattr(self, "check_tensors", None)
-            if tensors is not None:
-                found = tensors(inputs, SimpleNamespace(device=checks.device))
-                checks.problems += found.problems
-                checks._sig += found._sig
-            else:
-                width = getattr(self, "hidden_size", lambda: None)()
-                checks.layer_input(self.module, inputs, width)
-            for message in getattr(self, "problems", lambda inputs: [])(inputs):
-                checks.fail(message)
+    def indexer_loss_scores(self, state: Any, keys: Any, selected: Any) -> Any:
+        return self.index_scores_at(state, keys, selected)
 
-        hooks["check_inputs"] = check_inputs
-    return hooks
+    def indexer_params(self) -> IndexerParams:
+        heads = self.index_heads() if hasattr(self, "index_heads") else 1
+        coeff = self.indexer_loss_coeff() if hasattr(self, "indexer_loss_coeff") else None
+        return IndexerParams(int(self.index_topk()), int(heads), coeff)
+
+    def attention_params(self) -> AttentionParams:
+        return AttentionParams(self.scale(), self.sink())
+
+    def attention(self, request: Any, state: Any) -> Any:
+        return self.model_attention(request, state)
+
+    def check_inputs(self, inputs: Any, checks: TensorChecks) -> None:
+        if hasattr(self, "check_tensors"):
+            found = self.check_tensors(inputs, SimpleNamespace(device=checks.device))
+            checks.problems += found.problems
+            checks._sig += found._sig
+        else:
+            width = self.hidden_size() if hasattr(self, "hidden_size") else None
+            checks.layer_input(self.module, inputs, width)
+        for message in self.problems(inputs) if hasattr(self, "problems") else ():
+            checks.fail(message)

@@ -1,18 +1,10 @@
 """The machinery that runs a model adapter's hooks under CP (the spec's ``PluginManager``).
 
-:class:`LayerRunner` drives one layer's :class:`~hp_cp_torch.model_adapter.ModelAdapter`: it
-is what the torch plugin's stage hooks call (:class:`hp_cp_core.adapters.AdapterHooks`), and no
-model subclasses or overrides it. One forward::
-
-    read_inputs -> checks, plan, one agreement on every rank (Note [Validate, agree, then
-    communicate] in hp_cp_core.validation) -> project -> the core's CP forward (halo, slots:
-    compress / compress_index_keys or the projection's rows) -> selection (index_queries,
-    index_scores, block_candidates; or the picks of the layer it shares them with) ->
-    attention (a registered kernel, latent attention, or the model's own) -> output -> the
-    indexer loss (indexer_loss_scores) -> finish
-
-:func:`agree_values` is "inspect, then agree" once: the runner, the function adapter (a spec
-implementation) and V4.1's Engram hash all agree through it.
+:class:`LayerRunner` drives one layer's :class:`~hp_cp_torch.model_adapter.ModelAdapter` for the
+torch plugin's stage hooks; no model overrides it. One forward: ``read_inputs``, the checks and
+one agreement on every rank, ``project``, the core's exchanges (``compress``), the picks
+(``index_scores``), the attention, ``output``, the indexer loss, ``finish``.
+:func:`agree_values` is "inspect, then agree" once, for the runner and V4.1's Engram hash.
 """
 
 from __future__ import annotations
@@ -31,31 +23,18 @@ from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
 from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
-from hp_cp_torch.model_adapter import (
-    ATTENTION_KINDS,
-    RECORDED,
-    AttentionParams,
-    ForwardState,
-    LayerInputs,
-    ModelAdapter,
-)
+from hp_cp_torch.model_adapter import RECORDED, ForwardState, LayerInputs, ModelAdapter
 from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = ["LayerRunner", "agree_values", "runner_of"]
 
-RUNNER_ATTR = "_hp_cp_runner"
-
 
 def runner_of(adapter: Any) -> LayerRunner | None:
-    """The runner of ``adapter`` (made once per adapter, so per installed layer), or
-    ``None`` for ``None``."""
-    if adapter is None:
-        return None
-    runner = adapter.__dict__.get(RUNNER_ATTR)
-    if runner is None:
-        runner = adapter.__dict__[RUNNER_ATTR] = LayerRunner(adapter)
-    return runner
+    """The runner of ``adapter`` (one per adapter, so per installed layer), or ``None``."""
+    if adapter is not None and "_hp_cp_runner" not in adapter.__dict__:
+        adapter.__dict__["_hp_cp_runner"] = LayerRunner(adapter)
+    return None if adapter is None else adapter.__dict__["_hp_cp_runner"]
 
 
 def agree_values(
@@ -66,15 +45,9 @@ def agree_values(
     device: Any,
     extra: dict[str, Any] | None = None,
 ) -> CPContext:
-    """Agree on one forward's ``check`` (``cp_forward.inspect``'s) with its value checks
-    ``flags`` (``(flag, message)``: a 0-dim bool tensor or a bool, ``True`` fails): ``across``
-    ranks they ride in the agreement's one gather as one entry (the first failed check's
-    number; every rank defers one, whatever its own checks found), else they are read here
-    (on ``device``, the inputs').
-
-    Raises:
-        HpCpError: on every rank, when a rank's check or flag failed (``cp_forward.agree``).
-    """
+    """Agree on ``check`` (``cp_forward.inspect``'s) and the value checks ``flags`` (``(flag,
+    message)``, ``True`` fails; one entry of the agreement's gather ``across`` ranks, else
+    read here on ``device``): an ``HpCpError`` on every rank when a rank's check failed."""
     if across:
         code = _first_failed([bad for bad, _ in flags], device) if check.ok else 0
         check.deferred = [(code, tuple(message for _, message in flags) if check.ok else ())]
@@ -97,11 +70,7 @@ def _first_failed(flags: list[Any], device: Any) -> Any:
 
 
 class LayerRunner:
-    """hp_cp's machinery for one layer, calling its adapter's hooks.
-
-    Args:
-        adapter: the layer's :class:`~hp_cp_torch.model_adapter.ModelAdapter`.
-    """
+    """hp_cp's machinery for one layer, calling its ``adapter``'s hooks."""
 
     def __init__(self, adapter: ModelAdapter) -> None:
         self.adapter = adapter
@@ -115,67 +84,57 @@ class LayerRunner:
         return self.adapter.layer_spec()
 
     def extract_ori_kv(self, key: torch.Tensor) -> torch.Tensor:
-        """The window KV rows ``[L, B, D]``: what :meth:`make_forward` passed."""
-        return key
+        return key  # the window KV rows [L, B, D] make_forward passed
 
     def compress_main(self, x: Any, halo_x: Any, call: CPContext) -> torch.Tensor:
         state = call.extra["state"]
         if self.traits.rows_are_slots:  # the slots a rank owns are its rows, ascending
             return state.projection.kv.transpose(0, 1)
-        compress = self._rows("compress(rows, start, state)", self.adapter.compress, state, call)
+        compress = self._rows("compress(rows, start, state)", self.adapter.compress, call)
         return stage1_compress_with_halo(compress, x, halo_x, call)
 
     def compress_indexer(self, x: Any, halo_x: Any, call: CPContext) -> torch.Tensor:
-        state = call.extra["state"]
+        state, hook = call.extra["state"], "compress_index_keys(rows, start, state)"
         if self.traits.rows_are_slots:
-            return _keys_of(self.adapter, state).transpose(0, 1)
+            keys = state.projection.index_keys
+            want = (*state.hidden.shape[:2], None)
+            self.expect("project(state).index_keys", keys, want, "[B, L, D_I]")
+            return keys.transpose(0, 1)
         grad = self.traits.indexer_grad
         if grad != "full":
             x, halo_x = x.detach(), None if halo_x is None else halo_x.detach()
-        hook = "compress_index_keys(rows, start, state)"
-        keys = self._rows(hook, self.adapter.compress_index_keys, state, call)
+        keys = self._rows(hook, self.adapter.compress_index_keys, call)
         with torch.set_grad_enabled(torch.is_grad_enabled() and grad != "none"):
             return stage1_compress_with_halo(keys, x, halo_x, call)
 
     def run_attention(self, query: Any, ori_ext: Any, x: Any, qr: Any, call: CPContext) -> Any:
-        """Stage 4 on this rank's queries: the picks, the attention, :meth:`output`, the
-        indexer loss. ``query`` is ``None`` when ``project`` left it to its ``local_work``."""
-        a, state = self.adapter, call.extra["state"]
-        state.slots = None if call.cmp_kv_global is None else call.cmp_kv_global.transpose(0, 1)
-        state.keys = None if call.cmp_idx_global is None else call.cmp_idx_global.transpose(0, 1)
+        """The picks, the attention, ``output``, the indexer loss (``query`` is ``None`` when
+        ``project`` left it to its ``local_work``)."""
+        state = call.extra["state"]
+        for name, t in (("slots", call.cmp_kv_global), ("keys", call.cmp_idx_global)):
+            setattr(state, name, None if t is None else t.transpose(0, 1))  # [B, N, D]
         state.candidates = call.reused.get("candidates")
-        params = self.attention_params()
-        selected = self.selection(state, call, params)
+        params = self.adapter.attention_params()
+        selected = self.selection(state, call, params.kind == "own")
         q = state.projection.query if query is None else query.transpose(0, 1)
+        kv_ext = ori_ext.transpose(0, 1)  # [B, E, D]
+        chunk = call.config.query_chunk
         request = AttentionRequest(
-            q,
-            ori_ext.transpose(0, 1),  # [B, E, D]
-            state.slots,
-            call.plan,
-            selected,
-            params.sink,
-            params.scale,
-            call.config.query_chunk,
+            q, kv_ext, state.slots, call.plan, selected, params.sink, params.scale, chunk
         )
-        o = self.attend(request, state, params, call)
+        o = self.attend(request, state, params, call.config)
         self.expect("the attention", o, (*state.hidden.shape[:2], None, None), "[B, L, H, D]")
-        out = a.output(o, state)
-        return self.indexer_loss(out, state, call, request)
+        return self.indexer_loss(self.adapter.output(o, state), state, call, request)
 
     def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
-        """The layer's forward under CP: ``read_inputs``, :meth:`begin` (check, agree,
-        state), ``project``, the core's CP forward (its stages call :meth:`compress_main`,
-        :meth:`compress_indexer`, :meth:`run_attention`), ``finish``."""
+        """The layer's forward under CP: ``read_inputs``, :meth:`begin`, ``project``, the
+        core's CP forward (its stages call this runner), ``finish``."""
         runner, adapter = self, self.adapter
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             inputs = adapter.read_inputs(*args, **kwargs)
             hidden = inputs.hidden
-            seq_major = (
-                runner.traits.sequence_dim == 0
-                and isinstance(hidden, torch.Tensor)
-                and hidden.dim() == 3
-            )
+            seq_major = runner.traits.sequence_dim == 0 and getattr(hidden, "ndim", 0) == 3
             if seq_major:  # the hooks see batch-major rows
                 inputs.hidden = hidden.transpose(0, 1)
             call, state = runner.begin(cp_forward, group, inputs)
@@ -183,9 +142,8 @@ class LayerRunner:
             rows = tuple(state.hidden.shape[:2])
             runner.expect("project(state).kv", proj.kv, (*rows, None), "[B, L, D]")
             if proj.query is not None:
-                runner.expect(
-                    "project(state).query", proj.query, (*rows, None, None), "[B, L, H, D]"
-                )
+                query = (*rows, None, None)
+                runner.expect("project(state).query", proj.query, query, "[B, L, H, D]")
             out = cp_forward(
                 None if proj.query is None else proj.query.transpose(0, 1),
                 proj.kv.transpose(0, 1),
@@ -205,9 +163,8 @@ class LayerRunner:
     def begin(
         self, cp_forward: Any, group: Any, inputs: LayerInputs
     ) -> tuple[CPContext, ForwardState]:
-        """The recorded values (:data:`~hp_cp_torch.model_adapter.RECORDED` boundaries, the
-        real rows), :meth:`agree_inputs`, then this forward's state (the rows batch-major,
-        the positions given or the plan's)."""
+        """The recorded values (``RECORDED`` boundaries, ``real_rows``), the agreement
+        (:meth:`agree_inputs`), then this forward's state (the positions given or the plan's)."""
         sequence, x = cp_forward.sequence, inputs.hidden
         if inputs.cu_seqlens is RECORDED:
             rows = rows_hint(x, -2) * group.size
@@ -228,25 +185,18 @@ class LayerRunner:
         self, cp_forward: Any, group: Any, inputs: LayerInputs
     ) -> tuple[CPContext, torch.Tensor | None]:
         """Check one forward's inputs on every rank, before any exchange, and agree on them:
-        ``check_inputs``, the kernel, the plan, ``value_checks`` (deferred into the
-        agreement's gather, or read here once when the agreement is reused or local; skipped
-        by a later layer of the same forward handed the same tensors) and the indexer loss's
-        row count.
-
-        Returns:
-            The agreed context and the ``[B, L]`` rows that count in the indexer loss
-            (``None``: all, or no loss).
-        """
+        ``check_inputs``, the kernel, the plan, ``value_checks`` (in the agreement's gather,
+        or read here when the agreement is reused or local; skipped by a later layer of the
+        same forward handed the same tensors) and the indexer loss's row count. Returns the
+        context and the ``[B, L]`` rows that count in the indexer loss (``None``: all)."""
         a, x = self.adapter, inputs.hidden
         checks = TensorChecks(getattr(group, "device", None), f"{a.layer_name()} under CP")
         a.check_inputs(inputs, checks)
-        if isinstance(x, torch.Tensor) and self.attention_params().kind != "own":
+        if isinstance(x, torch.Tensor) and a.attention_params().kind != "own":
             checks.kernel(cp_forward.config.attention_kernel, x.device)
+        cu = checks.host_cu_seqlens(inputs.cu_seqlens)
         check = cp_forward.inspect(
-            rows_hint(x, -2),
-            checks.host_cu_seqlens(inputs.cu_seqlens),
-            problems=checks.problems,
-            signature=checks.signature,
+            rows_hint(x, -2), cu, problems=checks.problems, signature=checks.signature
         )
         memo, index = getattr(cp_forward, "memo", None), getattr(cp_forward, "index", 0)
         params = self.indexer_params(cp_forward.spec)
@@ -280,68 +230,44 @@ class LayerRunner:
         return call, mask
 
     def read_objects(self, inputs: LayerInputs) -> tuple[Any, ...] | None:
-        """What ``value_checks`` may read: the identities of every tensor field of ``inputs``
+        """What ``value_checks`` may read: the identities of the tensor fields of ``inputs``
         but ``hidden``, and the rows (a 0.3 adapter's ``checked_objects`` where it has one)."""
-        old = self._v03.get("checked_objects")
-        if old is not None:
-            return old(self.adapter, inputs)
+        if "checked_objects" in self._v03:
+            return self._v03["checked_objects"](self.adapter, inputs)
         values = (getattr(inputs, f.name) for f in fields(inputs) if f.name != "hidden")
-        tensors = (id(t) for t in values if isinstance(t, torch.Tensor))
-        return (*tensors, rows_hint(inputs.hidden, -2))
-
-    def attention_params(self) -> AttentionParams:
-        params = self.adapter.attention_params()
-        if params.kind not in ATTENTION_KINDS or (params.kind == "latent") != (
-            params.latent is not None
-        ):
-            raise HpCpError(
-                f"{self.adapter.layer_name()}: attention_params() returned kind="
-                f"{params.kind!r} with latent={params.latent!r}; expected one of "
-                f"{ATTENTION_KINDS}, with latent=Latent(...) exactly for kind='latent'."
-            )
-        if params.kind != "own" and params.scale is None:
-            raise HpCpError(
-                f"{self.adapter.layer_name()}: attention_params() has no scale; return "
-                "AttentionParams(scale=<the softmax scale>, sink=...)."
-            )
-        return params
+        return (*(id(v) for v in values if torch.is_tensor(v)), rows_hint(inputs.hidden, -2))
 
     def indexer_params(self, spec: Any) -> Any:
         """The adapter's ``indexer_params()`` on a layer with an indexer, else ``None``."""
         return self.adapter.indexer_params() if spec.has_indexer else None
 
-    def selection(
-        self, state: ForwardState, call: CPContext, params: AttentionParams
-    ) -> torch.Tensor | None:
+    def selection(self, state: ForwardState, call: CPContext, own: bool) -> Any:
         """The picks this forward attends to: those of the layer it shares them with
-        (``call.reused``, Note [Layers that share their indexer]), else :meth:`select`'s;
-        published with the candidates for the layers that reuse them, kept as
-        ``state.selected``."""
-        if "selection" in call.reused:
-            selected = call.reused["selection"]
-        elif state.keys is None or params.kind == "own":
-            selected = None  # no indexer, or the model's own attention picks
-        else:
+        (``call.reused``, Note [Layers that share their indexer]), else :meth:`select`'s
+        (none for the model's ``own`` attention); published with the candidates for the
+        layers that reuse them, kept as ``state.selected``."""
+        selected = call.reused.get("selection")
+        if selected is None and state.keys is not None and not own:
             if state.index_queries is None:
                 state.index_queries = self.adapter.index_queries(state)
             selected = self.select(state, call)
         if selected is not None:
             selected = selected.to(state.hidden.device)
-        roles = call.roles
-        if selected is not None and roles is not None and roles.publishes("selection"):
+        publishes = (lambda _: False) if call.roles is None else call.roles.publishes
+        if selected is not None and publishes("selection"):
             call.outputs["selection"] = selected
-        if roles is not None and roles.publishes("candidates"):
+        if publishes("candidates"):
             call.outputs["candidates"] = state.candidates
         state.selected = selected
         return selected
 
     def select(self, state: ForwardState, call: CPContext) -> torch.Tensor:
         """The indexer's top-k over each local query's visible slots (global slot ids,
-        ``-1`` = none)."""
+        ``-1`` = none), without autograd (the loss's student is recomputed)."""
         a, keys, params = self.adapter, state.keys, self.indexer_params(call.spec)
         if params is None:
             raise HpCpError(
-                f"{a.layer_name()}: its layer_spec() has an indexer but indexer_params() "
+                f"{a.layer_name()} under CP: layer_spec() has an indexer but indexer_params() "
                 "returns None; return IndexerParams(topk=..., heads=...)."
             )
         hook = None
@@ -353,10 +279,9 @@ class LayerRunner:
         def scores(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
             got = a.index_scores(state, lo, hi, keys[:, s0:s1])
             want = (keys.shape[0], hi - lo, s1 - s0)
-            self.expect("index_scores(state, lo, hi, keys)", got, want, "[B, hi - lo, s]")
-            return got
+            return self.expect("index_scores(state, lo, hi, keys)", got, want, "[B, hi - lo, s]")
 
-        with torch.no_grad():  # the picks are discrete; the loss's student is recomputed
+        with torch.no_grad():
             return select_topk_chunked(
                 scores,
                 call.plan,
@@ -371,109 +296,62 @@ class LayerRunner:
                 ascending=self.traits.ascending_picks,
             )
 
-    def attend(
-        self, request: AttentionRequest, state: ForwardState, params: AttentionParams, call: Any
-    ) -> torch.Tensor:
-        """The attention ``[B, L, H, D]``: the model's own (``kind="own"``, or its op order
-        for ``model_ops`` / ``attention_precision="model"``), else by ``params.kind``."""
-        a, kernel = self.adapter, call.config.attention_kernel
-        if params.kind == "own" or uses_model_precision(call.config):
+    def attend(self, request: AttentionRequest, state: Any, params: Any, config: Any) -> Any:
+        """The attention ``[B, L, H, D]``: the model's own (``kind="own"``, or its op order for
+        ``model_ops`` / ``attention_precision="model"``), else by ``params.kind``."""
+        a, r = self.adapter, request
+        if params.kind == "own" or uses_model_precision(config):
             o = a.attention(request, state)
             if o is not None:
                 return o
             if params.kind == "own":
                 raise HpCpError(
-                    f"{a.layer_name()}: attention_params() declares kind='own' but "
+                    f"{a.layer_name()} under CP: attention_params() declares kind='own' but "
                     "attention(request, state) returned None; return the attention [B, L, H, D]."
                 )
         if "attend" in self._v03:  # a 0.3 adapter's own kernel call
-            return self._v03["attend"](a, request, state, kernel)
+            return self._v03["attend"](a, request, state, config.attention_kernel)
         if params.kind == "latent":
             return _latent(request, params)
+        args = (r.q, r.ori_ext, r.cmp_kv, r.plan, r.selected, r.sink, r.scale)
         return run_sparse_attention(
-            request.q,
-            request.ori_ext,
-            request.cmp_kv,
-            request.plan,
-            request.selected,
-            request.sink,
-            request.scale,
-            kernel=kernel,
-            query_chunk=request.query_chunk,
+            *args, kernel=config.attention_kernel, query_chunk=r.query_chunk
         )
 
     def indexer_loss(
         self, out: torch.Tensor, state: ForwardState, call: CPContext, request: AttentionRequest
     ) -> torch.Tensor:
-        """The indexer loss's share of this rank attached to ``out`` (Note [Indexer loss
+        """This rank's share of the indexer loss attached to ``out`` (Note [Indexer loss
         under CP]); its global mean, the same on every rank, kept as ``module.indexer_loss``."""
-        params = self.indexer_params(call.spec)
-        selected = request.selected
-        if params is None or params.loss_coeff is None or selected is None or state.keys is None:
+        params, r = self.indexer_params(call.spec), request
+        if params is None or params.loss_coeff is None or r.selected is None or state.keys is None:
             self.record_indexer_loss(None)
             return out
-        student = self.adapter.indexer_loss_scores(state, state.keys, selected)
+        student = self.adapter.indexer_loss_scores(state, state.keys, r.selected)
         self.check_student_once(state, student)
         share = indexer_loss_share(
-            call,
-            request.q,
-            request.ori_ext,
-            request.cmp_kv,
-            selected,
-            student,
-            request.sink,
-            request.scale,
-            state.loss_mask,
+            call, r.q, r.ori_ext, r.cmp_kv, r.selected, student, r.sink, r.scale, state.loss_mask
         )
         self.record_indexer_loss(call.group.sum_detached(share))  # no host sync
         return attach_indexer_loss(out, share, params.loss_coeff)
 
     def record_indexer_loss(self, loss: torch.Tensor | None) -> None:
-        """``module.indexer_loss = loss`` (``None`` is set only on a module that has the
-        attribute; a 0.3 adapter's ``record_indexer_loss`` where it has one)."""
-        old = self._v03.get("record_indexer_loss")
-        if old is not None:
-            old(self.adapter, loss)
+        """``module.indexer_loss = loss`` (``None`` only on a module that has the attribute;
+        a 0.3 adapter's ``record_indexer_loss`` where it has one)."""
+        if "record_indexer_loss" in self._v03:
+            self._v03["record_indexer_loss"](self.adapter, loss)
         elif loss is not None or hasattr(self.module, "indexer_loss"):
             self.module.indexer_loss = loss
 
-    def _rows(
-        self, hook: str, fn: Callable[..., torch.Tensor], state: Any, call: CPContext
-    ) -> Callable[..., torch.Tensor]:
-        """``fn(rows [B, n, C], start, state)`` for the core's sequence-major rows ``[n, B,
-        C]``, its slots checked to be ``[B, n // r, D]``."""
-        r = call.spec.compress_ratio
-
-        def compress(rows: torch.Tensor, start: int) -> torch.Tensor:
-            out = fn(rows.transpose(0, 1), start, state)
-            self.expect(hook, out, (rows.shape[1], rows.shape[0] // r, None), "[B, n // r, D]")
-            return out.transpose(0, 1)
-
-        return compress
-
-    def expect(self, hook: str, got: Any, want: tuple[Any, ...], layout: str) -> None:
-        """``got`` is a tensor of shape ``want`` (``None``: any size), else an
-        :class:`~hp_cp_core.HpCpError` naming the hook and the shape it must return."""
-        shape = getattr(got, "shape", None)
-        if shape is not None and len(shape) == len(want):
-            if all(w is None or int(n) == w for n, w in zip(shape, want)):
-                return
-        got_text = list(shape) if shape is not None else type(got).__name__
-        want_text = ", ".join("*" if w is None else str(w) for w in want)
-        raise HpCpError(
-            f"{self.adapter.layer_name()} under CP: the hook {hook} returned {got_text}; "
-            f"expected {layout} = [{want_text}] (docs/writing-a-model-adapter.md)."
-        )
-
     def check_student_once(self, state: ForwardState, student: torch.Tensor) -> None:
         """Warn (once per layer) when the default ``indexer_loss_scores`` (DeepSeek's
-        formula) scores otherwise than the model's ``index_scores``: its indexer loss would
-        silently train another score. A warning, not an error: a rank whose queries have no
-        picks cannot compare, and an error on some ranks only would hang the rest."""
+        formula) scores otherwise than the model's ``index_scores``: its loss would train
+        another score. A warning, not an error: a rank whose queries have no picks cannot
+        compare, and an error on some ranks only would hang the rest."""
         a = self.adapter
-        if type(a).indexer_loss_scores is not ModelAdapter.indexer_loss_scores:
-            return
-        if self._student_checked:
+        if self._student_checked or type(a).indexer_loss_scores is not (
+            ModelAdapter.indexer_loss_scores
+        ):
             return
         self._student_checked = True
 
@@ -484,18 +362,34 @@ class LayerRunner:
         if problem is not None:
             warnings.warn(f"{a.layer_name()} under CP: {problem}", stacklevel=2)
 
+    def _rows(self, hook: str, fn: Callable[..., Any], call: CPContext) -> Callable[..., Any]:
+        """``fn(rows [B, n, C], start, state)`` for the core's sequence-major rows ``[n, B,
+        C]``, its slots checked to be ``[B, n // r, D]``."""
+        r, state = call.spec.compress_ratio, call.extra["state"]
 
-def _keys_of(adapter: Any, state: ForwardState) -> torch.Tensor:
-    keys = state.projection.index_keys
-    if keys is None:
+        def compress(rows: torch.Tensor, start: int) -> torch.Tensor:
+            out = fn(rows.transpose(0, 1), start, state)
+            self.expect(hook, out, (rows.shape[1], rows.shape[0] // r, None), "[B, n // r, D]")
+            return out.transpose(0, 1)
+
+        return compress
+
+    def expect(self, hook: str, got: Any, want: tuple[Any, ...], layout: str) -> Any:
+        """``got``, a tensor of shape ``want`` (``None``: any size), else an
+        :class:`~hp_cp_core.HpCpError` naming the hook and the shape it must return."""
+        shape = getattr(got, "shape", None)
+        if shape is not None and len(shape) == len(want):
+            if all(w is None or int(n) == w for n, w in zip(shape, want)):
+                return got
+        got_text = list(shape) if shape is not None else type(got).__name__
+        want_text = ", ".join("*" if w is None else str(w) for w in want)
         raise HpCpError(
-            f"{adapter.layer_name()}: traits.rows_are_slots with an indexer needs each row's "
-            "indexer key: return Projection(..., index_keys=[B, L, D_I]) from project(state)."
+            f"{self.adapter.layer_name()} under CP: the hook {hook} returned {got_text}; "
+            f"expected {layout} = [{want_text}] (docs/writing-a-model-adapter.md)."
         )
-    return keys
 
 
-def _latent(request: AttentionRequest, params: AttentionParams) -> torch.Tensor:
+def _latent(request: AttentionRequest, params: Any) -> torch.Tensor:
     """Latent (MLA) attention on the gathered latents (:func:`hp_cp_torch.latent_attention`)."""
     lat, q = params.latent, request.q.transpose(1, 2)  # [B, H, L, nope + rope]
     q_pass, q_rot = torch.split(q, [lat.nope, lat.rope], dim=-1)

@@ -155,12 +155,9 @@ class TensorChecks:
     def layer_input(
         self, module: torch.nn.Module, inputs: Any, hidden_size: int | None = None
     ) -> None:
-        """A batch-major layer's inputs (a :class:`hp_cp_torch.model_adapter.LayerInputs`,
-        the default of ``ModelAdapter.check_inputs``): ``inputs.hidden`` is ``x [B, L,
-        hidden]`` (padded) or ``[L, hidden]`` / ``[B, L, hidden]`` with ``cu_seqlens``
-        (packed) of the parameters' dtype and device, ``hidden_size`` wide (default
-        ``module.config.hidden_size``); ``position_ids`` and ``loss_mask`` hold one value
-        per local row (``[L]`` or ``[B, L]``)."""
+        """A layer's ``LayerInputs`` (``ModelAdapter.check_inputs``' default): ``x [B, L,
+        hidden]`` (packed: ``[L, hidden]`` too) of the parameters' dtype and device,
+        ``hidden_size`` wide (``module.config``'s), one ``position_ids`` / ``loss_mask`` a row."""
         x, packed = inputs.hidden, inputs.cu_seqlens is not None
         layout = (
             "[L, hidden] or [B, L, hidden] with cu_seqlens (packed local rows)"
@@ -211,9 +208,7 @@ class TensorChecks:
         self.sign({"x": x.transpose(0, 1) if x.dim() == 3 else x})
 
     def hidden_states(self, hidden: Any, width: int, packed: bool) -> None:
-        """The input of a model's attention layer called as ``layer(hidden_states [B, L,
-        hidden], ...)`` (transformers' and NeMo's V4 / DSA layers): ``width`` is the model's
-        hidden size; packed input (``packed``) is one row, batch 1."""
+        """``hidden_states [B, L, width]`` of a transformers-style layer (packed: batch 1)."""
         if not self.tensor("hidden_states", hidden, (3,), "[B, L, hidden] (local rows)"):
             return
         if hidden.shape[-1] != width:
@@ -230,9 +225,8 @@ class TensorChecks:
         self.sign({"hidden_states": hidden.transpose(0, 1)})
 
     def csa_inputs(self, query: Any, key: Any, x: Any, qr: Any) -> None:
-        """The inputs of a module patched by ``patch_torch_deepseek_v4_csa_forward``
-        (sequence-major ``query [L, B, N, D]``, ``key [L, B, 1, D]`` or ``[L, B, D]``, ``x [L,
-        B, hidden]``, ``qr [L, B, q_lora]`` or ``None``)."""
+        """A patched module's sequence-major ``query [L, B, N, D]``, ``key [L, B(, 1), D]``,
+        ``x [L, B, hidden]`` and ``qr [L, B, q_lora]`` or ``None``."""
         named = {"query": query, "key": key, "x": x}
         ok = self.tensor("query", query, (4,), "[L, B, heads, head_dim] (sequence-major)")
         ok &= self.tensor("key", key, (3, 4), "[L, B, head_dim] or [L, B, 1, head_dim]")

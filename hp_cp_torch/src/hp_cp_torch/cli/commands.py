@@ -65,20 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     return backends_main([])
 
 
-COMMANDS = "hp_cp.commands"
-"""The entry-point group of the subcommands a layer above this one brings (``bench =
-"hp_cp_torch.bench.suite:main"``): the command line imports no benchmark code."""
-
-
 def command(name: str) -> Any:
-    """The ``main(argv) -> int`` the entry point ``name`` of :data:`COMMANDS` registers.
-
-    Raises:
-        SystemExit: no installed distribution registers ``name``.
-    """
-    for ep in md.entry_points(group=COMMANDS, name=name):
-        return ep.load()
-    raise SystemExit(f"hp-cp {name}: no installed package registers it ({COMMANDS}).")
+    """The ``main(argv) -> int`` of the ``hp-cp`` subcommand ``name`` a layer above this one
+    registers (entry points ``hp_cp.commands``: the command line imports no benchmark)."""
+    return next(iter(md.entry_points(group="hp_cp.commands", name=name))).load()
 
 
 def demo_refusal(

@@ -13,10 +13,8 @@ rank's rows. Each rank then::
 
 The stages reuse NeMo's own parameters and helpers op for op (interleaved partial RoPE,
 the per-head rsqrt on q, the fp32 compressor with NeMo's overlap transform, the ReLU
-indexer score, the sink column, the grouped output); the layer is transformers' DeepSeek V4
-with NeMo's ops, so its adapter derives from the Hugging Face one
-(:mod:`hp_cp_torch.integrations.transformers`: the call's checks, the eager attention op
-order) and defines only the hooks whose ops differ.
+indexer score, the sink column, the grouped output); its adapter derives from the HF one
+and defines only the hooks whose ops differ.
 
 NeMo's own CP (``model.prepare_model_inputs_for_cp`` / ``make_dsv4_contiguous_shard_cp_
 batch_and_ctx``, which hands ``_dsv4_cp_group`` to the forward, or ``setup_cp_attention``)
@@ -26,10 +24,8 @@ collective. Packed input in NeMo's format (``seq_lens`` rows padded with -1000, 
 takes the core's one batch path (``handle.batch``); documents are not re-padded, each is
 compressed from its own first row.
 
-The same ``hp_cp_core.enable_cp`` / ``cp_nemo_batch`` take NeMo's DeepSeek V4.1
-(:mod:`~hp_cp_torch.integrations.nemo_automodel_v41`) and GLM-5
-(:mod:`~hp_cp_torch.integrations.nemo_automodel_dsa`); NeMo's DeepSeek
-V3.2 is refused there, with the reason.
+The same ``enable_cp`` / ``cp_nemo_batch`` take NeMo's DeepSeek V4.1 (``nemo_automodel_v41``)
+and GLM-5 (``nemo_automodel_dsa``, where NeMo's DeepSeek V3.2 is refused, with the reason).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ from hp_cp_core import (
     cu_seqlens_from_ids,
     cu_seqlens_from_lengths,
 )
-from hp_cp_torch._removed import DISABLE, ENABLE, NEMO_BATCH, removed_names
+from hp_cp_torch._removed import ADAPTER_FOR, DISABLE, ENABLE, NEMO_BATCH, removed_names
 from hp_cp_torch.integrations.nemo_automodel_v41 import is_v41_model, v41_batch_inputs
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
@@ -59,7 +55,6 @@ from hp_cp_torch.integrations.transformers import (
     cp_sum_gradients,
 )
 from hp_cp_torch.model_adapter import ForwardState, IndexerParams, Projection
-from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
@@ -68,12 +63,14 @@ __all__ = [
     "cp_nemo_batch",
     "cp_shift_labels",
     "cp_sum_gradients",
-    "nemo_adapter_for",
 ]
 
-# the 0.2 names 0.4.0 removed: importing one names its replacement
 __getattr__ = removed_names(
-    __name__, {"enable_cp": ENABLE, "disable_cp": DISABLE, "nemo_cp_batch": NEMO_BATCH}
+    __name__,
+    enable_cp=ENABLE,
+    disable_cp=DISABLE,
+    nemo_cp_batch=NEMO_BATCH,
+    nemo_adapter_for=ADAPTER_FOR,
 )
 
 LAYERS = "nemo_automodel.components.models.deepseek_v4.layers"
@@ -84,12 +81,6 @@ NEMO_CP_KWARG = "_dsv4_cp_group"
 
 def _nemo() -> Any:
     return sys.modules[LAYERS]
-
-
-def nemo_adapter_for(module: Any) -> Any:
-    """The adapter for a NeMo Automodel ``DeepseekV4Attention``, else ``None`` (never
-    imports NeMo)."""
-    return registered_adapter(module, NemoDeepseekV4AttentionAdapter)
 
 
 def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offset: int) -> Any:
@@ -137,12 +128,13 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         )
 
     def compress(self, rows: torch.Tensor, start: int, state: RopeForwardState) -> torch.Tensor:
-        return _compress_rows(self.module.compressor, state.rotary, rows, start)
+        return _compress_rows(self.module.compressor, state.inputs.rotary_compress, rows, start)
 
     def compress_index_keys(
         self, rows: torch.Tensor, start: int, state: RopeForwardState
     ) -> torch.Tensor:
-        return _compress_rows(self.module.compressor.indexer, state.rotary, rows, start)
+        indexer = self.module.compressor.indexer
+        return _compress_rows(indexer, state.inputs.rotary_compress, rows, start)
 
     def index_queries(self, state: RopeForwardState) -> tuple[torch.Tensor, torch.Tensor]:
         """NeMo's indexer queries (interleaved partial RoPE) and per-head weights."""
@@ -238,7 +230,6 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         if m.compress_ratio and inputs.position_embeddings_compress is not None:
             tables = inputs.position_embeddings_compress
         state.cos, state.sin = tables
-        state.rotary = inputs.rotary_compress
         state.qr = m.q_norm(m.wq_a(x))
         q = m.wq_b(state.qr).view(*x.shape[:2], m.num_heads, m.head_dim).transpose(1, 2)
         kv = m.kv_norm(m.wkv(x)).view(*x.shape[:2], 1, m.head_dim).transpose(1, 2)

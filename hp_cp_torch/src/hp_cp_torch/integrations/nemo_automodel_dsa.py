@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from hp_cp_core import CPHandle
-from hp_cp_torch._removed import ENABLE, removed_names
+from hp_cp_torch._removed import ADAPTER_FOR, ENABLE, removed_names
 from hp_cp_torch.integrations.transformers import (
     ModelCallInputs,
     call_problems,
@@ -58,18 +58,19 @@ from hp_cp_torch.integrations.transformers_dsa import (
 )
 from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.model_adapter import AttentionParams, ForwardState, Projection, refuse
-from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
     "V32_NOT_CAUSAL",
     "NemoGlmDsaAttentionAdapter",
-    "is_dsa_model",
-    "nemo_dsa_adapter_for",
 ]
 
-# the 0.2 names 0.4.0 removed: importing one names its replacement
-__getattr__ = removed_names(__name__, {"enable_cp_dsa": ENABLE})
+__getattr__ = removed_names(
+    __name__,
+    enable_cp_dsa=ENABLE,
+    nemo_dsa_adapter_for=ADAPTER_FOR,
+    is_dsa_model=ADAPTER_FOR,
+)
 
 GLM_LAYERS = "nemo_automodel.components.models.glm_moe_dsa.layers"
 GLM_MODEL = "nemo_automodel.components.models.glm_moe_dsa.model"
@@ -92,28 +93,6 @@ V32_NOT_CAUSAL = (
 
 NemoDeepseekV32Refusal = refuse(V32_NOT_CAUSAL)
 """Registered for NeMo's ``DeepseekV32MLA``: refuses it (:data:`V32_NOT_CAUSAL`)."""
-
-
-def nemo_dsa_adapter_for(module: Any) -> Any:
-    """The adapter for a NeMo ``GlmMoeDsaMLA``, else ``None`` (never imports NeMo).
-
-    Raises:
-        HpCpError: ``module`` is NeMo's ``DeepseekV32MLA`` (:data:`V32_NOT_CAUSAL`).
-    """
-    return registered_adapter(module, NemoGlmDsaAttentionAdapter, NemoDeepseekV32Refusal)
-
-
-def is_dsa_model(model: Any) -> bool:
-    """Whether ``model`` is or holds NeMo's GLM-5 attention.
-
-    Raises:
-        HpCpError: ``model`` holds NeMo's DeepSeek V3.2 attention (:data:`V32_NOT_CAUSAL`).
-    """
-    if not isinstance(model, nn.Module):
-        return False
-    if sys.modules.get(GLM_LAYERS) is None and sys.modules.get(V32_LAYERS) is None:
-        return False
-    return any(nemo_dsa_adapter_for(m) is not None for m in model.modules())
 
 
 NO_ROPE_HINT = (

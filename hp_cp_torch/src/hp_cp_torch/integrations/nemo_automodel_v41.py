@@ -102,8 +102,7 @@ __all__ = [
     "nemo_v41_adapter_for",
 ]
 
-# the 0.2 names 0.4.0 removed: importing one names its replacement
-__getattr__ = removed_names(__name__, {"enable_cp_v41": ENABLE, "nemo_v41_cp_batch": NEMO_BATCH})
+__getattr__ = removed_names(__name__, enable_cp_v41=ENABLE, nemo_v41_cp_batch=NEMO_BATCH)
 
 ATTENTION = "nemo_automodel.components.models.deepseek_v41.attention"
 MODEL = "nemo_automodel.components.models.deepseek_v41.model"
@@ -181,9 +180,7 @@ class V41ForwardState(ForwardState):
 
 
 class NemoDeepseekV41AttentionAdapter(ModelAdapter):
-    """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``):
-    NeMo's indexer picks, ascending, on the one-process row of each document, and its
-    candidate blocks (:meth:`block_candidates`)."""
+    """The model adapter of NeMo's ``DeepseekV41Attention`` (batch-major ``[B, L, hidden]``)."""
 
     traits = Traits(
         state_class=V41ForwardState,
@@ -262,9 +259,8 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
     # ------------------------------------------------------------------ selection
 
     def index_queries(self, state: V41ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
-        """NeMo's indexer queries (roped, mxfp4) and per-head weights, without autograd; the
-        candidate source's (empty) candidates ``[B, L, N]`` too (Note [NeMo DeepSeek V4.1
-        under CP])."""
+        """NeMo's indexer queries (roped, mxfp4) and per-head weights, without autograd (and
+        the candidate source's empty candidates ``[B, L, N]``)."""
         ix, nemo, xb = self.module.indexer, _attn_mod(), state.hidden
         with torch.no_grad():
             q = ix.wq_b(state.projection.index_input).unflatten(-1, (ix.num_heads, ix.head_dim))
@@ -322,8 +318,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         return self.module._project_output(o, state.angles, state.valid)
 
     def finish(self, out: torch.Tensor, state: V41ForwardState) -> Any:
-        """NeMo's output and the ``DeepseekV41AttentionState`` the layer returns: its own or
-        the owner's gathered buffers (Note [Layers that share their indexer])."""
+        """NeMo's output and ``DeepseekV41AttentionState``: its own or the owner's buffers."""
         nemo_state = state.inputs.nemo_state
         if self.role != "window":
             nemo_state = type(nemo_state)(
@@ -386,9 +381,6 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
                 f"attention dropout ({m.attention_dropout}) in training is not supported under "
                 "CP; set attention_dropout=0.0 or call model.eval()."
             )
-
-    def layer_name(self) -> str:
-        return f"DeepseekV41Attention layer {self.module.layer_idx}"
 
     def value_checks(self, inputs: V41CallInputs, plan: Any) -> list[tuple[Any, str]]:
         """The position ids, the mask and the document ids against the plan, on the device."""

@@ -29,19 +29,9 @@ The stages reuse the module's own parameters and submodules, op for op as HF's f
 
 Not supported under CP (a clear :class:`~hp_cp_core.HpCpError` on every rank, before any
 exchange): a KV cache (``past_key_values``, or ``use_cache=True``, the config default),
-attention masks with padding, packed sequences / position ids that are not the global row
-numbers, attention dropout in training.
-
-Training: shift the labels on the full sequence *before* sharding (:func:`cp_shift_labels`),
-take :func:`cp_causal_lm_loss` per rank (sum over its tokens / global token count) and sum
-the gradients over the CP group (:func:`cp_sum_gradients`, or DDP/FSDP over a mesh that
-includes the CP dimension). ``handle.batch(input_ids)`` (the core's one batch path,
-:meth:`hp_cp_core.CPHandle.batch`) shifts, pads (any sequence length) and shards a batch in
-one call; ``examples/train_deepseek_v4_cp.py`` is a whole recipe.
-
-Next to HF's own parallelism (``from_pretrained(path, distributed_config=DistributedConfig(
-...))``: TP / EP on the experts, FSDP2 by HF), :func:`cp_layout_from_hf_model` takes CP from
-one of HF's data-parallel axes and gives the loss its scale (:class:`HFCPLayout`).
+attention masks that hide tokens, position ids that are not the plan's, attention dropout in
+training. Training (``handle.batch``, the loss and gradient helpers re-exported here) and HF's
+own parallelism next to CP (:func:`cp_layout_from_hf_model`): ``docs/huggingface.md``.
 """
 
 from __future__ import annotations
@@ -59,7 +49,7 @@ from torch import nn
 from hp_cp_core import HpCpError, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch._removed import removed_names
+from hp_cp_torch._removed import ADAPTER_FOR, removed_names
 from hp_cp_torch.attention import chunk_columns
 from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
 from hp_cp_torch.kernels.request import AttentionRequest
@@ -73,7 +63,6 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
-from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.training import cp_causal_lm_loss, cp_shift_labels, cp_sum_gradients
 from hp_cp_torch.validation import TensorChecks
 
@@ -88,12 +77,12 @@ __all__ = [
     "cp_layout_from_hf_model",
     "cp_sum_gradients",
     "freeze_csa_indexer",
-    "hf_adapter_for",
 ]
 
-# the 0.2 names 0.4.0 removed: importing one names its replacement
 __getattr__ = removed_names(
-    __name__, {"cp_causal_lm_batch": "handle.batch(input_ids, labels=labels)"}
+    __name__,
+    cp_causal_lm_batch="handle.batch(input_ids, labels=labels)",
+    hf_adapter_for=ADAPTER_FOR,
 )
 
 MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
@@ -108,12 +97,6 @@ def _rope_of(module: nn.Module) -> Any:
     VeOmni's, has its own), else transformers' DeepSeek V4 one."""
     own = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
     return own or _hf().apply_rotary_pos_emb
-
-
-def hf_adapter_for(module: Any) -> Any:
-    """The adapter for a transformers ``DeepseekV4Attention``, else ``None`` (never imports
-    the modeling file)."""
-    return registered_adapter(module, DeepseekV4AttentionAdapter)
 
 
 def _compress_rows(
@@ -197,29 +180,26 @@ class RopeForwardState(ForwardState):
 
     Attributes:
         cos, sin: the RoPE tables of the local rows (set by ``project``).
-        rotary: the compressors' rotary module (NeMo), else ``None``.
         qr: the query's low-rank residual ``[B, L, q_lora]`` (computed while the halo
             travels).
     """
 
     cos: Any = None
     sin: Any = None
-    rotary: Any = None
     qr: Any = None
 
 
+# the errors of a transformers-style call, each with its fix
 NO_ROPE_HINT = (
     "needs the position_embeddings the model computes; call the model, not the layer, "
     "or pass position_embeddings={'main': (cos, sin), 'compress': (cos, sin)}."
 )
-"""The error when the layer is called without its RoPE tables."""
 
 MASK_HINT = (
     "got an attention mask that hides tokens (padding, or a custom mask); HF's "
     "compressors ignore padding, so CP supports only unpadded sequences. Pass "
     "attention_mask=None (or all ones) and equal-length sequences."
 )
-"""The error for an attention mask that hides a token."""
 
 POSITIONS_HINT = (
     "got position_ids that are not the global row numbers of the local rows. Pass "
@@ -227,7 +207,6 @@ POSITIONS_HINT = (
     "the inputs (packed: positions restarting per document, with the documents' "
     "boundaries as hp_cp_cu_seqlens=...)."
 )
-"""The error for position ids that are not this rank's global rows."""
 
 LOCAL_LOSS_HINT = (
     "got labels without shift_labels and num_items_in_batch: HF's loss would shift them "
@@ -235,7 +214,6 @@ LOCAL_LOSS_HINT = (
     "num_items_in_batch=batch.n_tokens (batch = handle.batch(ids): the loss is then this "
     "rank's share), or use cp_causal_lm_loss(out.logits, batch.labels, batch.n_tokens)."
 )
-"""The error for HF's own loss on labels it would shift within the rank's rows."""
 
 
 def call_problems(
@@ -276,7 +254,7 @@ def call_value_checks(
 class TransformersAttention(ModelAdapter):
     """The hooks every transformers-style attention layer shares (the DeepSeek V4 and the DSA
     adapters derive from it): its call's checks (:func:`call_problems`,
-    :func:`call_value_checks`), its name, and the refusal of HF's own loss on local rows."""
+    :func:`call_value_checks`) and the refusal of HF's own loss on local rows."""
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
@@ -296,10 +274,6 @@ class TransformersAttention(ModelAdapter):
 
         hook = model.register_forward_pre_hook(refuse_local_shift, with_kwargs=True)
         handle.on_disable(hook.remove)
-
-    def layer_name(self) -> str:
-        """How errors name the layer: its class and ``layer_idx``."""
-        return f"{type(self.module).__name__} layer {self.module.layer_idx}"
 
     def check_inputs(self, inputs: ModelCallInputs, checks: TensorChecks) -> None:
         m = self.module

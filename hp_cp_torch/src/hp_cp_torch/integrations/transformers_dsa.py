@@ -89,11 +89,7 @@ __all__ = [
     "dsa_adapter_for",
 ]
 
-CP_DSA_BATCH = (
-    "handle.batch(input_ids, labels=labels, cu_seqlens=cu_seqlens) (model(**batch.model_inputs()))"
-)
-# the 0.2 names 0.4.0 removed: importing one names its replacement
-__getattr__ = removed_names(__name__, {"cp_dsa_batch": CP_DSA_BATCH})
+__getattr__ = removed_names(__name__, cp_dsa_batch="handle.batch(input_ids, cu_seqlens=cu)")
 
 MODELINGS = {
     "DeepseekV32Attention": "transformers.models.deepseek_v32.modeling_deepseek_v32",

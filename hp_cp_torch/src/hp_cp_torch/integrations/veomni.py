@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_cp_core import CPBatch, HpCpError, cu_seqlens_from_positions
-from hp_cp_torch._removed import DISABLE, ENABLE, removed_names
+from hp_cp_torch._removed import ADAPTER_FOR, DISABLE, ENABLE, removed_names
 from hp_cp_torch.integrations.transformers import (
     DeepseekV4AttentionAdapter,
     ModelCallInputs,
@@ -42,7 +42,6 @@ from hp_cp_torch.integrations.transformers import (
     cp_sum_gradients,
 )
 from hp_cp_torch.model_adapter import ForwardState
-from hp_cp_torch.model_registry import registered_adapter
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
@@ -54,11 +53,11 @@ __all__ = [
     "cp_sum_gradients",
     "cp_veomni_batch",
     "prepare_veomni_model",
-    "veomni_adapter_for",
 ]
 
-# the 0.2 names 0.4.0 removed: importing one names its replacement
-__getattr__ = removed_names(__name__, {"enable_cp": ENABLE, "disable_cp": DISABLE})
+__getattr__ = removed_names(
+    __name__, enable_cp=ENABLE, disable_cp=DISABLE, veomni_adapter_for=ADAPTER_FOR
+)
 
 VEOMNI_MODELING = (
     "veomni.models.transformers.deepseek_v4.generated.patched_modeling_deepseek_v4_gpu"
@@ -93,11 +92,6 @@ def prepare_veomni_model(model: nn.Module, layers: list[nn.Module], handle: Any)
     problem = _veomni_sp_problem()
     if problem is not None:
         raise HpCpError(f"enable_cp on {type(model).__name__}: {problem}")
-
-
-def veomni_adapter_for(module: Any) -> Any:
-    """The adapter for a VeOmni ``DeepseekV4Attention``, else ``None`` (never imports VeOmni)."""
-    return registered_adapter(module, VeOmniDeepseekV4AttentionAdapter)
 
 
 class VeOmniDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
