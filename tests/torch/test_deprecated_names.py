@@ -129,6 +129,23 @@ def test_stack_disable_cp_is_removed_naming_the_core_one(module: str) -> None:
     hp_cp_core.disable_cp(BatchRecorder(active=False))  # the core's: nothing left to undo
 
 
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("transformers", "hf_adapter_for"),
+        ("nemo_automodel", "nemo_adapter_for"),
+        ("veomni", "veomni_adapter_for"),
+        ("nemo_automodel_dsa", "nemo_dsa_adapter_for"),
+        ("nemo_automodel_dsa", "is_dsa_model"),
+    ],
+)
+def test_the_wrappers_helpers_are_removed_naming_the_registry(module: str, name: str) -> None:
+    _removed(module, name, "hp_cp_torch.adapter.adapter_for(module)")
+    from hp_cp_torch.adapter import adapter_for
+
+    assert adapter_for(torch.nn.Linear(2, 2)) is None  # what replaces them: no adapter claims it
+
+
 def test_other_missing_names_stay_attribute_errors() -> None:
     from hp_cp_torch.integrations import veomni
 

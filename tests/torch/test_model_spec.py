@@ -311,6 +311,29 @@ def test_a_0_3_third_party_adapter_warns_naming_each_new_hook() -> None:
     assert "ThirdPartyAdapter.compress is" not in got
 
 
+def test_0_3_class_attributes_become_traits() -> None:
+    from hp_cp_torch.model_adapter import ForwardState
+
+    class State(ForwardState):
+        pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        class Old(ModelAdapter):
+            state_class = State
+            sequence_dim = 0
+            packed_topk_row = "stream"
+            index_keys_without_grad = True
+
+        class Full(ModelAdapter):
+            detach_indexer_inputs = False
+
+    assert Old.traits == Traits(State, 0, "stream", indexer_grad="none")
+    assert Full.traits == Traits(indexer_grad="full")
+    assert len([w for w in caught if issubclass(w.category, DeprecationWarning)]) == 5
+
+
 def test_a_0_3_adapter_runs_its_0_3_methods_as_the_new_hooks() -> None:
     import v03_adapters
 
