@@ -1,0 +1,346 @@
+"""Rank functions of tests/megatron/test_megatron.py: megatron-core 0.19.2's ``GPTModel`` of MLA +
+DSA layers (Megatron's own spec) under hp_cp, against the same model, weights and batch on one
+process at ``context_parallel_size=1``, both through Megatron's ``forward_backward_func``.
+
+One spawned job per cp size (Megatron's ``initialize_model_parallel`` needs the world to be a
+multiple of the CP size): every rank computes the one-process references at cp 1 first, then
+Megatron's parallel state is rebuilt at ``context_parallel_size = world`` and hp_cp runs on
+Megatron's own CP group (Note [Megatron's CP group under hp_cp] in
+``hp_cp_torch.integrations.megatron``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_model import build_gpt_model, init_parallel, make_config  # noqa: E402
+from megatron_shims import forward_backward_func_on_cpu, megatron_cpu_shims  # noqa: E402
+
+SEQ = 61
+"""A prime: a multiple of no cp and no 2 * cp, so every case pads (``handle.batch``)."""
+CU = [0, 17, 18, 44, 61]
+"""Packed documents (batch 1): one of a single token, none a multiple of anything."""
+BATCH = 2
+TOPK = 8
+"""Far fewer than the up to 61 tokens a query sees: the indexer really selects."""
+VOCAB = 128
+LAYOUTS = ("contiguous", "load_balanced")
+DOCS = ("padded", "packed")
+
+VARIANTS = {
+    "dense": {},
+    "sparse": {"sparse_loss": True},
+    "topk_freq2": {"topk_freq": 2},
+    "per_token": {"calculate_per_token_loss": True},
+}
+"""Megatron configs: the dense indexer loss (Megatron's default), the sparse one, IndexShare
+(layer 2 reuses layer 1's top-k) and ``calculate_per_token_loss``; all with
+``dsa_indexer_loss_coeff=0.1``."""
+
+EXTRA = {
+    1: (("sparse", "load_balanced", "packed"), ("topk_freq2", "contiguous", "padded")),
+    2: (("sparse", "load_balanced", "padded"), ("per_token", "contiguous", "packed")),
+    3: (("topk_freq2", "load_balanced", "packed"), ("per_token", "load_balanced", "padded")),
+    4: (
+        ("sparse", "contiguous", "packed"),
+        ("topk_freq2", "load_balanced", "padded"),
+        ("per_token", "load_balanced", "packed"),
+    ),
+}
+"""Per cp, the cases beyond the dense loss at every layout x padded / packed."""
+
+
+def cases_for(cp: int) -> list[tuple[str, str, str]]:
+    """``(variant, layout, docs)`` run at ``cp``."""
+    plain = [("dense", layout, docs) for layout in LAYOUTS for docs in DOCS]
+    return plain + list(EXTRA[cp])
+
+
+def tokens(docs: str) -> torch.Tensor:
+    batch = 1 if docs == "packed" else BATCH
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def one_process_batch(docs: str) -> dict[str, Any]:
+    """The full batch as Megatron takes it on one process: labels ``tokens[t + 1]``, none at
+    the last token (of each document when packed)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids = tokens(docs)
+    labels = torch.zeros_like(ids)
+    labels[:, :-1] = ids[:, 1:]
+    mask = torch.ones(ids.shape, dtype=torch.float32)
+    mask[:, -1] = 0
+    psp = None
+    if docs == "packed":
+        mask[:, [c - 1 for c in CU[1:]]] = 0
+        cu = torch.tensor(CU, dtype=torch.int32)
+        longest = max(b - a for a, b in zip(CU[:-1], CU[1:]))
+        psp = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+    labels = labels * mask.long()
+    return {"tokens": ids, "labels": labels, "loss_mask": mask, "packed_seq_params": psp}
+
+
+def loss_func(loss_mask, count, output_tensor):
+    """``pretrain_gpt.py``'s ``loss_func`` shape: ``(loss, num_tokens, report)``; ``count`` maps
+    (per-token losses, mask) to ``(loss, num_tokens)``."""
+    loss, num_tokens = count(output_tensor, loss_mask)
+    local = torch.sum(output_tensor.reshape(-1).float() * loss_mask.reshape(-1).float())
+    report = {"lm loss": torch.stack([local.detach(), loss_mask.sum().float()])}
+    return loss, num_tokens, report
+
+
+def megatron_count(losses, loss_mask):
+    """``pretrain_gpt.py``: this rank's sum and its target count."""
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(losses.reshape(-1).float() * mask), mask.sum().to(torch.int)
+
+
+def run_fbf(model: Any, step_func: Any, micro_batch: int, seq: int) -> None:
+    """One step of Megatron's ``forward_backward_func`` (no pipelining, one microbatch), with
+    its one CUDA allocation (schedules.py:749) on the CPU (``forward_backward_func_on_cpu``)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with forward_backward_func_on_cpu():
+        get_forward_backward_func()(
+            forward_step_func=step_func,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=seq,
+            micro_batch_size=micro_batch,
+            forward_only=False,
+        )
+
+
+def finalize_on_cpu(group: Any, per_token: bool):
+    """``config.finalize_model_grads_func`` emulating Megatron's DDP + ``finalize_model_grads``
+    on CPU over ``group`` (data x context parallel; Megatron's DDP is CUDA-only): gradients
+    times 1 / |group| summed (per-token loss: summed, then divided by the token count summed
+    over the group)."""
+
+    def finalize(models, num_tokens=None, **_: Any) -> None:
+        size = 1 if group is None else dist.get_world_size(group)
+        for model in models:
+            for p in model.parameters():
+                if p.grad is None:
+                    continue
+                if not per_token:
+                    p.grad.mul_(1.0 / size)
+                if size > 1:
+                    dist.all_reduce(p.grad, group=group)
+        if per_token:
+            total = num_tokens.clone().float()
+            if size > 1:
+                dist.all_reduce(total, group=group)
+            for model in models:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(total.clamp(min=1))
+
+    return finalize
+
+
+def config_for(variant: str, cp: int) -> Any:
+    kwargs = dict(VARIANTS[variant])
+    per_token = kwargs.pop("calculate_per_token_loss", False)
+    return make_config(
+        context_parallel_size=cp,
+        indexer_loss_coeff=0.1,
+        calculate_per_token_loss=per_token,
+        dsa_indexer_topk=TOPK,
+        **kwargs,
+    )
+
+
+def reference(variant: str, docs: str) -> dict[str, Any]:
+    """One process (Megatron at cp 1): logits, loss, every gradient after Megatron's step."""
+    config = config_for(variant, 1)
+    config.finalize_model_grads_func = finalize_on_cpu(None, config.calculate_per_token_loss)
+    model = build_gpt_model(config, vocab_size=VOCAB)
+    model.train()
+    b = one_process_batch(docs)
+    store = []
+
+    def step(_it, m):
+        out = m(
+            b["tokens"],
+            None,
+            None,
+            labels=b["labels"],
+            packed_seq_params=b["packed_seq_params"],
+        )
+        return out, functools.partial(_reported, store, b["loss_mask"], megatron_count)
+
+    t0 = time.perf_counter()
+    run_fbf(model, step, b["tokens"].shape[0], SEQ)
+    seconds = time.perf_counter() - t0
+    report = store[-1]["lm loss"]
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(b["tokens"], None, None, packed_seq_params=b["packed_seq_params"])
+    return {
+        "loss": float(report[0] / report[1]),
+        "grads": grads,
+        "logits": logits.detach(),
+        "seconds": seconds,
+    }
+
+
+def _reported(store: list, loss_mask: Any, count: Any, output_tensor: Any) -> tuple:
+    """:func:`loss_func`, its report kept in ``store``."""
+    result = loss_func(loss_mask, count, output_tensor)
+    store.append(result[2])
+    return result
+
+
+def cp_case(
+    rank: int, cp: int, variant: str, layout: str, docs: str, ref: dict[str, Any]
+) -> dict[str, Any]:
+    """The same step under hp_cp on Megatron's CP group (Megatron at ``context_parallel_size
+    = cp``): handle.batch in place of ``get_batch_on_this_cp_rank``."""
+    from megatron.core import parallel_state
+
+    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_torch.integrations.megatron import (
+        megatron_labels,
+        megatron_loss,
+        packed_seq_params,
+    )
+
+    config = config_for(variant, cp)
+    per_token = bool(config.calculate_per_token_loss)
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    config.finalize_model_grads_func = finalize_on_cpu(dp_cp, per_token)
+    model = build_gpt_model(config, vocab_size=VOCAB)
+    model.train()
+    group = parallel_state.get_context_parallel_group()
+    chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
+    cfg = DeepSeekV4CPConfig(layout=layout, single_rank_bypass=False, query_chunk=chunk)
+    handle = enable_cp(model, group, cfg)
+    try:
+        ids = tokens(docs)
+        batch = handle.batch(ids, cu_seqlens=CU if docs == "packed" else None)
+        labels, mask = megatron_labels(batch)
+        psp = packed_seq_params(batch)
+        store: list = []
+
+        def count(losses, loss_mask):
+            return megatron_loss(losses, loss_mask, batch, cp, per_token)
+
+        def step(_it, m):
+            out = m(batch.input_ids, batch.position_ids, None, labels=labels, packed_seq_params=psp)
+            return out, functools.partial(_reported, store, mask, count)
+
+        t0 = time.perf_counter()
+        run_fbf(model, step, ids.shape[0], batch.input_ids.shape[1])
+        seconds = time.perf_counter() - t0
+        stats = handle.stats()
+        with torch.no_grad():
+            logits = model(batch.input_ids, batch.position_ids, None, packed_seq_params=psp)
+            logits = handle.unshard(logits.detach(), 1, rows=SEQ)
+        report = store[-1]["lm loss"].clone()
+        dist.all_reduce(report, group=group)
+    finally:
+        disable_cp(handle)
+    largest = max(float(g.abs().max()) for g in ref["grads"].values())
+    grad_err = {}
+    for n, p in model.named_parameters():
+        want = ref["grads"][n]
+        got = torch.zeros_like(want) if p.grad is None else p.grad
+        scale = max(float(want.abs().max()), 1e-2 * largest)
+        grad_err[n] = float((got - want).abs().max()) / scale
+    worst = max(grad_err, key=grad_err.get)
+    indexer = [n for n in grad_err if ".indexer." in n]
+    ref_logits = ref["logits"]
+    loss = float(report[0] / report[1])
+    return {
+        "cp": cp,
+        "variant": variant,
+        "layout": layout,
+        "docs": docs,
+        "loss_abs_err": abs(loss - ref["loss"]),
+        "loss": loss,
+        "logits_abs_err": float((logits - ref_logits).abs().max()),
+        "logits_scale": float(ref_logits.abs().max()),
+        "grad_rel_err_max": grad_err[worst],
+        "grad_rel_err_worst_param": worst,
+        "indexer_grad_rel_err_max": max(grad_err[n] for n in indexer),
+        "indexer_params": len(indexer),
+        "indexer_grad_norm": sum(float(ref["grads"][n].norm()) for n in indexer),
+        "params": len(grad_err),
+        "bytes_sent": stats["bytes_sent"],
+        "time_cp_s": seconds,
+        "time_single_s": ref["seconds"],
+    }
+
+
+def error_cases(rank: int, cp: int) -> dict[str, str]:
+    """Refused on every rank before any exchange: a Megatron CP group that is not hp_cp's
+    (Megatron at context_parallel_size 1 beside an hp_cp group of ``cp``), an attention mask."""
+    from megatron.core import parallel_state
+
+    from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
+
+    out: dict[str, str] = {}
+
+    def expect(fn, match: str) -> str:
+        try:
+            fn()
+        except HpCpError as exc:
+            return "ok" if match in str(exc) else f"wrong message: {exc}"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    init_parallel(1)
+    model = build_gpt_model(config_for("dense", 1), vocab_size=VOCAB)
+    cfg = DeepSeekV4CPConfig(single_rank_bypass=False)
+    out["megatron_cp_1"] = expect(
+        lambda: enable_cp(model, dist.group.WORLD, cfg), "context_parallel_size=1)"
+    )
+    init_parallel(cp)
+    model = build_gpt_model(config_for("dense", cp), vocab_size=VOCAB)
+    handle = enable_cp(model, parallel_state.get_context_parallel_group(), cfg)
+    try:
+        batch = handle.batch(tokens("padded"))
+        mask = torch.ones(1, 1, batch.input_ids.shape[1], batch.input_ids.shape[1]).bool()
+        with torch.no_grad():
+            out["attention_mask"] = expect(
+                lambda: model(batch.input_ids, batch.position_ids, mask), "attention_mask=None"
+            )
+    finally:
+        disable_cp(handle)
+    return out
+
+
+def megatron_suite(rank: int, world: int) -> dict[str, Any]:
+    """Every case of cp = ``world``: references at cp 1, then hp_cp at cp ``world``."""
+    torch.set_num_threads(1)
+    cases = cases_for(world)
+    results: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    with megatron_cpu_shims():
+        init_parallel(1)
+        refs = {(v, d): reference(v, d) for v, d in sorted({(v, d) for v, _l, d in cases})}
+        init_parallel(world)
+        for variant, layout, docs in cases:
+            results.append(cp_case(rank, world, variant, layout, docs, refs[(variant, docs)]))
+        if world == 2:
+            errors = error_cases(rank, world)
+    return {"results": results, "errors": errors}
