@@ -2,13 +2,13 @@
 # dependencies = ["nox>=2024.3"]
 # ///
 """Sessions: lint, docs, core (no framework), torch, dsa, mindformers, example_mindformers,
-example_jax, example_train, nemo_automodel, veomni, bench, bench_precision, bench_mindformers,
-bench_peers (bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist, device, fuzz,
-clean_exit.
+example_jax, example_train, nemo_automodel, veomni, megatron, bench, bench_precision,
+bench_mindformers, bench_peers (bench_peers_nemo, bench_peers_veomni, bench_peers_dsa), dist,
+device, fuzz, clean_exit.
 
-`nox` runs lint, docs, core, torch, mindformers, example_jax and veomni; each installs its own
-distributions (the wheels built once per run) into a fresh virtualenv, so the core is proven
-framework-free and every backend is tested with its framework for real. Suites that need the
+`nox` runs lint, docs, core, torch, mindformers, example_jax, veomni and megatron; each installs
+its own distributions (the wheels built once per run) into a fresh virtualenv, so the core is
+proven framework-free and every backend is tested with its framework for real. Suites that need the
 same heavy install share one virtualenv (Note [Suites sharing a virtualenv]): ``torch`` also
 runs the dsa, example_train and nemo_automodel suites, ``mindformers`` the example_mindformers
 suite; ``nox -s dsa`` (``example_train``, ``nemo_automodel``, ``example_mindformers``) runs one
@@ -39,6 +39,7 @@ nox.options.sessions = [
     "mindformers",  # + the example_mindformers suite
     "example_jax",
     "veomni",
+    "megatron",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -280,6 +281,31 @@ def _torch_suite(session: nox.Session) -> None:
         },
     )
     session.run(*CONTRACT, "--hp-cp-backend=torch", "--hp-cp-require=torch", *session.posargs)
+
+
+MEGATRON = "megatron-core==0.19.2"
+"""Declares Python >= 3.12, but its cp311 wheel imports and runs on 3.11: installed with
+``--ignore-requires-python`` (a plain install on 3.11 resolves to 0.16.1, an older DSA)."""
+
+
+@_session(python=PYTHONS)
+def megatron(session: nox.Session) -> None:
+    """megatron-core 0.19.2's GPTModel of MLA + DSA layers (Megatron's own spec) under hp_cp
+    through Megatron's forward_backward_func: cp 1, 2, 3, 4 (one gloo job each) against the same
+    model on one process; Triton is installed for ``import megatron.core`` (or the test-side
+    stub in tests/megatron/megatron_shims.py), the CPU shims are test fixtures."""
+    session.install(TORCH)
+    session.install(
+        *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[triton]"),
+        *TEST_DEPS,
+    )
+    session.install("--ignore-requires-python", MEGATRON)
+    session.run(
+        "pytest",
+        "tests/megatron",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "1", "HP_CP_REQUIRE_BACKEND": "megatron"},
+    )
 
 
 @_session(python=PYTHONS, default=False)

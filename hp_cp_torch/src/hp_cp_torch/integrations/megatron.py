@@ -67,8 +67,8 @@ from hp_cp_torch.model_adapter import (
     AttentionParams,
     ForwardState,
     IndexerParams,
-    LayerInputs,
     Latent,
+    LayerInputs,
     ModelAdapter,
     Projection,
     Traits,
@@ -499,7 +499,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         q_abs = torch.cat([q_abs, q_pe], dim=-1).float()  # [B, L, H, c + r]
         batch, _, heads = q_abs.shape[:3]
         device = q_abs.device
-        total_rows = plan.n_slots_total if state.inputs.real_rows is None else state.inputs.real_rows
+        total_rows = (
+            plan.n_slots_total if state.inputs.real_rows is None else state.inputs.real_rows
+        )
         real = torch.as_tensor(plan.local_rows < total_rows, device=device)  # [L]
         start = torch.as_tensor(plan.cmp_start, device=device).long()
         stop = start + torch.as_tensor(plan.cmp_count, device=device).long()
