@@ -8,8 +8,8 @@ device, fuzz, clean_exit.
 
 `nox` runs lint, docs, core, torch, mindformers, example_jax, veomni and megatron; each installs
 its own distributions (the wheels built once per run) into a fresh virtualenv, so the core is
-proven framework-free and every backend is tested with its framework for real. Suites that need the
-same heavy install share one virtualenv (Note [Suites sharing a virtualenv]): ``torch`` also
+proven framework-free and every backend is tested with its framework for real. Suites that need
+the same heavy install share one virtualenv (Note [Suites sharing a virtualenv]): ``torch`` also
 runs the dsa, example_train and nemo_automodel suites, ``mindformers`` the example_mindformers
 suite; ``nox -s dsa`` (``example_train``, ``nemo_automodel``, ``example_mindformers``) runs one
 of them alone in its own virtualenv. Every backend passes the same installed
