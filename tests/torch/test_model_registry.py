@@ -60,9 +60,13 @@ def test_the_shipped_integrations_register_through_entry_points() -> None:
         "nemo_automodel.components.models.deepseek_v41.attention.DeepseekV41Attention": (
             "hp_cp_torch.integrations.nemo_automodel_v41:NemoDeepseekV41AttentionAdapter"
         ),
+        "megatron.core.transformer.experimental_attention_variant.absorbed_mla."
+        "AbsorbedMLASelfAttention": (
+            "hp_cp_torch.integrations.megatron:MegatronDSAAttentionAdapter"
+        ),
     }
     assert {k: names.get(k) for k in want} == want
-    assert len([v for v in names.values() if v.startswith("hp_cp_torch.")]) == 9
+    assert len([v for v in names.values() if v.startswith("hp_cp_torch.")]) == 10
 
 
 def test_the_reference_layer_gets_its_adapter_from_the_registry() -> None:
