@@ -769,7 +769,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the all-gather CP baseline of bench/peers_dsa.py (V3.2, GLM-5; a checkout)",
     )
+    mega = parser.add_argument_group(
+        "megatron",
+        "--megatron: one step of a megatron-core GPTModel of MLA + DSA layers under Megatron's "
+        "own all-gather CP and under hp_cp, side by side (hp_cp_torch.bench.megatron; a checkout)",
+    )
+    mega.add_argument("--megatron", action="store_true", help="run the Megatron bench only")
+    mega.add_argument("--megatron-seq", type=int, default=2048, help="S of the step")
+    mega.add_argument("--megatron-cps", default="2,4", help="cp of the steps")
+    mega.add_argument("--megatron-out", default="bench-megatron.json")
     args = parser.parse_args(argv)
+    if args.megatron:
+        from hp_cp_torch.bench.megatron import main_megatron
+
+        return main_megatron(args)
     if args.real_widths:
         from hp_cp_torch.bench.real_widths import main_real
 

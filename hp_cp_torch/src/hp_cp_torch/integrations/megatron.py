@@ -89,7 +89,8 @@ DSA_LOSS = "megatron.core.transformer.experimental_attention_variant.dsa_indexer
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
-"""Most elements one query chunk of the indexer loss holds (``heads x rows x keys``)."""
+"""Most elements one query chunk of the indexer loss holds (``(heads + indexer heads) x rows
+x keys``: the teacher's logits and the indexer's per-head scores)."""
 
 # Note [Megatron's CP group under hp_cp]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -507,7 +508,8 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         stop = start + torch.as_tensor(plan.cmp_count, device=device).long()
         scale = float(m.core_attention.softmax_scale)
         longest = int(stop.max()) if stop.numel() else 0
-        rows = max(1, LOSS_CHUNK_ELEMENTS // max(1, (heads + 1) * longest * batch))
+        per_row = (heads + q_idx.shape[2]) * longest * batch  # the teacher's, the student's
+        rows = max(1, LOSS_CHUNK_ELEMENTS // max(1, per_row))
         # every rank's loss reaches its indexer queries, weights and gathered keys (the keys'
         # exchange runs its backward on every rank), whatever its rows
         total = (keys.sum() + q_idx.sum() + weights.sum()).float() * 0.0
