@@ -23,8 +23,10 @@ small hidden size, so that Megatron's dense ``[heads, S / cp, S]`` scores fit a 
 
 Measures, per cp (max over ranks):
 
-* ``bytes``: bytes each rank sends, forward + backward (hp_cp: counted by its group;
-  Megatron: its all-gather and reduce-scatter volumes, Note [Megatron's all-gather bytes]);
+* ``bytes``: bytes each rank receives, forward + backward (hp_cp: counted by its group;
+  Megatron: what its all-gathers and reduce-scatters deliver to each rank, Note [Megatron's
+  all-gather bytes]; received, not sent, because what a rank receives is the same for any
+  all-gather algorithm);
 * ``step_time``: seconds of the step (wall, each rank timed alone, this machine's cores
   shared by the ranks: a ratio within one run);
 * ``peak_mem``: the most tensor bytes alive at once during the step (``live_tensor_peak``:
@@ -43,9 +45,11 @@ Per layer with its own indexer, Megatron's ``DSAttention.forward`` all-gathers o
 latent keys ``[S / cp, B, 1, kv_lora_rank + rope]`` and the indexer keys ``[S / cp, B, d_I]``
 (``gather_from_sequence_parallel_region``, ``tensor_parallel/mappings.py:145``); their
 backward reduce-scatters the gradients (``:185``; the indexer keys' only with the indexer loss
-on). A ring all-gather or reduce-scatter of ``cp`` shards sends ``(cp - 1)`` shards from each
-rank, so each rank sends ``2 (cp - 1) (S / cp) B (kv_lora_rank + rope + d_I)`` elements per
-layer (without the loss, the indexer keys only once).
+on). An all-gather of ``cp`` shards delivers the ``cp - 1`` other shards to each rank, and a
+reduce-scatter the ``cp - 1`` other ranks' parts of each rank's shard, so each rank receives
+``2 (cp - 1) (S / cp) B (kv_lora_rank + rope + d_I)`` elements per layer (without the loss,
+the indexer keys only once). hp_cp's own all-gather baseline, counted by its group, receives
+exactly this many bytes.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def checkout_tests() -> Path:
 
 
 def megatron_allgather_bytes(seq: int, batch: int, cp: int, layers: int, loss: bool) -> int:
-    """Bytes each rank sends in one step of Megatron's all-gather DSA CP (Note [Megatron's
+    """Bytes each rank receives in one step of Megatron's all-gather DSA CP (Note [Megatron's
     all-gather bytes]), :data:`MEGATRON_WIDTHS`, fp32."""
     w = MEGATRON_WIDTHS
     latent = w["kv_lora_rank"] + w["qk_pos_emb_head_dim"]
@@ -174,7 +178,7 @@ def _worker(rank: int, world: int, seq: int, loss_coeff: float) -> dict[str, Any
                 out[f"{name}_bytes_recv"] = (after["bytes_recv"] - before["bytes_recv"]) // 2
             finally:
                 disable_cp(handle)
-    out["megatron_bytes_sent"] = megatron_allgather_bytes(
+    out["megatron_bytes_recv"] = megatron_allgather_bytes(
         seq, 1, world, MEGATRON_WIDTHS["num_layers"], loss_coeff > 0
     )
     out["topk"] = _topk(seq)
@@ -199,14 +203,14 @@ def megatron_measures(seq: int = 2048, cps: tuple[int, ...] = (2, 4)) -> dict[st
         ranks = run_ranks(cp, _worker, seq, 0.1, timeout=1800)
         res[f"megatron_topk_cp{cp}"] = ranks[0]["topk"]
         for side in ("megatron", "hp_cp", "allgather"):
-            for measure in ("step_s", "peak_bytes", "bytes_sent"):
+            for measure in ("step_s", "peak_bytes", "bytes_recv"):
                 values = [r.get(f"{side}_{measure}") for r in ranks]
                 if all(v is not None for v in values):
                     res[f"megatron_{side}_{measure}_cp{cp}"] = max(values)
         for side in ("hp_cp", "allgather"):
-            res[f"megatron_{side}_bytes_recv_cp{cp}"] = max(r[f"{side}_bytes_recv"] for r in ranks)
+            res[f"megatron_{side}_bytes_sent_cp{cp}"] = max(r[f"{side}_bytes_sent"] for r in ranks)
         for measure, key in (
-            ("bytes", "bytes_sent"),
+            ("bytes", "bytes_recv"),
             ("step_time", "step_s"),
             ("peak_mem", "peak_bytes"),
         ):
