@@ -111,6 +111,24 @@ def megatron_count(losses, loss_mask):
     return torch.sum(losses.reshape(-1).float() * mask), mask.sum().to(torch.int)
 
 
+def tracker() -> dict:
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossLoggingHelper,
+    )
+
+    return DSAIndexerLossLoggingHelper.tracker
+
+
+def logged_indexer_loss(group: Any = None) -> torch.Tensor:
+    """The indexer loss per layer Megatron's tracker holds, summed over ``group`` as its
+    ``reduce_loss_in_tracker`` does with the reduce group (gloo has no AVG for the rest)."""
+    values = tracker()["values"].clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        assert tracker()["reduce_group"] is not None
+        dist.all_reduce(values, group=group)
+    return values
+
+
 def run_fbf(model: Any, step_func: Any, micro_batch: int, seq: int) -> None:
     """One step of Megatron's ``forward_backward_func`` (no pipelining, one microbatch), with
     its one CUDA allocation (schedules.py:749) on the CPU (``forward_backward_func_on_cpu``)."""
@@ -187,9 +205,11 @@ def reference(variant: str, docs: str) -> dict[str, Any]:
         )
         return out, functools.partial(_reported, store, b["loss_mask"], megatron_count)
 
+    tracker().clear()
     t0 = time.perf_counter()
     run_fbf(model, step, b["tokens"].shape[0], SEQ)
     seconds = time.perf_counter() - t0
+    logged = logged_indexer_loss()
     report = store[-1]["lm loss"]
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
@@ -199,6 +219,7 @@ def reference(variant: str, docs: str) -> dict[str, Any]:
         "grads": grads,
         "logits": logits.detach(),
         "seconds": seconds,
+        "indexer_loss": logged,
     }
 
 
@@ -247,9 +268,11 @@ def cp_case(
             out = m(batch.input_ids, batch.position_ids, None, labels=labels, packed_seq_params=psp)
             return out, functools.partial(_reported, store, mask, count)
 
+        tracker().clear()
         t0 = time.perf_counter()
         run_fbf(model, step, ids.shape[0], batch.input_ids.shape[1])
         seconds = time.perf_counter() - t0
+        logged = logged_indexer_loss(group)
         stats = handle.stats()
         with torch.no_grad():
             logits = model(batch.input_ids, batch.position_ids, None, packed_seq_params=psp)
@@ -275,6 +298,8 @@ def cp_case(
         "layout": layout,
         "docs": docs,
         "loss_abs_err": abs(loss - ref["loss"]),
+        "indexer_loss": ref["indexer_loss"].tolist(),
+        "indexer_loss_abs_err": float((logged - ref["indexer_loss"]).abs().max()),
         "loss": loss,
         "logits_abs_err": float((logits - ref_logits).abs().max()),
         "logits_scale": float(ref_logits.abs().max()),

@@ -8,8 +8,9 @@ model, weights and batch on one process at ``context_parallel_size=1`` in the sa
 * Megatron's dense indexer loss at every cp x layout x padded / packed, and per cp a few of
   the sparse loss, IndexShare (``dsa_indexer_topk_freq=2``) and ``calculate_per_token_loss``;
   ``dsa_indexer_loss_coeff=0.1`` throughout, so the indexer's gradients are compared too;
-* fp32: the loss and the logits to 1e-5, every parameter gradient by name to 1e-4 of that
-  parameter's largest one-process gradient (floored at 1e-2 of the largest of all);
+* fp32: the loss, the logits and the indexer loss Megatron logs to 1e-5, every parameter
+  gradient by name to 1e-4 of that parameter's largest one-process gradient (floored at 1e-2
+  of the largest of all);
 * refused on every rank: Megatron's CP group not hp_cp's, an attention mask.
 
 Skipped when megatron-core is absent, unless ``HP_CP_REQUIRE_BACKEND`` contains ``megatron``
@@ -70,6 +71,10 @@ def test_loss_logits_and_gradients_match_one_process(suite: dict) -> None:
         assert res["indexer_params"] == 5 * layers, _id(res)
         assert res["indexer_grad_norm"] > 0, _id(res)
         assert res["indexer_grad_rel_err_max"] <= GRAD_RTOL, _id(res)
+        # the indexer loss Megatron logs (its tracker, summed over the CP group), per layer
+        logged = [v for v in res["indexer_loss"] if v != 0]
+        assert len(logged) == layers, _id(res)
+        assert res["indexer_loss_abs_err"] <= RTOL * max(logged), _id(res)
 
 
 @pytest.mark.slow

@@ -138,7 +138,9 @@ x keys``: the teacher's logits and the indexer's per-head scores)."""
 # calculate_per_token_loss (Megatron's sum). The loss, times dsa_indexer_loss_coeff, is
 # attached with Megatron's own DSAIndexerLossAutoScaler, so the schedule's loss scale applies
 # as on one process. Gradients reach the indexer's queries and weights locally and its keys
-# through the exchange's backward, at the rank that computed them. The runner's own indexer
+# through the exchange's backward, at the rank that computed them. Each rank's share goes to
+# Megatron's DSAIndexerLossLoggingHelper with the CP group as its reduce group (a sum: the
+# global value, as one process logs it). The runner's own indexer
 # loss is not used (IndexerParams.loss_coeff stays None): it is the sparse variant over a
 # shared-KV head, and Megatron's default is the dense one.
 
@@ -477,9 +479,17 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         """``(output, bias)`` as Megatron's attention returns them, the indexer loss attached
         with Megatron's ``DSAIndexerLossAutoScaler``."""
         if self._loss_on():
-            coeff = float(self.module.config.dsa_indexer_loss_coeff)
-            loss = self._indexer_loss_share(state) * coeff
-            out = _module(DSA).DSAIndexerLossAutoScaler.apply(out, loss)
+            m, dsa = self.module, _module(DSA)
+            loss = self._indexer_loss_share(state) * float(m.config.dsa_indexer_loss_coeff)
+            # Megatron's logging: this rank's share, summed over the CP group when reduced
+            cp = getattr(getattr(m, "pg_collection", None), "cp", None)
+            dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+                loss=loss,
+                layer_number=m.layer_number,
+                num_layers=m.config.num_layers,
+                reduce_group=cp if cp is not None and cp.size() > 1 else None,
+            )
+            out = dsa.DSAIndexerLossAutoScaler.apply(out, loss)
         return out, state.bias
 
     # ------------------------------------------------------------------ the indexer loss
