@@ -317,7 +317,8 @@ def cp_case(
 
 def error_cases(rank: int, cp: int) -> dict[str, str]:
     """Refused on every rank before any exchange: a Megatron CP group that is not hp_cp's
-    (Megatron at context_parallel_size 1 beside an hp_cp group of ``cp``), an attention mask."""
+    (Megatron at context_parallel_size 1 beside an hp_cp group of ``cp``), an attention mask,
+    a batch sharded by Megatron's ``get_batch_on_this_cp_rank``."""
     from megatron.core import parallel_state
 
     from hp_cp_core import DeepSeekV4CPConfig, HpCpError, disable_cp, enable_cp
@@ -348,6 +349,19 @@ def error_cases(rank: int, cp: int) -> dict[str, str]:
         with torch.no_grad():
             out["attention_mask"] = expect(
                 lambda: model(batch.input_ids, batch.position_ids, mask), "attention_mask=None"
+            )
+        # a batch Megatron shards itself (zigzag) is refused, not roped at the wrong rows
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        ids = torch.randint(0, VOCAB, (1, 4 * cp), generator=torch.Generator().manual_seed(3))
+        full = {"tokens": ids, "position_ids": torch.arange(4 * cp)[None]}
+        local = get_batch_on_this_cp_rank(
+            full, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+        )
+        with torch.no_grad():
+            out["megatron_sharded_batch"] = expect(
+                lambda: model(local["tokens"], local["position_ids"], None),
+                "get_batch_on_this_cp_rank",
             )
     finally:
         disable_cp(handle)

@@ -11,7 +11,8 @@ model, weights and batch on one process at ``context_parallel_size=1`` in the sa
 * fp32: the loss, the logits and the indexer loss Megatron logs to 1e-5, every parameter
   gradient by name to 1e-4 of that parameter's largest one-process gradient (floored at 1e-2
   of the largest of all);
-* refused on every rank: Megatron's CP group not hp_cp's, an attention mask.
+* refused on every rank: Megatron's CP group not hp_cp's, an attention mask, a batch
+  Megatron's ``get_batch_on_this_cp_rank`` sharded.
 
 Skipped when megatron-core is absent, unless ``HP_CP_REQUIRE_BACKEND`` contains ``megatron``
 (the ``megatron`` nox session sets it).
@@ -93,4 +94,8 @@ def test_the_latents_move_not_per_head_keys_and_values(suite: dict) -> None:
 def test_unsupported_setups_are_refused_on_every_rank(suite: dict) -> None:
     if suite["results"][0]["cp"] != 2:
         pytest.skip("the cp 2 job runs the refusals")
-    assert suite["errors"] == {"megatron_cp_1": "ok", "attention_mask": "ok"}
+    assert suite["errors"] == {
+        "megatron_cp_1": "ok",
+        "attention_mask": "ok",
+        "megatron_sharded_batch": "ok",
+    }

@@ -54,6 +54,7 @@ batches with Megatron's per-document padding (``cu_seqlens_q_padded``) or a
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,17 @@ DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
 DSA_MASKING = "megatron.core.transformer.experimental_attention_variant.dsa_masking"
 DSA_LOSS = "megatron.core.transformer.experimental_attention_variant.dsa_indexer_loss"
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
+GPT_MODEL = "megatron.core.models.gpt.gpt_model"
+POSITIONS_ATTR = "_hp_cp_position_ids"
+"""Where the forward pre-hook on each ``GPTModel`` leaves its ``position_ids`` for the layers
+(Megatron hands them no positions)."""
+
+POSITIONS_HINT = (
+    "got position_ids that are not hp_cp's positions of this rank's rows (the global row, or "
+    "the position within the document when packed): a batch sharded by Megatron's "
+    "get_batch_on_this_cp_rank (its zigzag) or not sharded. Under hp_cp build the batch with "
+    "handle.batch(tokens, cu_seqlens=...) and pass its input_ids and position_ids."
+)
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """Most elements one query chunk of the indexer loss holds (``(heads + indexer heads) x rows
@@ -234,7 +246,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
         """Refuse, before any exchange, what hp_cp cannot run: tensor parallelism, a Megatron
-        CP group that is not hp_cp's (Note [Megatron's CP group under hp_cp])."""
+        CP group that is not hp_cp's (Note [Megatron's CP group under hp_cp]); a forward
+        pre-hook on each ``GPTModel`` hands the layers its ``position_ids``, so that a batch
+        Megatron sharded is refused, not silently roped at the wrong rows."""
         want = sorted(int(r) for r in handle.group.global_ranks)
         for layer in layers:
             config = layer.config
@@ -259,6 +273,12 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
                     "the attention, and Megatron's data loading, DDP and loss scales stay "
                     "those of its own CP."
                 )
+        gpt = getattr(sys.modules.get(GPT_MODEL), "GPTModel", None)
+        for mod in model.modules():
+            if gpt is not None and isinstance(mod, gpt):
+                hook = mod.register_forward_pre_hook(_positions_hook(layers), with_kwargs=True)
+                handle.on_disable(hook.remove)
+        handle.on_disable(lambda: [layer.__dict__.pop(POSITIONS_ATTR, None) for layer in layers])
 
     def layer_spec(self) -> LayerSpec:
         return LayerSpec(
@@ -307,7 +327,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
             cu = getattr(packed_seq_params, "cu_seqlens_q", None)
         return MegatronCallInputs(
             hidden_states,
-            None,  # Megatron's layers get no positions: hp_cp's plan has them
+            self.module.__dict__.get(POSITIONS_ATTR),  # the GPTModel's, from its pre-hook
             cu,
             attention_mask=attention_mask,
             packed_seq_params=packed_seq_params,
@@ -358,6 +378,15 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
             checks.fail(f"packed_seq_params carries real_token_mask_q; {fix}")
         if getattr(psp, "local_cp_size", None) is not None:
             checks.fail(f"packed_seq_params.local_cp_size is set (dynamic CP); {fix}")
+
+    def value_checks(self, inputs: MegatronCallInputs, plan: Any) -> list[tuple[Any, str]]:
+        """The model's ``position_ids`` (when it was given any) are hp_cp's positions of the
+        local rows."""
+        pos = inputs.position_ids
+        if not isinstance(pos, torch.Tensor):
+            return []
+        want = torch.as_tensor(plan.positions, device=pos.device)
+        return [((pos.reshape(-1, want.numel()) != want).any(), POSITIONS_HINT)]
 
     # ------------------------------------------------------------------ projections
     def _rope_table(self, rope: nn.Module, state: ForwardState) -> tuple[torch.Tensor, float]:
@@ -547,3 +576,15 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         if config.calculate_per_token_loss:
             return total
         return total / max(1, batch * int(total_rows))
+
+
+def _positions_hook(layers: list[nn.Module]) -> Any:
+    """A ``GPTModel`` forward pre-hook that leaves its ``position_ids`` on each layer (``None``
+    when not given: Megatron's RoPE needs none, hp_cp's plan has them)."""
+
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        pos = kwargs["position_ids"] if "position_ids" in kwargs else (args[1:2] or (None,))[0]
+        for layer in layers:
+            layer.__dict__[POSITIONS_ATTR] = pos
+
+    return hook
