@@ -15,6 +15,7 @@ import torch
 
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.kernels.registry import AttentionRequest, kernel_named
+from hp_cp_torch.kernels.request import chunk_columns
 from hp_cp_torch.kernels.smallop import gather_rows, sparse_attention_smallop
 
 __all__ = [
@@ -283,28 +284,6 @@ def _topk_as_one_process(
         out[:, a:b, :keep] = torch.where(torch.isneginf(values), -1, ids + row.start)
 
 
-def chunk_columns(
-    columns: PlanColumns,
-    lo: int,
-    hi: int,
-    selected: torch.Tensor | None,
-    has_cmp: bool,
-    batch: int,
-    device: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The core's columns of local queries ``lo:hi`` as tensors: ``(window [B, n, W],
-    slots [B, n, k] or None)`` pool rows, ``-1`` = empty; slots are the indexer's picks
-    (``selected``, global slot ids) or, without them, every visible slot (HCA)."""
-    window = torch.as_tensor(columns.window(lo, hi), device=device).expand(batch, -1, -1)
-    if selected is not None:
-        sel = selected[:, lo:hi].to(device)
-        return window, torch.where(sel >= 0, sel + columns.n_ext, -1)
-    if not has_cmp:
-        return window, None
-    hca = columns.pool_rows(columns.visible_slots(lo, hi))
-    return window, torch.as_tensor(hca, device=device).expand(batch, -1, -1)
-
-
 def run_sparse_attention(
     q: torch.Tensor,
     ori_ext: torch.Tensor,
@@ -324,18 +303,12 @@ def run_sparse_attention(
     compressed slots (the indexer's picks for r = 4, every visible slot ascending for r = 128).
 
     Args:
-        q: local queries ``[B, L, H, D]``.
-        ori_ext: window KV in the ext frame ``[B, E, D]``.
-        cmp_kv: global compressed KV ``[B, N, D]`` (slots ``0 .. N-1``), or ``None``.
-        plan: the rank's :class:`hp_cp_core.plan.RankPlan`.
-        selected: indexer picks ``[B, L, k]`` (global slot ids, -1 = none), or ``None``.
-        sink: per-head sink logits ``[H]``.
-        scale: softmax scale.
+        q, ori_ext, cmp_kv, plan, selected, sink, scale, query_chunk: as the fields of
+            :class:`~hp_cp_torch.kernels.request.AttentionRequest`.
         kernel: a registered kernel's name (:mod:`hp_cp_torch.kernels.registry`: ``"banded"``,
             ``"smallop"``, ``"efficient"``, ``"triton"``, ``"model_ops"`` or a third
             party's) or a kernel object; it is called once with an
             :class:`~hp_cp_torch.kernels.registry.AttentionRequest`.
-        query_chunk: queries per chunk.
         banded_picks: how the banded kernel reads picks that lie in a block's slot band
             (:data:`hp_cp_torch.kernels.banded.PICK_READS`; the same result each way, the
             benchmark measures each).

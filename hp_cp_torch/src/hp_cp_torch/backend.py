@@ -280,16 +280,9 @@ class TorchGroup:
 
         Recorded as entered (desync report) on every rank, with or without messages, so the
         ranks' collective numbers stay aligned."""
-        ops, recvs = [], {}
-        for peer, buf in sends.items():
-            ops.append(dist.P2POp(dist.isend, buf, self.global_ranks[peer], self.pg))
-        for peer, n in recv_sizes.items():
-            recvs[peer] = torch.empty(n, dtype=torch.uint8, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, recvs[peer], self.global_ranks[peer], self.pg))
-        with _collective(self, name, layer):
-            for req in self.start_p2p(ops):
-                req.wait()
-        return recvs
+        pending = _Pending(self, [], layer)
+        pending.start(sends, recv_sizes, name)
+        return pending.finish(name)
 
     def start_p2p(self, ops: list[Any]) -> list[Any]:
         """Issue ``ops`` (``dist.P2POp``) in one batch; their work handles. With a ``link``
@@ -551,27 +544,18 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: TorchGroup, plans: list[Any], token: Any, *tensors: torch.Tensor):
-        ctx.group, ctx.plans, ctx.layer = group, plans, group.log.layer
+        ctx.pending = pending = _Pending(group, plans)
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        sends, recv_sizes = _forward_messages(group, plans, tensors)
-        ctx.name = name = _exchange_name(plans)
-        recvs = group.p2p(sends, recv_sizes, name)
-        sent = sum(b.numel() for b in sends.values())
-        group.count(name, sent, sum(recv_sizes.values()))
-        return (_new_token(group.device), *_assemble(recvs, plans, tensors))
+        pending.issue(tensors)
+        return (_new_token(group.device), *_assemble(pending.finish(), plans, tensors))
 
     @staticmethod
     def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
-        group, plans = ctx.group, ctx.plans
+        pending, group, plans = ctx.pending, ctx.pending.group, ctx.pending.plans
         grads, like = _full_grads(grads, plans, ctx.shapes), _row_likes(ctx.shapes)
-        # the halo gradient goes back to the ranks that sent those rows
-        sends, recv_sizes = _backward_messages(group, plans, grads, like)
-        recvs = group.p2p(sends, recv_sizes, f"{ctx.name} backward", ctx.layer)
-        group.count(
-            f"{ctx.name}_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
-        )
+        pending.issue_grads(grads, like)  # to the ranks that sent those rows
         out = [g[p.n_halo :].clone() for g, p in zip(grads, plans)]
-        _add_sent_rows_grads(out, recvs, like, plans, group)
+        _add_sent_rows_grads(out, pending.finish(backward=True), like, plans, group)
         return (None, None, _token_grad(ctx, 2, group.device), *out)
 
 
@@ -579,10 +563,10 @@ class _Pending:
     """One exchange between :meth:`TorchGroup.issue_rows` and :meth:`TorchGroup.wait_rows`
     (and between its backward halves): the work handles, the buffers, where it was entered."""
 
-    def __init__(self, group: TorchGroup, plans: list[Any]) -> None:
+    def __init__(self, group: TorchGroup, plans: list[Any], layer: int | None = _CURRENT) -> None:
         self.group, self.plans = group, plans
         self.name = _exchange_name(plans)
-        self.layer = group.log.layer
+        self.layer = group.log.layer if layer == _CURRENT else layer
         self.tensors: list[torch.Tensor] | None = None
         self.works: list[Any] = []
         self.recvs: dict[int, torch.Tensor] = {}
@@ -604,7 +588,23 @@ class _Pending:
         except RuntimeError as exc:
             raise _peer_failure(group, name, exc, self.where) from exc
 
-    def finish(self, name: str) -> dict[int, torch.Tensor]:
+    def issue(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Start the forward messages: the rows ``tensors`` send each peer."""
+        sends, recv_sizes = _forward_messages(self.group, self.plans, tensors)
+        self.start(sends, recv_sizes, self.name)
+        self.group.count(
+            self.name, sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
+        )
+
+    def issue_grads(self, grads: list[torch.Tensor], like: list[torch.Tensor]) -> None:
+        """Start the backward messages: the received rows' gradients go back to their owners."""
+        sends, recv_sizes = _backward_messages(self.group, self.plans, grads, like)
+        self.start(sends, recv_sizes, f"{self.name} backward")
+        sent = sum(b.numel() for b in sends.values())
+        self.group.count(f"{self.name}_bwd", sent, sum(recv_sizes.values()))
+
+    def finish(self, name: str | None = None, backward: bool = False) -> dict[int, torch.Tensor]:
+        name = name or (f"{self.name} backward" if backward else self.name)
         works, self.works = self.works, []
         try:
             for work in works:
@@ -707,23 +707,17 @@ class _IssueRows(torch.autograd.Function):
     def forward(ctx: Any, pending: _Pending, token: Any, *tensors: torch.Tensor):
         ctx.pending = pending
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        sends, recv_sizes = _forward_messages(pending.group, pending.plans, tensors)
-        pending.start(sends, recv_sizes, pending.name)
-        sent = sum(b.numel() for b in sends.values())
-        pending.group.count(pending.name, sent, sum(recv_sizes.values()))
+        pending.issue(tensors)
         return _new_token(pending.group.device)
 
     @staticmethod
     def backward(ctx: Any, _token_grad_out: torch.Tensor):
         pending, group = ctx.pending, ctx.pending.group
-        recvs = pending.finish(f"{pending.name} backward")
-        outs: list[torch.Tensor | None] = []
-        for i, (shape, dtype, device) in enumerate(ctx.shapes):
-            outs.append(
-                torch.zeros(shape, dtype=dtype, device=device)
-                if ctx.needs_input_grad[2 + i]
-                else None
-            )
+        recvs = pending.finish(backward=True)
+        outs = [
+            torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[2 + i] else None
+            for i, (shape, dtype, device) in enumerate(ctx.shapes)
+        ]
         _add_sent_rows_grads(outs, recvs, _row_likes(ctx.shapes), pending.plans, group)
         return (None, _token_grad(ctx, 1, group.device), *outs)
 
@@ -736,18 +730,14 @@ class _WaitRows(torch.autograd.Function):
     def forward(ctx: Any, pending: _Pending, token: Any, *tensors: torch.Tensor):
         ctx.pending = pending
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        recvs = pending.finish(pending.name)
+        recvs = pending.finish()
         return (_new_token(pending.group.device), *_assemble(recvs, pending.plans, tensors))
 
     @staticmethod
     def backward(ctx: Any, _token_grad_out: torch.Tensor, *grads: torch.Tensor):
         pending, group, plans = ctx.pending, ctx.pending.group, ctx.pending.plans
         grads, like = _full_grads(grads, plans, ctx.shapes), _row_likes(ctx.shapes)
-        sends, recv_sizes = _backward_messages(group, plans, grads, like)
-        pending.start(sends, recv_sizes, f"{pending.name} backward")
-        group.count(
-            f"{pending.name}_bwd", sum(b.numel() for b in sends.values()), sum(recv_sizes.values())
-        )
+        pending.issue_grads(grads, like)
         local = [
             g[p.n_halo :] if ctx.needs_input_grad[2 + i] else None
             for i, (g, p) in enumerate(zip(grads, plans))
@@ -797,6 +787,10 @@ class TorchBackend(InstallingBackend):
 
     name = "torch"
 
+    def __init__(self, find: Any, install: Any, prepare: Any = None) -> None:
+        super().__init__(find, install)
+        self._prepare = prepare
+
     def group(self, mesh: Any) -> TorchGroup:
         """A :class:`TorchGroup`; its desync records are scoped by the process group's name
         and this group's number on it (the same on every rank running the same program)."""
@@ -814,15 +808,6 @@ class TorchBackend(InstallingBackend):
             group.closed = True
             group.log.publish()
         super().uninstall(layer, token)
-
-    def __init__(
-        self,
-        find: Any,
-        install: Any,
-        prepare: Any = None,
-    ) -> None:
-        super().__init__(find, install)
-        self._prepare = prepare
 
     def prepare_module(self, module: Any, layers: list[Any], handle: Any) -> None:
         """Check the config's attention kernel is registered (an ``HpCpError`` listing the

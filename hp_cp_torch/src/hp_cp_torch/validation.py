@@ -24,10 +24,6 @@ def is_dtensor(t: Any) -> bool:
     return any(c.__name__ == "DTensor" and "distributed" in c.__module__ for c in cls.__mro__)
 
 
-def describe(t: torch.Tensor) -> str:
-    return f"{list(t.shape)} {t.dtype} on {t.device}"
-
-
 class TensorChecks:
     """Collects what is wrong with one forward's input tensors.
 

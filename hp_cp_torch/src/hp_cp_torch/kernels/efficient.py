@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from hp_cp_torch.kernels.smallop import gather_rows
+
 __all__ = ["GATHER_BUDGET_BYTES", "MAX_CHUNK_ROWS", "sparse_attention_efficient"]
 
 GATHER_BUDGET_BYTES = 16 << 20
@@ -48,9 +50,7 @@ def _chunk_rows(batch: int, k: int, dim: int) -> int:
 def _gather(kv_pool: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv_sel [B, n, K, D] fp32, valid [B, n, K])`` for one chunk of ``idx``."""
     idx = idx.long()
-    valid = idx >= 0
-    rows = torch.arange(kv_pool.shape[0], device=idx.device)[:, None, None]
-    return kv_pool[rows, idx.clamp(min=0)].float(), valid
+    return gather_rows(kv_pool, idx.clamp(min=0)).float(), idx >= 0
 
 
 def _logits(q: torch.Tensor, kv_sel: torch.Tensor, valid: torch.Tensor, scale: float):
@@ -71,9 +71,8 @@ class _SparseAttention(torch.autograd.Function):
         batch, seq, heads, dim = q.shape
         idx = idx.expand(batch, -1, -1)
         k = idx.shape[-1]
-        pool = kv_pool
-        if pool.shape[1] == 0:  # nothing to gather from: every column must be -1
-            pool = kv_pool.new_zeros(batch, 1, dim)
+        # nothing to gather from (no pool row): every column must be -1
+        pool = kv_pool if kv_pool.shape[1] else kv_pool.new_zeros(batch, 1, dim)
         sink_f = sink.detach().float().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
@@ -133,16 +132,8 @@ class _SparseAttention(torch.autograd.Function):
                 rows = idx[:, lo:hi].long().clamp(min=0) + base[:, None, None]
                 flat_pool.index_add_(0, rows.reshape(-1), d_sel.reshape(-1, dim))
             del kv_sel, p, dp, ds
-        d_kv = None
-        if need_kv:
-            d_kv = d_pool[:, : kv_pool.shape[1]].to(kv_pool.dtype)
-        return (
-            d_q,
-            d_kv,
-            None,
-            d_sink.to(sink.dtype) if need_sink else None,
-            None,
-        )
+        d_kv = d_pool[:, : kv_pool.shape[1]].to(kv_pool.dtype) if need_kv else None
+        return d_q, d_kv, None, d_sink.to(sink.dtype) if need_sink else None, None
 
 
 def sparse_attention_efficient(
@@ -158,16 +149,5 @@ def sparse_attention_efficient(
     :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop`; chunked over queries and
     recomputed in backward, so memory does not grow with the number of selected keys (see
     the module docstring).
-
-    Args:
-        q: Queries ``[B, S, H, D]``.
-        kv_pool: The shared KV rows ``[B, P, D]`` (keys and values are the same vectors).
-        idx: Column lists ``[B, S, K]`` (int32 or int64) of rows of ``kv_pool``; ``-1``
-            marks an empty column.
-        sink: Per-head sink logits ``[H]`` (used in fp32).
-        scale: Softmax scale applied to ``q . kv``.
-
-    Returns:
-        The attention output ``[B, S, H, D]`` in ``q``'s dtype.
     """
     return _SparseAttention.apply(q, kv_pool, idx, sink, scale)

@@ -11,7 +11,7 @@ import torch
 
 from hp_cp_core.columns import PlanColumns
 
-__all__ = ["AttentionRequest"]
+__all__ = ["AttentionRequest", "chunk_columns"]
 
 
 @dataclass(frozen=True)
@@ -53,16 +53,30 @@ class AttentionRequest:
     def column_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(lo, hi, idx)`` per chunk of ``query_chunk`` queries: ``idx [B, hi-lo, K]`` the
         pool rows query ``lo + i`` attends to (window, then slots; ``-1`` = empty)."""
-        columns = self.columns
-        batch, device = self.q.shape[0], self.q.device
+        columns, batch, device = self.columns, self.q.shape[0], self.q.device
+        has_cmp = self.cmp_kv is not None
         for lo, hi in columns.chunks(self.query_chunk):
-            window = torch.as_tensor(columns.window(lo, hi), device=device).expand(batch, -1, -1)
-            if self.selected is not None:
-                sel = self.selected[:, lo:hi].to(device)
-                slots = torch.where(sel >= 0, sel + columns.n_ext, -1)
-            elif self.cmp_kv is not None:  # HCA: every visible slot
-                hca = columns.pool_rows(columns.visible_slots(lo, hi))
-                slots = torch.as_tensor(hca, device=device).expand(batch, -1, -1)
-            else:
-                slots = None
+            window, slots = chunk_columns(columns, lo, hi, self.selected, has_cmp, batch, device)
             yield lo, hi, window if slots is None else torch.cat([window, slots], dim=-1)
+
+
+def chunk_columns(
+    columns: PlanColumns,
+    lo: int,
+    hi: int,
+    selected: torch.Tensor | None,
+    has_cmp: bool,
+    batch: int,
+    device: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The core's columns of local queries ``lo:hi`` as tensors: ``(window [B, n, W],
+    slots [B, n, k] or None)`` pool rows, ``-1`` = empty; slots are the indexer's picks
+    (``selected``, global slot ids) or, without them, every visible slot (HCA)."""
+    window = torch.as_tensor(columns.window(lo, hi), device=device).expand(batch, -1, -1)
+    if selected is not None:
+        sel = selected[:, lo:hi].to(device)
+        return window, torch.where(sel >= 0, sel + columns.n_ext, -1)
+    if not has_cmp:
+        return window, None
+    hca = columns.pool_rows(columns.visible_slots(lo, hi))
+    return window, torch.as_tensor(hca, device=device).expand(batch, -1, -1)

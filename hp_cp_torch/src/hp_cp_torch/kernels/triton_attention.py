@@ -455,24 +455,16 @@ def sparse_attention_triton(
     :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop`, as fused Triton kernels (see
     Note [Triton sparse attention]). ``q`` and ``kv_pool`` share one floating dtype (fp32,
     bf16 or fp16; the softmax runs in fp32 either way); any ``K`` (the kernels loop over
-    the columns in blocks), any ``D`` and ``H`` (tiled in powers of two).
+    the columns in blocks), any ``D`` and ``H`` (tiled in powers of two); ``idx`` may have
+    batch 1.
 
     Args:
-        q: Queries ``[B, S, H, D]``.
-        kv_pool: The shared KV rows ``[B, P, D]`` (keys and values are the same vectors).
-        idx: Column lists ``[B or 1, S, K]`` (int32 or int64) of rows of ``kv_pool``; ``-1``
-            marks an empty column.
-        sink: Per-head sink logits ``[H]`` (used in fp32).
-        scale: Softmax scale applied to ``q . kv``.
         tuning: launch overrides per phase, ``{"fwd": {...}, "bwd": {...}}``, keys in
             :data:`TUNABLE` (benchmarks; the defaults follow D, H and the dtype).
         bands: the plan's window (and HCA) columns as
             :class:`hp_cp_core.columns.ColumnBands` (``PlanColumns.column_bands`` for the
             same queries and pool): the atomics-free backward reads their readers from the
             plan and inverts only the later columns; without it every column is inverted.
-
-    Returns:
-        The attention output ``[B, S, H, D]`` in ``q``'s dtype.
 
     Raises:
         HpCpError: Triton is missing, the tensors are on a device it cannot run on (see
