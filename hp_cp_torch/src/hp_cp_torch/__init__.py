@@ -36,13 +36,4 @@ def __getattr__(name: str) -> Any:
 
 __version__ = "0.4.0"
 
-__all__ = [
-    "DeepSeekV4Attention",
-    "DeepSeekV4AttentionConfig",
-    "ModelAdapter",
-    "register_kernel",
-    "register_model_adapter",
-    "unregister_model_adapter",
-    "TorchDeepSeekV4CSAAdapter",
-    "patch_torch_deepseek_v4_csa_forward",
-]
+__all__ = list(_LAZY)

@@ -335,9 +335,7 @@ def _token_grad(ctx: Any, index: int, device: torch.device) -> torch.Tensor | No
 def _attach_token(output: torch.Tensor, token: torch.Tensor, regather: Any = None) -> torch.Tensor:
     if not (torch.is_grad_enabled() and output.is_floating_point()):
         return output
-    if regather is not None:
-        return _OrderEndRegather.apply(output, token, regather)
-    return _OrderEnd.apply(output, token)
+    return _OrderEnd.apply(output, token, regather)
 
 
 class _SavedCell:
@@ -472,21 +470,6 @@ class RegatherScope:
         cell.buffers = buffers
 
 
-class _OrderEndRegather(torch.autograd.Function):
-    """:class:`_OrderEnd` whose backward first re-gathers the layer's compressed slots (the
-    first backward of the layer on every rank: Note [Re-gathered slots])."""
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor, scope: RegatherScope):
-        ctx.token_device, ctx.scope = token.device, scope
-        return output.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        ctx.scope.regather()
-        return grad, torch.zeros(0, device=ctx.token_device), None
-
-
 class _OrderBegin(torch.autograd.Function):
     """The first token of a layer, from its input; backward: a zero gradient for the input
     that exists only after the layer's first exchange ran its backward."""
@@ -504,18 +487,22 @@ class _OrderBegin(torch.autograd.Function):
 
 class _OrderEnd(torch.autograd.Function):
     """Identity on the layer output; backward hands the last token its (empty) gradient, which
-    starts the layer's backward exchanges, last to first."""
+    starts the layer's backward exchanges, last to first. With a :class:`RegatherScope`, the
+    backward first re-gathers the layer's compressed slots (the first backward of the layer
+    on every rank: Note [Re-gathered slots])."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        ctx.token_device = token.device
+    def forward(ctx: Any, output: torch.Tensor, token: torch.Tensor, scope: Any) -> torch.Tensor:
+        ctx.token_device, ctx.scope = token.device, scope
         # detach, not view_as: the result behaves like ``output`` itself (in-place ops on it
         # are checked by the shared version counter, not refused as custom-Function views)
         return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return grad, torch.zeros(0, device=ctx.token_device)
+        if ctx.scope is not None:
+            ctx.scope.regather()
+        return grad, torch.zeros(0, device=ctx.token_device), None
 
 
 def _row_bytes(t: torch.Tensor) -> int:

@@ -563,9 +563,8 @@ class DeepSeekV4Attention(nn.Module):
         if kl is None:
             self.indexer_loss = None
             return out
-        weight = torch.ones_like(kl)
-        if loss_mask is not None:
-            weight = (loss_mask.reshape(kl.shape) != 0).to(kl.dtype)
+        keep = torch.ones_like(kl) if loss_mask is None else loss_mask.reshape(kl.shape) != 0
+        weight = keep.to(kl.dtype)
         loss = (kl * weight).sum() / weight.sum().clamp(min=1)
         self.indexer_loss = loss.detach()
         return attach_indexer_loss(out, loss, self.config.indexer_loss_coeff)

@@ -112,15 +112,11 @@ def _compress_rows(
     ``apply_rope`` is the modeling file's own ``apply_rotary_pos_emb`` (default: HF's).
     """
     apply_rope = apply_rope or _hf().apply_rotary_pos_emb
-    x = rows
     r, d = int(comp.compress_rate), int(comp.head_dim)
-    batch, length = x.shape[0], x.shape[1]
-    n = length // r
-    usable = n * r
-    kv = comp.kv_proj(x)
-    gate = comp.gate_proj(x)
-    chunk_kv = kv[:, :usable].reshape(batch, n, r, kv.shape[-1])
-    chunk_gate = gate[:, :usable].reshape(batch, n, r, gate.shape[-1]) + comp.position_bias
+    batch, n = rows.shape[0], rows.shape[1] // r
+    kv, gate = comp.kv_proj(rows), comp.gate_proj(rows)
+    chunk_kv = kv[:, : n * r].reshape(batch, n, r, kv.shape[-1])
+    chunk_gate = gate[:, : n * r].reshape(batch, n, r, gate.shape[-1]) + comp.position_bias
     if overlap:
         new_kv = chunk_kv.new_zeros((batch, n, 2 * r, d))
         new_gate = chunk_gate.new_full((batch, n, 2 * r, d), float("-inf"))
@@ -132,7 +128,7 @@ def _compress_rows(
         chunk_kv, chunk_gate = new_kv, new_gate
     weights = chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)
     compressed = comp.kv_norm((chunk_kv * weights).sum(dim=2))  # [B, n, d]
-    positions = torch.arange(n, device=x.device) * r + int(offset)
+    positions = torch.arange(n, device=rows.device) * r + int(offset)
     positions = positions.unsqueeze(0).expand(batch, -1)
     cos, sin = comp.rotary_emb(compressed, position_ids=positions, layer_type="compress")
     return apply_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)

@@ -6,6 +6,7 @@ share :class:`ColumnKernel`, which runs ``fn(q, kv_pool, idx, sink, scale)`` chu
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -86,22 +87,14 @@ class BandedKernel:
         )
 
 
-def _efficient(*args: Any) -> torch.Tensor:
-    from hp_cp_torch.kernels.efficient import sparse_attention_efficient
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported at its first call (a kernel's module only when it runs)."""
 
-    return sparse_attention_efficient(*args)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        fn = getattr(importlib.import_module(f"hp_cp_torch.kernels.{module}"), name)
+        return fn(*args, **kwargs)
 
-
-def _triton(*args: Any, bands: Any = None) -> torch.Tensor:
-    from hp_cp_torch.kernels.triton_attention import sparse_attention_triton
-
-    return sparse_attention_triton(*args, bands=bands)
-
-
-def _triton_problem(device: Any) -> str | None:
-    from hp_cp_torch.kernels.triton_attention import triton_problem
-
-    return triton_problem(device)
+    return call
 
 
 class ModelOpOrder(ColumnKernel):
@@ -117,6 +110,10 @@ class ModelOpOrder(ColumnKernel):
 
 BANDED = BandedKernel()
 SMALLOP = ColumnKernel(sparse_attention_smallop)
-EFFICIENT = ColumnKernel(_efficient)
-TRITON = ColumnKernel(_triton, _triton_problem, bands=True)
+EFFICIENT = ColumnKernel(_lazy("efficient", "sparse_attention_efficient"))
+TRITON = ColumnKernel(
+    _lazy("triton_attention", "sparse_attention_triton"),
+    _lazy("triton_attention", "triton_problem"),
+    bands=True,
+)
 MODEL_OPS = ModelOpOrder(sparse_attention_smallop)
