@@ -149,13 +149,11 @@ class TorchGroup:
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
         self.global_ranks = [dist.get_global_rank(pg, k) for k in range(self.size)]
+        nccl = dist.get_backend(pg) == "nccl"
         self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(pg) == "nccl"
-            else torch.device("cpu")
+            torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         )
-        self.bytes_sent = 0
-        self.bytes_recv = 0
+        self.bytes_sent = self.bytes_recv = 0
         self.calls: dict[str, int] = {}
         self.regather_views = 0  # saved tensors kept as views to re-gather (RegatherScope)
         self.log = CollectiveLog(self.rank, self.size, group_store(self.global_ranks, scope))

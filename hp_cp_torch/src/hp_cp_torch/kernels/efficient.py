@@ -111,9 +111,7 @@ class _SparseAttention(torch.autograd.Function):
         step = _chunk_rows(batch, k, dim)
         for lo in range(0, seq, step):
             hi = min(lo + step, seq)
-            qc = q[:, lo:hi].float()
-            go = grad_out[:, lo:hi].float()
-            lse_c = lse[:, lo:hi]
+            qc, go, lse_c = q[:, lo:hi].float(), grad_out[:, lo:hi].float(), lse[:, lo:hi]
             kv_sel, valid = _gather(pool, idx[:, lo:hi])
             p = torch.exp(_logits(qc, kv_sel, valid, scale) - lse_c[..., None])  # [B,n,H,K]
             dp = torch.einsum("bshd,bskd->bshk", go, kv_sel)
