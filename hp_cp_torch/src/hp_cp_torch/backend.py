@@ -437,9 +437,7 @@ class RegatherScope:
                     "layer output only, or turn the option off."
                 )
             return buffers[saved.index].as_strided(saved.size, saved.stride, saved.offset)
-        if isinstance(saved, _OuterSaved):
-            return saved.unpack(saved.packed)
-        return saved
+        return saved.unpack(saved.packed) if isinstance(saved, _OuterSaved) else saved
 
     def end_order(self, output: Any, token: torch.Tensor | None) -> Any:
         """The group's ``end_order``, with the re-gather in its backward."""
@@ -863,9 +861,7 @@ class TorchBackend(InstallingBackend):
         return torch.as_tensor(values, device=None if like is None else like.device)
 
     def to_numpy(self, t: Any) -> np.ndarray:
-        if isinstance(t, torch.Tensor):
-            return t.detach().cpu().numpy()
-        return np.asarray(t)
+        return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
 
     def pad_dim(self, t: torch.Tensor, dim: int, size: int, value: Any) -> torch.Tensor:
         dim = dim % t.dim()

@@ -207,6 +207,4 @@ def attach_indexer_loss(output: torch.Tensor, loss: torch.Tensor, coeff: float) 
     """``output`` unchanged, with ``coeff * loss`` added to whatever is back-propagated through
     it. With ``coeff = 0`` backward still runs through the loss (zero gradients), so every
     rank reaches the same collectives and every indexer parameter gets a gradient."""
-    if not loss.requires_grad:
-        return output
-    return _AttachIndexerLoss.apply(output, loss, float(coeff))
+    return _AttachIndexerLoss.apply(output, loss, float(coeff)) if loss.requires_grad else output

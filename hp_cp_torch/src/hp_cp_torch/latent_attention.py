@@ -103,9 +103,7 @@ def latent_attention(
         )
         for lo, hi in chunks
     ]
-    if not outs:
-        return q_pass.new_zeros((*q_pass.shape[:3], dims.value))
-    return torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2) if outs else q_pass.new_zeros((*q_pass.shape[:3], dims.value))
 
 
 def _chunk_attention(

@@ -9,6 +9,7 @@ one agreement on every rank, ``project``, the core's exchanges (``compress``), t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -270,11 +271,8 @@ class LayerRunner:
                 f"{a.layer_name()} under CP: layer_spec() has an indexer but indexer_params() "
                 "returns None; return IndexerParams(topk=..., heads=...)."
             )
-        hook = None
-        if type(a).block_candidates is not ModelAdapter.block_candidates:
-
-            def hook(scores: Any, lo: int, hi: int, row: Any) -> Any:
-                return a.block_candidates(state, scores, lo, hi, row)
+        own_candidates = type(a).block_candidates is not ModelAdapter.block_candidates
+        hook = functools.partial(a.block_candidates, state) if own_candidates else None
 
         def scores(lo: int, hi: int, s0: int, s1: int) -> torch.Tensor:
             got = a.index_scores(state, lo, hi, keys[:, s0:s1])
@@ -354,10 +352,7 @@ class LayerRunner:
         ):
             return
         self._student_checked = True
-
-        def scores(lo: int, hi: int, keys: Any) -> Any:
-            return a.index_scores(state, lo, hi, keys)
-
+        scores = functools.partial(a.index_scores, state)
         problem = student_mismatch(scores, state.keys, state.selected, student)
         if problem is not None:
             warnings.warn(f"{a.layer_name()} under CP: {problem}", stacklevel=2)
