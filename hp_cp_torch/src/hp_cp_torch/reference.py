@@ -141,7 +141,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dim of ``x``."""
         return (self.weight.float() * _rms_normalize(x.float(), self.eps)).to(x.dtype)
 
 
@@ -285,11 +284,9 @@ class Compressor(nn.Module):
         self, hidden_size: int, head_dim: int, ratio: int, rope: RotaryEmbedding, eps: float
     ) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        self.ratio = ratio
+        self.head_dim, self.ratio, self.rope = head_dim, ratio, rope
         self.overlap = ratio == 4
         coff = 2 if self.overlap else 1
-        self.rope = rope
         self.wkv = nn.Linear(hidden_size, coff * head_dim, bias=False)
         self.wgate = nn.Linear(hidden_size, coff * head_dim, bias=False)
         self.ape = nn.Parameter(0.1 * torch.randn(ratio, coff * head_dim))
@@ -350,9 +347,7 @@ class Indexer(nn.Module):
 
     def __init__(self, config: DeepSeekV4AttentionConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
-        self.n_heads = config.index_n_heads
-        self.head_dim = config.index_head_dim
-        self.rope = rope
+        self.n_heads, self.head_dim, self.rope = config.index_n_heads, config.index_head_dim, rope
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(config.hidden_size, self.head_dim, 4, rope, config.norm_eps)
@@ -432,13 +427,10 @@ class DeepSeekV4Attention(nn.Module):
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
         self.indexer_loss: torch.Tensor | None = None  # the last training forward's KL mean
         self.compressor: Compressor | None = None
-        self.indexer: Indexer | None = None
         if c.compress_ratio:
-            self.compressor = Compressor(
-                c.hidden_size, c.head_dim, c.compress_ratio, self.rope, c.norm_eps
-            )
-        if c.compress_ratio == 4:
-            self.indexer = Indexer(c, self.rope)
+            args = (c.hidden_size, c.head_dim, c.compress_ratio, self.rope, c.norm_eps)
+            self.compressor = Compressor(*args)
+        self.indexer = Indexer(c, self.rope) if c.compress_ratio == 4 else None
 
     # ------------------------------------------------------------------ stages
 

@@ -87,11 +87,9 @@ def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offse
     """NeMo's compressor body (``DeepseekV4Compressor`` / the indexer's pool) on rows
     ``[B, n, hidden]``: every complete block of ``r`` rows gives one slot at RoPE position
     ``offset + j*r``; ``[B, n // r, head_dim]``."""
-    nemo = _nemo()
-    x = rows
-    dtype, x32 = x.dtype, x.float()
+    nemo, dtype, x32 = _nemo(), rows.dtype, rows.float()
     r, d, overlap = int(comp.compress_ratio), int(comp.head_dim), bool(comp.overlap)
-    batch, n = x.shape[0], x.shape[1] // int(comp.compress_ratio)
+    batch, n = rows.shape[0], rows.shape[1] // r
     kv, gate = comp.wkv(x32)[:, : n * r], comp.wgate(x32)[:, : n * r]
     feat = kv.shape[-1]
     kv_w = kv.reshape(batch, n, r, feat)
@@ -102,7 +100,7 @@ def _compress_rows(comp: nn.Module, rotary: nn.Module, rows: torch.Tensor, offse
         all_masked = torch.isneginf(gate_w).all(dim=2, keepdim=True)
         gate_w = torch.where(all_masked, torch.zeros_like(gate_w), gate_w)
     pooled = comp.kv_norm((kv_w * gate_w.softmax(dim=2)).sum(dim=2).to(dtype))  # [B, n, d]
-    positions = (torch.arange(n, device=x.device) * r + int(offset)).unsqueeze(0)
+    positions = (torch.arange(n, device=rows.device) * r + int(offset)).unsqueeze(0)
     cos, sin = rotary(pooled, positions.expand(batch, -1))
     pooled = nemo._apply_partial_rope(pooled.unsqueeze(1), cos, sin, comp.rope_head_dim)
     return pooled.squeeze(1)
@@ -169,7 +167,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         super().check_inputs(inputs, checks)
         m = self.module
         kwargs, start_pos, rotary = inputs.kwargs, inputs.start_pos, inputs.rotary_compress
-        if _nemo_cp_group(m, kwargs) is not None:
+        if kwargs.get(NEMO_CP_KWARG) is not None or getattr(m, "_cp_group", None) is not None:
             checks.fail(_NEMO_CP_ON)
         if kwargs.get("packed_seq_ids") is not None:
             checks.fail(
@@ -257,15 +255,8 @@ _NEMO_CP_ON = (
 )
 
 
-def _nemo_cp_group(module: Any, kwargs: dict[str, Any]) -> Any:
-    group = kwargs.get(NEMO_CP_KWARG)
-    return group if group is not None else getattr(module, "_cp_group", None)
-
-
 def _as_numpy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
 
 
 # --------------------------------------------------------------------------- batches
