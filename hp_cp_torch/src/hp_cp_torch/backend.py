@@ -634,9 +634,7 @@ def _assemble(recvs: dict[int, torch.Tensor], plans: list[Any], tensors: Sequenc
 def _full_grads(grads: Sequence[Any], plans: list[Any], shapes: list[Any]) -> list[torch.Tensor]:
     """The gradients of ``[received ; local]`` per tensor, zeros where autograd gave none."""
     return [
-        g
-        if g is not None
-        else torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2])
+        torch.zeros((p.n_halo + s[0][0], *s[0][1:]), dtype=s[1], device=s[2]) if g is None else g
         for g, p, s in zip(grads, plans, shapes)
     ]
 

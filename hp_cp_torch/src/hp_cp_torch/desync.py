@@ -82,9 +82,7 @@ class CollectiveLog:
     """
 
     def __init__(self, rank: int, size: int, store: Any, read_wait_s: float = READ_WAIT_S) -> None:
-        self.rank, self.size = rank, size
-        self.store = store
-        self.read_wait_s = read_wait_s
+        self.rank, self.size, self.store, self.read_wait_s = rank, size, store, read_wait_s
         self.seq = 0
         self.layer: int | None = None
         """The layer whose CP forward runs now (set by :class:`InLayer`)."""

@@ -58,11 +58,9 @@ def _worker(
         _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    timeout = (
-        dist.constants.default_pg_timeout
-        if pg_timeout is None
-        else datetime.timedelta(seconds=pg_timeout)
-    )
+    timeout = dist.constants.default_pg_timeout
+    if pg_timeout is not None:
+        timeout = datetime.timedelta(seconds=pg_timeout)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch.manual_seed(0)

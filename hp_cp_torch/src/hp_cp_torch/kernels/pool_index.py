@@ -78,8 +78,7 @@ def build_inverted_index(
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=idx.device)
     offsets[1:] = counts[:n].cumsum(0)
     order = torch.sort(keys, stable=True).indices
-    if trim:
-        order = order[: int(offsets[-1])]
+    order = order[: int(offsets[-1])] if trim else order
     return InvertedIndex(
         offsets=offsets,
         query_rows=torch.div(order, max(n_cols, 1), rounding_mode="floor"),

@@ -304,8 +304,7 @@ class _TritonSparseAttention(torch.autograd.Function):
 
         batch, seq, heads, dim = q.shape
         q = q.contiguous()
-        pool = kv_pool if kv_pool.shape[1] else kv_pool.new_zeros(batch, 1, dim)
-        pool = pool.contiguous()
+        pool = (kv_pool if kv_pool.shape[1] else kv_pool.new_zeros(batch, 1, dim)).contiguous()
         small = pool.shape[1] < 2**31 - 1
         idx = idx.expand(batch, -1, -1).to(torch.int32 if small else torch.int64).contiguous()
         k = idx.shape[-1]
@@ -320,10 +319,7 @@ class _TritonSparseAttention(torch.autograd.Function):
                     float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
                 )  # fmt: skip
         ctx.save_for_backward(q, pool, idx, sink, lse)
-        ctx.scale = float(scale)
-        ctx.tuning = tuning
-        ctx.bands = bands
-        ctx.n_pool = kv_pool.shape[1]
+        ctx.scale, ctx.tuning, ctx.bands, ctx.n_pool = float(scale), tuning, bands, kv_pool.shape[1]
         return out
 
     @staticmethod
