@@ -513,11 +513,6 @@ def _from_bytes(buf: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tenso
     return buf.view(like.dtype).view(rows, *like.shape[1:])
 
 
-def _exchange_name(plans: Sequence[Any]) -> str:
-    """``halo_exchange`` or ``slot_exchange``: the plans' name, for counters and errors."""
-    return getattr(plans[0], "exchange_name", "halo_exchange") if plans else "halo_exchange"
-
-
 def _index(plan_rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(plan_rows, dtype=torch.long, device=device)
 
@@ -548,7 +543,8 @@ class _Pending:
 
     def __init__(self, group: TorchGroup, plans: list[Any], layer: int | None = _CURRENT) -> None:
         self.group, self.plans = group, plans
-        self.name = _exchange_name(plans)
+        # halo_exchange or slot_exchange: the plans' name, for counters and errors
+        self.name = getattr(next(iter(plans), None), "exchange_name", "halo_exchange")
         self.layer = group.log.layer if layer == _CURRENT else layer
         self.tensors: list[torch.Tensor] | None = None
         self.works: list[Any] = []

@@ -126,10 +126,9 @@ class CollectiveLog:
             except (RuntimeError, OSError):
                 self.store = None
                 break
-            if missing:
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.02)
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         return out
 
     def report(self, where: str) -> str:

@@ -94,9 +94,7 @@ def _storage(t: torch.Tensor) -> Any:
 def mark_batch(tensor: Any, records: ForwardRecords, sequence: ShardedSequence) -> None:
     """Note that ``tensor`` (an input ``handle.batch`` / ``handle.shard`` cut) belongs to the
     batch of padding record ``sequence``: a forward given it runs under that record."""
-    if not isinstance(tensor, torch.Tensor):
-        return
-    storage = _storage(tensor)
+    storage = _storage(tensor)  # None for anything but a tensor with a storage
     if storage is None:
         return
     marks = getattr(storage, BATCH_ATTR, None)

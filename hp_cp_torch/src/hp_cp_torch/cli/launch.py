@@ -6,6 +6,7 @@ a process group costs seconds. A rank that hangs is killed after ``timeout`` and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -36,10 +37,9 @@ def _die_with_parent(parent: int) -> None:
     """On Linux, have the kernel kill this rank when the process that launched it dies, and
     leave at once if it has already died (elsewhere the parent's own cleanup is all)."""
     if sys.platform.startswith("linux"):
-        try:
+        # no libc prctl (OSError, AttributeError): the parent's cleanup still runs
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # no libc prctl: the parent's cleanup still runs
-            pass
     if os.getppid() != parent:
         os._exit(1)
 
@@ -80,17 +80,13 @@ def _leave(store: Any, rank: int, world: int) -> None:
     """Tear down this rank's process group, rank 0 last. Rank 0's process hosts the store, and a
     rank still making a group (a device mesh's, say) when a peer has already returned or raised
     needs it: without the wait it fails with "Broken pipe" instead of its own result."""
-    try:
+    with contextlib.suppress(Exception):  # a rank that died is reported by the parent
         store.set(f"hp_cp_finished_{rank}", "1")
         if rank == 0:
             keys = [f"hp_cp_finished_{k}" for k in range(world)]
             store.wait(keys, datetime.timedelta(seconds=FINISH_WAIT_S))
-    except Exception:  # noqa: BLE001 - a rank that died is reported by the parent
-        pass
-    try:
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def run_ranks(

@@ -184,8 +184,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         k_nope, v = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k_pe = k_pe.unsqueeze(2).expand(batch, n_slots, m.n_heads, m.qk_rope_head_dim)
         keys = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
-        scale = float(m.softmax_scale)
-        return dense_latent_attention(request, keys, v.transpose(1, 2), scale)
+        return dense_latent_attention(request, keys, v.transpose(1, 2), float(m.softmax_scale))
 
     def check_inputs(self, inputs: NemoDSACallInputs, checks: TensorChecks) -> None:
         """transformers' checks with NeMo's words, and what hp_cp cannot take from NeMo's

@@ -232,8 +232,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
 
     def _slot_angles(self, latent: torch.Tensor, offset: int) -> torch.Tensor:
         r = int(self.module.compress_ratio)
-        n = latent.shape[1]
-        positions = torch.arange(n, device=latent.device) * r + int(offset)
+        positions = torch.arange(latent.shape[1], device=latent.device) * r + int(offset)
         return self.module.rotary_emb(positions.unsqueeze(0).expand(latent.shape[0], -1))
 
     def compress(self, rows: torch.Tensor, start: int, state: V41ForwardState) -> torch.Tensor:
@@ -431,8 +430,7 @@ class EngramHashCP:
     """
 
     def __init__(self, module: nn.Module, handle: CPHandle) -> None:
-        self.module = module
-        self.handle = handle
+        self.module, self.handle = module, handle
         n = int(module.max_ngram_size)
         self.spec = LayerSpec(compress_ratio=0, window_size=n)
         self.cp_forward = DeepSeekV4CPForward(

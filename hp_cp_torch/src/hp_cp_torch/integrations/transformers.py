@@ -303,8 +303,7 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
         return _rope_of(self.module)(*args)
 
     def layer_spec(self) -> LayerSpec:
-        m = self.module
-        comp = m.compressor
+        m, comp = self.module, self.module.compressor
         ratio = 0 if comp is None else int(comp.compress_rate)
         if comp is not None and (ratio == 4) != self.is_csa:
             kind = "CSA (overlapping, with indexer)" if self.is_csa else "HCA (non-overlapping)"
