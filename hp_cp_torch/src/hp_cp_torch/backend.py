@@ -172,8 +172,7 @@ class TorchGroup:
         key = (id(plan), str(device))
         hit = self._send_index.get(key)
         if hit is None or hit[0] is not plan:
-            rows = [_index(r, device) for r in plan.send_rows]
-            hit = self._send_index[key] = (plan, rows)
+            hit = self._send_index[key] = (plan, [_index(r, device) for r in plan.send_rows])
             while len(self._send_index) > SEND_INDEX_CACHE:
                 self._send_index.popitem(last=False)
         else:

@@ -114,8 +114,7 @@ def _chunk_attention(
     kv_b_weight: torch.Tensor,
     dims: MLADims,
 ) -> torch.Tensor:
-    heads = q_pass.shape[1]
-    w_kv = kv_b_weight.view(heads, dims.nope + dims.value, dims.rank)
+    w_kv = kv_b_weight.view(q_pass.shape[1], dims.nope + dims.value, dims.rank)
     w_k, w_v = torch.split(w_kv, [dims.nope, dims.value], dim=1)
     q_latent = torch.cat([torch.einsum("bhld,hdr->bhlr", q_pass, w_k), q_rot], dim=-1)
     batch, rows, picks = selected.shape

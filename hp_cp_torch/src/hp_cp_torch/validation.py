@@ -20,8 +20,7 @@ __all__ = ["TensorChecks", "is_dtensor", "rows_hint"]
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it eagerly)."""
-    cls = type(t)
-    return any(c.__name__ == "DTensor" and "distributed" in c.__module__ for c in cls.__mro__)
+    return any(c.__name__ == "DTensor" and "distributed" in c.__module__ for c in type(t).__mro__)
 
 
 class TensorChecks:

@@ -103,10 +103,9 @@ def demo_refusal(
         cp = args.cp
         if cp < 1:
             return f"--cp must be >= 1, got {cp}."
-        if not args.allow_oversubscribe:
-            problem = _capacity_problem(cp, cores, memory_bytes)
-            if problem is not None:
-                return problem
+        problem = None if args.allow_oversubscribe else _capacity_problem(cp, cores, memory_bytes)
+        if problem is not None:
+            return problem
     if args.seq_len is not None:
         if args.seq_len < 1:
             return (

@@ -105,8 +105,7 @@ def run_ranks(
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        job = (world, port, fn, args, out_dir, pg_timeout, os.getpid())
+        job = (world, _free_port(), fn, args, out_dir, pg_timeout, os.getpid())
         procs = [ctx.Process(target=_worker, args=(k, *job)) for k in range(world)]
         try:
             for p in procs:

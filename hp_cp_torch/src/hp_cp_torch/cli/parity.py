@@ -365,7 +365,6 @@ def run_parity(
         )
     model = build_tiny_model(seed, **config_overrides).to(getattr(torch, dtype))
     ids = make_inputs(model.config.vocab_size, batch, seq_len, seed)
-    ref = reference_run(model, ids)
-    report = cp_parity(model, ids, ref, dist.group.WORLD, layout)
+    report = cp_parity(model, ids, reference_run(model, ids), dist.group.WORLD, layout)
     report["dtype"] = dtype
     return report

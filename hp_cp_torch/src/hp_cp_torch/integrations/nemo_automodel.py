@@ -195,8 +195,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
             ):
                 raise HpCpError(_NEMO_CP_ON)
 
-        hook = model.register_forward_pre_hook(guard, with_kwargs=True)
-        handle.on_disable(hook.remove)
+        handle.on_disable(model.register_forward_pre_hook(guard, with_kwargs=True).remove)
 
     def read_inputs(
         self,

@@ -431,8 +431,7 @@ class EngramHashCP:
 
     def __init__(self, module: nn.Module, handle: CPHandle) -> None:
         self.module, self.handle = module, handle
-        n = int(module.max_ngram_size)
-        self.spec = LayerSpec(compress_ratio=0, window_size=n)
+        self.spec = LayerSpec(compress_ratio=0, window_size=int(module.max_ngram_size))
         self.cp_forward = DeepSeekV4CPForward(
             module, None, handle.backend, handle.group, self.spec, handle.config,
             handle.cache, None, records=handle.records,
@@ -538,8 +537,7 @@ def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandl
         ):
             raise HpCpError(_NEMO_CP_ON)
 
-    hook = model.register_forward_pre_hook(guard, with_kwargs=True)
-    handle.on_disable(hook.remove)
+    handle.on_disable(model.register_forward_pre_hook(guard, with_kwargs=True).remove)
 
 
 def v41_batch_inputs(handle: CPHandle, batch: CPBatch, input_ids: torch.Tensor) -> dict[str, Any]:

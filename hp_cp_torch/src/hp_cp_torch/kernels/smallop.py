@@ -80,5 +80,4 @@ def sparse_attention_smallop(
     m = m.detach()
     p = torch.exp(logits - m)  # exp(-inf) = 0 for empty columns
     denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink_f - m)
-    out = torch.einsum("bshk,bskd->bshd", p / denom, kv_sel)
-    return out.to(q.dtype)
+    return torch.einsum("bshk,bskd->bshd", p / denom, kv_sel).to(q.dtype)

@@ -272,8 +272,7 @@ def _refuse_atomics_if_deterministic() -> None:
 def _band_tensors(bands: ColumnBands | None, seq: int, n_pool: int, device: torch.device):
     """The plan's bands as int32 device tensors (or one-element placeholders)."""
     if bands is None:
-        none = torch.zeros(1, dtype=torch.int32, device=device)
-        return (none,) * 5, 0, 0
+        return (torch.zeros(1, dtype=torch.int32, device=device),) * 5, 0, 0
     if bands.start.shape[1] != seq or bands.first.shape[2] != n_pool:
         raise HpCpError(
             f"sparse_attention_triton bands cover {bands.start.shape[1]} queries and "
