@@ -257,8 +257,7 @@ class TorchDeepSeekV4CSAAdapter(ModelAdapter):
     def compress_index_keys(
         self, rows: torch.Tensor, start: int, state: ForwardState
     ) -> torch.Tensor:
-        keys = self.indexer_compressor(rows.transpose(0, 1), rope_pos_offset=start)
-        return keys.transpose(0, 1)
+        return self.indexer_compressor(rows.transpose(0, 1), rope_pos_offset=start).transpose(0, 1)
 
     def attention_params(self) -> AttentionParams:
         return AttentionParams(kind="own")

@@ -146,8 +146,7 @@ class TorchGroup:
 
     def __init__(self, pg: Any, scope: str = "") -> None:
         self.pg = pg
-        self.rank = dist.get_rank(pg)
-        self.size = dist.get_world_size(pg)
+        self.rank, self.size = dist.get_rank(pg), dist.get_world_size(pg)
         self.global_ranks = [dist.get_global_rank(pg, k) for k in range(self.size)]
         nccl = dist.get_backend(pg) == "nccl"
         self.device = (

@@ -326,8 +326,7 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
     def compress_index_keys(
         self, rows: torch.Tensor, start: int, state: ForwardState
     ) -> torch.Tensor:
-        indexer = self.module.compressor.indexer
-        return _compress_rows(indexer, True, rows, start, self._rope)
+        return _compress_rows(self.module.compressor.indexer, True, rows, start, self._rope)
 
     def index_queries(self, state: RopeForwardState) -> torch.Tensor:
         """The indexer's roped queries ``[B, L, H_I, D_I]`` (no gradient, as in HF)."""
