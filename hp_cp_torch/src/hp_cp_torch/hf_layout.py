@@ -26,12 +26,10 @@ def freeze_csa_indexer(model: nn.Module) -> int:
     Frozen, it stays out of the optimizer, and the optimizer state (so a checkpoint) has the
     same keys on every run, resumed or not, on any layout.
     """
-    frozen = 0
-    for name, p in model.named_parameters():
-        if ".compressor.indexer." in name:
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
+    params = [p for name, p in model.named_parameters() if ".compressor.indexer." in name]
+    for p in params:
+        p.requires_grad_(False)
+    return len(params)
 
 
 # HF's data-parallel axes: each rank of one holds a different batch (FSDP2 shards over both).

@@ -36,8 +36,7 @@ class TensorChecks:
     """
 
     def __init__(self, device: torch.device | None, where: str) -> None:
-        self.device = device
-        self.where = where
+        self.device, self.where = device, where
         self.problems: list[str] = []
         self._sig: list[str] = []
 

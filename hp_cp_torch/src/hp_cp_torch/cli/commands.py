@@ -9,6 +9,7 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata as md
 import os
 import sys
@@ -157,13 +158,10 @@ def _cpu_cores() -> int:
 
 def _available_memory() -> int | None:
     """``MemAvailable`` from ``/proc/meminfo`` in bytes; ``None`` where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
