@@ -87,12 +87,12 @@ class BandedKernel:
         )
 
 
-def _lazy(module: str, name: str) -> Callable[..., Any]:
-    """``module.name``, imported at its first call (a kernel's module only when it runs)."""
+def _lazy(target: str) -> Callable[..., Any]:
+    """``"module:name"``, imported at its first call (a kernel's module only when it runs)."""
+    module, _, name = target.partition(":")
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        fn = getattr(importlib.import_module(f"hp_cp_torch.kernels.{module}"), name)
-        return fn(*args, **kwargs)
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
     return call
 
@@ -110,10 +110,10 @@ class ModelOpOrder(ColumnKernel):
 
 BANDED = BandedKernel()
 SMALLOP = ColumnKernel(sparse_attention_smallop)
-EFFICIENT = ColumnKernel(_lazy("efficient", "sparse_attention_efficient"))
+EFFICIENT = ColumnKernel(_lazy("hp_cp_torch.kernels.efficient:sparse_attention_efficient"))
 TRITON = ColumnKernel(
-    _lazy("triton_attention", "sparse_attention_triton"),
-    _lazy("triton_attention", "triton_problem"),
+    _lazy("hp_cp_torch.kernels.triton_attention:sparse_attention_triton"),
+    _lazy("hp_cp_torch.kernels.triton_attention:triton_problem"),
     bands=True,
 )
 MODEL_OPS = ModelOpOrder(sparse_attention_smallop)
