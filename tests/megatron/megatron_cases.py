@@ -59,6 +59,23 @@ EXTRA = {
 """Per cp, the cases beyond the dense loss at every layout x padded / packed."""
 
 
+SEQ_B = 47
+"""The length of the order cases' second forward (batch 1): another prime, another batch."""
+ORDERS = ("fwd_fwd_bwd_bwd", "fwd_eval_bwd")
+"""The order cases' calls: forwards of A (S = 61, batch 2) and B (S = 47, batch 1), then A's
+backward and B's; or A's forward, an evaluation forward of B under ``torch.no_grad``, then A's
+backward. Each with Megatron's full activation recomputation (:data:`RECOMPUTE`), so every
+layer of A is re-run in A's backward, after B's forward."""
+ORDER_CPS = (2, 3)
+RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
+"""Megatron's full recomputation of each layer (``TransformerBlock`` through
+``tensor_parallel.checkpoint``, its reentrant ``CheckpointFunction``)."""
+
+
 def cases_for(cp: int) -> list[tuple[str, str, str]]:
     """``(variant, layout, docs)`` run at ``cp``."""
     plain = [("dense", layout, docs) for layout in LAYOUTS for docs in DOCS]
@@ -374,12 +391,152 @@ def megatron_suite(rank: int, world: int) -> dict[str, Any]:
     cases = cases_for(world)
     results: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
+    order_results: list[dict[str, Any]] = []
     with megatron_cpu_shims():
         init_parallel(1)
         refs = {(v, d): reference(v, d) for v, d in sorted({(v, d) for v, _l, d in cases})}
+        orders = order_cases_for(world)
+        order_refs = {o: order_reference(o) for o in sorted({o for o, _l in orders})}
         init_parallel(world)
         for variant, layout, docs in cases:
             results.append(cp_case(rank, world, variant, layout, docs, refs[(variant, docs)]))
+        for order, layout in orders:
+            order_results.append(order_case(rank, world, order, layout, order_refs[order]))
         if world == 2:
             errors = error_cases(rank, world)
-    return {"results": results, "errors": errors}
+    return {"results": results, "errors": errors, "orders": order_results}
+
+
+# ---------------------------------------------------------------------- forwards and backwards
+def order_cases_for(cp: int) -> list[tuple[str, str]]:
+    """``(order, layout)`` of the order cases run at ``cp``."""
+    return [(o, layout) for o in ORDERS for layout in LAYOUTS] if cp in ORDER_CPS else []
+
+
+def order_tokens(which: str) -> torch.Tensor:
+    """Batch A (``[BATCH, SEQ]``) or B (``[1, SEQ_B]``), padded documents."""
+    shape, seed = ((BATCH, SEQ), 7) if which == "A" else ((1, SEQ_B), 11)
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def run_order(order: str, model: Any, forward: Any, snapshot: Any) -> dict[str, Any]:
+    """The calls of ``order``: ``forward(which)`` is ``(loss to backward, global mean)``,
+    ``snapshot()`` the gradients (all ranks' reduction) after each backward."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+    )
+
+    losses, grads = {}, []
+    model.train()
+    loss_a, losses["A"] = forward("A")
+    if order == "fwd_eval_bwd":
+        model.eval()
+        with torch.no_grad():
+            losses["B eval"] = forward("B")[1]
+        model.train()
+        backwards = [loss_a]
+    else:
+        loss_b, losses["B"] = forward("B")
+        backwards = [loss_a, loss_b]
+    for loss in backwards:
+        loss.backward()
+        grads.append(snapshot())
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.ones(()))
+    return {"losses": losses, "grads": grads}
+
+
+def order_reference(order: str) -> dict[str, Any]:
+    """One process (Megatron at cp 1, the same recomputation) running the calls of ``order``."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+    )
+
+    config = config_for("dense", 1)
+    for k, v in RECOMPUTE.items():
+        setattr(config, k, v)
+    model = build_gpt_model(config, vocab_size=VOCAB)
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.ones(()))
+
+    def forward(which: str) -> tuple[torch.Tensor, float]:
+        ids = order_tokens(which)
+        labels = torch.zeros_like(ids)
+        labels[:, :-1] = ids[:, 1:]
+        mask = torch.ones(ids.shape)
+        mask[:, -1] = 0
+        out = model(ids, None, None, labels=labels)
+        loss = torch.sum(out.float() * mask) / mask.sum()
+        return loss, float(loss)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {
+            n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+    tracker().clear()
+    return run_order(order, model, forward, snapshot)
+
+
+def order_case(rank: int, cp: int, order: str, layout: str, ref: dict[str, Any]) -> dict[str, Any]:
+    """The calls of ``order`` under hp_cp on Megatron's CP group, with Megatron's full
+    recomputation; the errors against :func:`order_reference` (or the error raised)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+    )
+
+    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_torch.integrations.megatron import megatron_labels, megatron_loss
+
+    config = config_for("dense", cp)
+    for k, v in RECOMPUTE.items():
+        setattr(config, k, v)
+    model = build_gpt_model(config, vocab_size=VOCAB)
+    group = parallel_state.get_context_parallel_group()
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
+    cfg = DeepSeekV4CPConfig(layout=layout, single_rank_bypass=False, query_chunk=chunk)
+    handle = enable_cp(model, group, cfg)
+    # the schedule's scale of the indexer loss (cp / microbatches), undone by DDP's average
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(float(cp)))
+
+    def forward(which: str) -> tuple[torch.Tensor, float]:
+        batch = handle.batch(order_tokens(which))
+        labels, mask = megatron_labels(batch)
+        out = model(batch.input_ids, batch.position_ids, None, labels=labels)
+        loss, _ = megatron_loss(out, mask, batch, cp, per_token=False)
+        report = torch.stack([torch.sum(out.detach().float() * mask), mask.sum()])
+        dist.all_reduce(report, group=group)
+        return loss, float(report[0] / report[1])
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in model.named_parameters():
+            g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            dist.all_reduce(g, group=dp_cp)
+            out[n] = g / dist.get_world_size(dp_cp)
+        return out
+
+    tracker().clear()
+    result: dict[str, Any] = {"cp": cp, "order": order, "layout": layout}
+    try:
+        got = run_order(order, model, forward, snapshot)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        return result
+    finally:
+        disable_cp(handle)
+    result["loss_rel_err"] = max(
+        abs(got["losses"][k] - v) / abs(v) for k, v in ref["losses"].items()
+    )
+    result["losses"] = sorted(got["losses"])
+    worst, where = 0.0, ""
+    for step, (mine, want) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+        largest = max(float(g.abs().max()) for g in want.values())
+        for n, w in want.items():
+            err = float((mine[n] - w).abs().max()) / max(float(w.abs().max()), 1e-2 * largest)
+            if err >= worst:
+                worst, where = err, f"backward {step + 1}: {n}"
+    result["grad_rel_err_max"], result["grad_rel_err_worst"] = worst, where
+    result["backwards"] = len(got["grads"])
+    return result
