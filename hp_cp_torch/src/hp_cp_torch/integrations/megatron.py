@@ -629,4 +629,3 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         if config.calculate_per_token_loss:
             return total
         return total / max(1, batch * int(total_rows))
-
