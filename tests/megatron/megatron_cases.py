@@ -68,12 +68,22 @@ backward. Each with Megatron's full activation recomputation (:data:`RECOMPUTE`)
 layer of A is re-run in A's backward, after B's forward."""
 ORDER_CPS = (2, 3)
 RECOMPUTE = {
-    "recompute_granularity": "full",
-    "recompute_method": "uniform",
-    "recompute_num_layers": 1,
+    "full": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+    "selective": {
+        "recompute_granularity": "selective",
+        "recompute_modules": ["layernorm", "mla_up_proj", "core_attn", "mlp"],
+    },
 }
-"""Megatron's full recomputation of each layer (``TransformerBlock`` through
-``tensor_parallel.checkpoint``, its reentrant ``CheckpointFunction``)."""
+"""Megatron's activation recomputation: ``full``, each layer re-run in its backward
+(``TransformerBlock`` through ``tensor_parallel.checkpoint``, its reentrant
+``CheckpointFunction``); ``selective``, the modules that apply to an MLA layer (the input
+layernorm, the attention's input, discarded after the attention's forward and recomputed in
+its backward, ``CheckpointWithoutOutput``; the MLP; ``mla_up_proj`` and ``core_attn`` live
+inside the forward hp_cp replaces, so under CP they recompute nothing)."""
 
 
 def cases_for(cp: int) -> list[tuple[str, str, str]]:
@@ -191,8 +201,9 @@ def finalize_on_cpu(group: Any, per_token: bool):
     return finalize
 
 
-def config_for(variant: str, cp: int) -> Any:
+def config_for(variant: str, cp: int, recompute: str | None = None) -> Any:
     kwargs = dict(VARIANTS[variant])
+    kwargs.update(RECOMPUTE.get(recompute, {}))
     per_token = kwargs.pop("calculate_per_token_loss", False)
     return make_config(
         context_parallel_size=cp,
@@ -396,21 +407,28 @@ def megatron_suite(rank: int, world: int) -> dict[str, Any]:
         init_parallel(1)
         refs = {(v, d): reference(v, d) for v, d in sorted({(v, d) for v, _l, d in cases})}
         orders = order_cases_for(world)
-        order_refs = {o: order_reference(o) for o in sorted({o for o, _l in orders})}
+        order_refs = {
+            (o, r): order_reference(o, r) for o, r in sorted({(o, r) for o, _, r in orders})
+        }
         init_parallel(world)
         for variant, layout, docs in cases:
             results.append(cp_case(rank, world, variant, layout, docs, refs[(variant, docs)]))
-        for order, layout in orders:
-            order_results.append(order_case(rank, world, order, layout, order_refs[order]))
+        for order, layout, recompute in orders:
+            ref = order_refs[(order, recompute)]
+            order_results.append(order_case(rank, world, order, layout, recompute, ref))
         if world == 2:
             errors = error_cases(rank, world)
     return {"results": results, "errors": errors, "orders": order_results}
 
 
 # ---------------------------------------------------------------------- forwards and backwards
-def order_cases_for(cp: int) -> list[tuple[str, str]]:
-    """``(order, layout)`` of the order cases run at ``cp``."""
-    return [(o, layout) for o in ORDERS for layout in LAYOUTS] if cp in ORDER_CPS else []
+def order_cases_for(cp: int) -> list[tuple[str, str, str]]:
+    """``(order, layout, recompute)`` of the order cases run at ``cp``: full recomputation in
+    every order and layout, selective in the first order and one layout."""
+    if cp not in ORDER_CPS:
+        return []
+    full = [(o, layout, "full") for o in ORDERS for layout in LAYOUTS]
+    return [*full, (ORDERS[0], LAYOUTS[cp % 2], "selective")]
 
 
 def order_tokens(which: str) -> torch.Tensor:
@@ -445,16 +463,13 @@ def run_order(order: str, model: Any, forward: Any, snapshot: Any) -> dict[str, 
     return {"losses": losses, "grads": grads}
 
 
-def order_reference(order: str) -> dict[str, Any]:
+def order_reference(order: str, recompute: str) -> dict[str, Any]:
     """One process (Megatron at cp 1, the same recomputation) running the calls of ``order``."""
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexerLossAutoScaler,
     )
 
-    config = config_for("dense", 1)
-    for k, v in RECOMPUTE.items():
-        setattr(config, k, v)
-    model = build_gpt_model(config, vocab_size=VOCAB)
+    model = build_gpt_model(config_for("dense", 1, recompute), vocab_size=VOCAB)
     DSAIndexerLossAutoScaler.set_loss_scale(torch.ones(()))
 
     def forward(which: str) -> tuple[torch.Tensor, float]:
@@ -477,9 +492,12 @@ def order_reference(order: str) -> dict[str, Any]:
     return run_order(order, model, forward, snapshot)
 
 
-def order_case(rank: int, cp: int, order: str, layout: str, ref: dict[str, Any]) -> dict[str, Any]:
-    """The calls of ``order`` under hp_cp on Megatron's CP group, with Megatron's full
-    recomputation; the errors against :func:`order_reference` (or the error raised)."""
+def order_case(
+    rank: int, cp: int, order: str, layout: str, recompute: str, ref: dict[str, Any]
+) -> dict[str, Any]:
+    """The calls of ``order`` under hp_cp on Megatron's CP group, with Megatron's
+    recomputation ``recompute``; the errors against :func:`order_reference` (or the error
+    raised)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexerLossAutoScaler,
@@ -488,10 +506,7 @@ def order_case(rank: int, cp: int, order: str, layout: str, ref: dict[str, Any])
     from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
     from hp_cp_torch.integrations.megatron import megatron_labels, megatron_loss
 
-    config = config_for("dense", cp)
-    for k, v in RECOMPUTE.items():
-        setattr(config, k, v)
-    model = build_gpt_model(config, vocab_size=VOCAB)
+    model = build_gpt_model(config_for("dense", cp, recompute), vocab_size=VOCAB)
     group = parallel_state.get_context_parallel_group()
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
@@ -518,7 +533,7 @@ def order_case(rank: int, cp: int, order: str, layout: str, ref: dict[str, Any])
         return out
 
     tracker().clear()
-    result: dict[str, Any] = {"cp": cp, "order": order, "layout": layout}
+    result: dict[str, Any] = {"cp": cp, "order": order, "layout": layout, "recompute": recompute}
     try:
         got = run_order(order, model, forward, snapshot)
     except Exception as exc:  # noqa: BLE001 - reported to the test

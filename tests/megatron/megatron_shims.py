@@ -58,6 +58,18 @@ Each shim names the exact megatron-core 0.19.2 file and line it replaces (paths 
     restored by ``random.py:527`` and ``:537``; the tracker's named states
     (``get_cuda_rng_tracker().get_states()``) are an empty dict here (none added).
 
+``FP8GlobalStateManager``, ``activation_recompute_forward``, ``fp8_autocast`` in
+``tensor_parallel.random`` (Transformer Engine's, absent: the fp8-off answers)
+    ``tensor_parallel/random.py:85-90`` imports them from Transformer Engine under a guard
+    (absent here: ``transformer_impl="local"``), but ``CheckpointWithoutOutput`` (selective
+    recomputation of the ``layernorm``, ``transformer_layer.py:633-636``) sets ``self.fp8 = fp8
+    is not None`` (``random.py:740``), true for its default ``fp8=False``, and so always reads
+    them: without them ``NameError: name 'FP8GlobalStateManager' is not defined`` at
+    ``random.py:693``. The stand-ins, put in that module only while they are missing, answer as
+    Transformer Engine does with fp8 off: ``is_fp8_enabled()`` false, ``get_fp8_recipe()``
+    ``None``, and no-op contexts for ``activation_recompute_forward`` (``:696``, ``:788``) and
+    ``fp8_autocast(enabled=False)`` (``:791``); the recomputation is then the non-fp8 one.
+
 Use::
 
     from megatron_shims import megatron_cpu_shims
@@ -94,7 +106,7 @@ caller still gets the real ``torch.cuda.current_device``, which raises on a CPU-
 REDIRECTED: collections.Counter = collections.Counter()
 """``file:line`` -> how many ``torch.cuda.current_device()`` calls the shim answered there."""
 
-SHIMS = ("rotate_activation", *CURRENT_DEVICE_CALLERS, "rope_cp", "cuda_rng")
+SHIMS = ("rotate_activation", *CURRENT_DEVICE_CALLERS, "rope_cp", "cuda_rng", "te_fp8_off")
 """The shim names ``megatron_cpu_shims(skip=...)`` accepts."""
 
 
@@ -147,6 +159,32 @@ def set_cuda_rng_state_cpu(*args, **kwargs) -> None:
     nothing to set."""
 
 
+class FP8OffStateManager:
+    """Transformer Engine's ``FP8GlobalStateManager`` as it answers with fp8 off."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def no_op_context(*args, **kwargs) -> contextlib.AbstractContextManager:
+    """``activation_recompute_forward(...)`` / ``fp8_autocast(enabled=False, ...)`` with fp8
+    off: nothing to enter."""
+    return contextlib.nullcontext()
+
+
+TE_FP8_NAMES = {
+    "FP8GlobalStateManager": FP8OffStateManager,
+    "activation_recompute_forward": no_op_context,
+    "fp8_autocast": no_op_context,
+}
+"""The Transformer Engine names ``tensor_parallel/random.py`` reads without Transformer Engine."""
+
+
 def _current_device_for(callers: tuple[str, ...], original):
     """A ``torch.cuda.current_device`` that answers ``torch.device("cpu")`` to the files in
     ``callers`` and defers to ``original`` for everyone else."""
@@ -191,6 +229,9 @@ def megatron_cpu_shims(skip: tuple[str, ...] = ()) -> Iterator[None]:
     if "cuda_rng" not in skip:
         patches.append((tp_random, "_get_cuda_rng_state", get_cuda_rng_state_cpu))
         patches.append((tp_random, "_set_cuda_rng_state", set_cuda_rng_state_cpu))
+    added = []
+    if "te_fp8_off" not in skip:
+        added = [name for name in TE_FP8_NAMES if not hasattr(tp_random, name)]
     if "rope_cp" not in skip:
         for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
             patches.append((module, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank_cpu))
@@ -199,8 +240,12 @@ def megatron_cpu_shims(skip: tuple[str, ...] = ()) -> Iterator[None]:
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
+        for name in added:
+            setattr(tp_random, name, TE_FP8_NAMES[name])
         yield
     finally:
+        for name in added:
+            delattr(tp_random, name)
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
 

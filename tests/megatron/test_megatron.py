@@ -113,10 +113,10 @@ def test_recomputed_layers_read_their_own_forward(suite: dict) -> None:
     ``torch.no_grad``: the losses and every gradient after each backward match one process
     running the same calls (each recomputed layer reads its own forward's positions)."""
     cp = suite["results"][0]["cp"]
-    got = [(r["order"], r["layout"]) for r in suite["orders"]]
+    got = [(r["order"], r["layout"], r["recompute"]) for r in suite["orders"]]
     assert got == megatron_cases.order_cases_for(cp)
     for res in suite["orders"]:
-        name = f"cp={res['cp']} {res['order']} {res['layout']}"
+        name = f"cp={res['cp']} {res['order']} {res['layout']} {res['recompute']}"
         assert "error" not in res, (name, res.get("error"))
         assert res["backwards"] == (1 if res["order"] == "fwd_eval_bwd" else 2), name
         assert res["loss_rel_err"] <= RTOL, name
