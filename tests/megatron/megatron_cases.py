@@ -61,10 +61,10 @@ EXTRA = {
 
 SEQ_B = 47
 """The length of the order cases' second forward (batch 1): another prime, another batch."""
-ORDERS = ("fwd_fwd_bwd_bwd", "fwd_eval_bwd")
-"""The order cases' calls: forwards of A (S = 61, batch 2) and B (S = 47, batch 1), then A's
-backward and B's; or A's forward, an evaluation forward of B under ``torch.no_grad``, then A's
-backward. Each with Megatron's full activation recomputation (:data:`RECOMPUTE`), so every
+ORDERS = ("fwd_fwd_bwd_bwd", "fwd_fwd_bwdB_bwdA", "fwd_eval_bwd")
+"""The order cases' calls: forwards of A (S = 61, batch 2) and B (S = 47, batch 1), then the
+backwards in both orders; or A's forward, an evaluation forward of B under ``torch.no_grad``,
+then A's backward. Each with Megatron's full activation recomputation (:data:`RECOMPUTE`), so every
 layer of A is re-run in A's backward, after B's forward."""
 ORDER_CPS = (2, 3)
 RECOMPUTE = {
@@ -455,7 +455,7 @@ def run_order(order: str, model: Any, forward: Any, snapshot: Any) -> dict[str, 
         backwards = [loss_a]
     else:
         loss_b, losses["B"] = forward("B")
-        backwards = [loss_a, loss_b]
+        backwards = [loss_a, loss_b] if order == "fwd_fwd_bwd_bwd" else [loss_b, loss_a]
     for loss in backwards:
         loss.backward()
         grads.append(snapshot())
