@@ -423,12 +423,14 @@ def megatron_suite(rank: int, world: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- forwards and backwards
 def order_cases_for(cp: int) -> list[tuple[str, str, str]]:
-    """``(order, layout, recompute)`` of the order cases run at ``cp``: full recomputation in
-    every order and layout, selective in the first order and one layout."""
+    """``(order, layout, recompute)`` of the order cases run at ``cp``: Megatron's full
+    recomputation in every order and layout, its selective one in the first order and one
+    layout, torch's non-reentrant ``checkpoint_wrapper`` in the second order and that layout."""
     if cp not in ORDER_CPS:
         return []
     full = [(o, layout, "full") for o in ORDERS for layout in LAYOUTS]
-    return [*full, (ORDERS[0], LAYOUTS[cp % 2], "selective")]
+    torch_ = [(ORDERS[1], LAYOUTS[cp % 2], "torch_non_reentrant")]
+    return [*full, (ORDERS[0], LAYOUTS[cp % 2], "selective"), *torch_]
 
 
 def order_tokens(which: str) -> torch.Tensor:
@@ -463,13 +465,33 @@ def run_order(order: str, model: Any, forward: Any, snapshot: Any) -> dict[str, 
     return {"losses": losses, "grads": grads}
 
 
+def build_order_model(cp: int, recompute: str) -> Any:
+    """The order cases' model: Megatron's recomputation ``recompute``, or (``torch_reentrant``,
+    ``torch_non_reentrant``) each ``TransformerLayer`` in torch's ``checkpoint_wrapper``."""
+    if not recompute.startswith("torch_"):
+        return build_gpt_model(config_for("dense", cp, recompute), vocab_size=VOCAB)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    model = build_gpt_model(config_for("dense", cp), vocab_size=VOCAB)
+    impl = (
+        CheckpointImpl.REENTRANT if recompute == "torch_reentrant" else CheckpointImpl.NO_REENTRANT
+    )
+    layers = model.decoder.layers
+    for k, layer in enumerate(layers):
+        layers[k] = checkpoint_wrapper(layer, checkpoint_impl=impl)
+    return model
+
+
 def order_reference(order: str, recompute: str) -> dict[str, Any]:
     """One process (Megatron at cp 1, the same recomputation) running the calls of ``order``."""
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexerLossAutoScaler,
     )
 
-    model = build_gpt_model(config_for("dense", 1, recompute), vocab_size=VOCAB)
+    model = build_order_model(1, recompute)
     DSAIndexerLossAutoScaler.set_loss_scale(torch.ones(()))
 
     def forward(which: str) -> tuple[torch.Tensor, float]:
@@ -506,7 +528,7 @@ def order_case(
     from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
     from hp_cp_torch.integrations.megatron import megatron_labels, megatron_loss
 
-    model = build_gpt_model(config_for("dense", cp, recompute), vocab_size=VOCAB)
+    model = build_order_model(cp, recompute)
     group = parallel_state.get_context_parallel_group()
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk

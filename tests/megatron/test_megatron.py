@@ -17,8 +17,9 @@ model, weights and batch on one process at ``context_parallel_size=1`` in the sa
   (``recompute_granularity="full"``, uniform, one layer): forwards of A (S = 61, batch 2) and B
   (S = 47, batch 1), then the backwards in both orders; and A's forward, an evaluation forward
   of B under ``torch.no_grad``, then A's backward; with Megatron's selective recomputation
-  (``layernorm``, ``mla_up_proj``, ``core_attn``, ``mlp``) the first order; the losses and
-  every gradient after each backward against one process running the same calls.
+  (``layernorm``, ``mla_up_proj``, ``core_attn``, ``mlp``) the first order, and with each
+  ``TransformerLayer`` in torch's non-reentrant ``checkpoint_wrapper`` the second; the losses
+  and every gradient after each backward against one process running the same calls.
 
 Skipped when megatron-core is absent, unless ``HP_CP_REQUIRE_BACKEND`` contains ``megatron``
 (the ``megatron`` nox session sets it).
