@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_cp_core import CPHandle, HpCpError, LayerSpec
+from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.model_adapter import (
     AttentionParams,
@@ -207,6 +208,10 @@ class _ModelPositions:
         if record is not None:
             self.by_forward[record] = self.latest
         return self.latest
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused, as the installed forward is: it belongs to the CP handle's forwards."""
+        raise cp_state_not_copyable("AbsorbedMLASelfAttention")
 
 
 @dataclass
