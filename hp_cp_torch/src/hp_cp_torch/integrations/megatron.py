@@ -189,7 +189,7 @@ class _ModelPositions:
     def __init__(self, records: Any) -> None:
         self.records = records
         self.latest: Any = None
-        """The last ``GPTModel`` forward's (its pre-hook's): the running forward's."""
+        """The running ``GPTModel`` forward's (its pre-hook's; ``None`` outside one)."""
         self.by_forward: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -197,6 +197,11 @@ class _ModelPositions:
         Megatron's RoPE needs none, hp_cp's plan has them)."""
         pos = kwargs["position_ids"] if "position_ids" in kwargs else (args[1:2] or (None,))[0]
         self.latest = pos
+
+    def done(self, *_: Any) -> None:
+        """The ``GPTModel`` forward hook (always called): a layer run outside the model's
+        forward takes no model's positions (hp_cp's plan has them)."""
+        self.latest = None
 
     def of_call(self) -> Any:
         """The positions of the layer call running now: its forward's (filed by an original
@@ -332,6 +337,8 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         for mod in model.modules():
             if gpt is not None and isinstance(mod, gpt):
                 hook = mod.register_forward_pre_hook(positions.hook, with_kwargs=True)
+                handle.on_disable(hook.remove)
+                hook = mod.register_forward_hook(positions.done, always_call=True)
                 handle.on_disable(hook.remove)
         for layer in layers:
             layer.__dict__[POSITIONS_ATTR] = positions
