@@ -59,6 +59,33 @@ EXTRA = {
 """Per cp, the cases beyond the dense loss at every layout x padded / packed."""
 
 
+SEQ_B = 47
+"""The length of the order cases' second forward (batch 1): another prime, another batch."""
+ORDERS = ("fwd_fwd_bwd_bwd", "fwd_fwd_bwdB_bwdA", "fwd_eval_bwd")
+"""The order cases' calls: forwards of A (S = 61, batch 2) and B (S = 47, batch 1), then the
+backwards in both orders; or A's forward, an evaluation forward of B under ``torch.no_grad``,
+then A's backward. Each with Megatron's full activation recomputation (:data:`RECOMPUTE`), so every
+layer of A is re-run in A's backward, after B's forward."""
+ORDER_CPS = (2, 3)
+RECOMPUTE = {
+    "full": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+    "selective": {
+        "recompute_granularity": "selective",
+        "recompute_modules": ["layernorm", "mla_up_proj", "core_attn", "mlp"],
+    },
+}
+"""Megatron's activation recomputation: ``full``, each layer re-run in its backward
+(``TransformerBlock`` through ``tensor_parallel.checkpoint``, its reentrant
+``CheckpointFunction``); ``selective``, the modules that apply to an MLA layer (the input
+layernorm, the attention's input, discarded after the attention's forward and recomputed in
+its backward, ``CheckpointWithoutOutput``; the MLP; ``mla_up_proj`` and ``core_attn`` live
+inside the forward hp_cp replaces, so under CP they recompute nothing)."""
+
+
 def cases_for(cp: int) -> list[tuple[str, str, str]]:
     """``(variant, layout, docs)`` run at ``cp``."""
     plain = [("dense", layout, docs) for layout in LAYOUTS for docs in DOCS]
@@ -174,8 +201,9 @@ def finalize_on_cpu(group: Any, per_token: bool):
     return finalize
 
 
-def config_for(variant: str, cp: int) -> Any:
+def config_for(variant: str, cp: int, recompute: str | None = None) -> Any:
     kwargs = dict(VARIANTS[variant])
+    kwargs.update(RECOMPUTE.get(recompute, {}))
     per_token = kwargs.pop("calculate_per_token_loss", False)
     return make_config(
         context_parallel_size=cp,
@@ -374,12 +402,178 @@ def megatron_suite(rank: int, world: int) -> dict[str, Any]:
     cases = cases_for(world)
     results: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
+    order_results: list[dict[str, Any]] = []
     with megatron_cpu_shims():
         init_parallel(1)
         refs = {(v, d): reference(v, d) for v, d in sorted({(v, d) for v, _l, d in cases})}
+        orders = order_cases_for(world)
+        order_refs = {
+            (o, r): order_reference(o, r) for o, r in sorted({(o, r) for o, _, r in orders})
+        }
         init_parallel(world)
         for variant, layout, docs in cases:
             results.append(cp_case(rank, world, variant, layout, docs, refs[(variant, docs)]))
+        for order, layout, recompute in orders:
+            ref = order_refs[(order, recompute)]
+            order_results.append(order_case(rank, world, order, layout, recompute, ref))
         if world == 2:
             errors = error_cases(rank, world)
-    return {"results": results, "errors": errors}
+    return {"results": results, "errors": errors, "orders": order_results}
+
+
+# ---------------------------------------------------------------------- forwards and backwards
+def order_cases_for(cp: int) -> list[tuple[str, str, str]]:
+    """``(order, layout, recompute)`` of the order cases run at ``cp``: Megatron's full
+    recomputation in every order and layout, its selective one in the first order and one
+    layout, torch's non-reentrant ``checkpoint_wrapper`` in the second order and that layout."""
+    if cp not in ORDER_CPS:
+        return []
+    full = [(o, layout, "full") for o in ORDERS for layout in LAYOUTS]
+    torch_ = [(ORDERS[1], LAYOUTS[cp % 2], "torch_non_reentrant")]
+    return [*full, (ORDERS[0], LAYOUTS[cp % 2], "selective"), *torch_]
+
+
+def order_tokens(which: str) -> torch.Tensor:
+    """Batch A (``[BATCH, SEQ]``) or B (``[1, SEQ_B]``), padded documents."""
+    shape, seed = ((BATCH, SEQ), 7) if which == "A" else ((1, SEQ_B), 11)
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def run_order(order: str, model: Any, forward: Any, snapshot: Any) -> dict[str, Any]:
+    """The calls of ``order``: ``forward(which)`` is ``(loss to backward, global mean)``,
+    ``snapshot()`` the gradients (all ranks' reduction) after each backward."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+    )
+
+    losses, grads = {}, []
+    model.train()
+    loss_a, losses["A"] = forward("A")
+    if order == "fwd_eval_bwd":
+        model.eval()
+        with torch.no_grad():
+            losses["B eval"] = forward("B")[1]
+        model.train()
+        backwards = [loss_a]
+    else:
+        loss_b, losses["B"] = forward("B")
+        backwards = [loss_a, loss_b] if order == "fwd_fwd_bwd_bwd" else [loss_b, loss_a]
+    for loss in backwards:
+        loss.backward()
+        grads.append(snapshot())
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.ones(()))
+    return {"losses": losses, "grads": grads}
+
+
+def build_order_model(cp: int, recompute: str) -> Any:
+    """The order cases' model: Megatron's recomputation ``recompute``, or (``torch_reentrant``,
+    ``torch_non_reentrant``) each ``TransformerLayer`` in torch's ``checkpoint_wrapper``."""
+    if not recompute.startswith("torch_"):
+        return build_gpt_model(config_for("dense", cp, recompute), vocab_size=VOCAB)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    model = build_gpt_model(config_for("dense", cp), vocab_size=VOCAB)
+    impl = (
+        CheckpointImpl.REENTRANT if recompute == "torch_reentrant" else CheckpointImpl.NO_REENTRANT
+    )
+    layers = model.decoder.layers
+    for k, layer in enumerate(layers):
+        layers[k] = checkpoint_wrapper(layer, checkpoint_impl=impl)
+    return model
+
+
+def order_reference(order: str, recompute: str) -> dict[str, Any]:
+    """One process (Megatron at cp 1, the same recomputation) running the calls of ``order``."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+    )
+
+    model = build_order_model(1, recompute)
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.ones(()))
+
+    def forward(which: str) -> tuple[torch.Tensor, float]:
+        ids = order_tokens(which)
+        labels = torch.zeros_like(ids)
+        labels[:, :-1] = ids[:, 1:]
+        mask = torch.ones(ids.shape)
+        mask[:, -1] = 0
+        out = model(ids, None, None, labels=labels)
+        loss = torch.sum(out.float() * mask) / mask.sum()
+        return loss, float(loss)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {
+            n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+    tracker().clear()
+    return run_order(order, model, forward, snapshot)
+
+
+def order_case(
+    rank: int, cp: int, order: str, layout: str, recompute: str, ref: dict[str, Any]
+) -> dict[str, Any]:
+    """The calls of ``order`` under hp_cp on Megatron's CP group, with Megatron's
+    recomputation ``recompute``; the errors against :func:`order_reference` (or the error
+    raised)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+    )
+
+    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_torch.integrations.megatron import megatron_labels, megatron_loss
+
+    model = build_order_model(cp, recompute)
+    group = parallel_state.get_context_parallel_group()
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
+    cfg = DeepSeekV4CPConfig(layout=layout, single_rank_bypass=False, query_chunk=chunk)
+    handle = enable_cp(model, group, cfg)
+    # the schedule's scale of the indexer loss (cp / microbatches), undone by DDP's average
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(float(cp)))
+
+    def forward(which: str) -> tuple[torch.Tensor, float]:
+        batch = handle.batch(order_tokens(which))
+        labels, mask = megatron_labels(batch)
+        out = model(batch.input_ids, batch.position_ids, None, labels=labels)
+        loss, _ = megatron_loss(out, mask, batch, cp, per_token=False)
+        report = torch.stack([torch.sum(out.detach().float() * mask), mask.sum()])
+        dist.all_reduce(report, group=group)
+        return loss, float(report[0] / report[1])
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in model.named_parameters():
+            g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            dist.all_reduce(g, group=dp_cp)
+            out[n] = g / dist.get_world_size(dp_cp)
+        return out
+
+    tracker().clear()
+    result: dict[str, Any] = {"cp": cp, "order": order, "layout": layout, "recompute": recompute}
+    try:
+        got = run_order(order, model, forward, snapshot)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        return result
+    finally:
+        disable_cp(handle)
+    result["loss_rel_err"] = max(
+        abs(got["losses"][k] - v) / abs(v) for k, v in ref["losses"].items()
+    )
+    result["losses"] = sorted(got["losses"])
+    worst, where = 0.0, ""
+    for step, (mine, want) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+        largest = max(float(g.abs().max()) for g in want.values())
+        for n, w in want.items():
+            err = float((mine[n] - w).abs().max()) / max(float(w.abs().max()), 1e-2 * largest)
+            if err >= worst:
+                worst, where = err, f"backward {step + 1}: {n}"
+    result["grad_rel_err_max"], result["grad_rel_err_worst"] = worst, where
+    result["backwards"] = len(got["grads"])
+    return result

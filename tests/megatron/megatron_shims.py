@@ -45,6 +45,31 @@ Each shim names the exact megatron-core 0.19.2 file and line it replaces (paths 
     ``rope_utils.py:62``. The replacement selects the same chunks
     ``[cp_rank, 2 * cp_size - cp_rank - 1]`` of ``2 * cp_size`` on the embedding's own device.
 
+``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (no CUDA RNG)
+    ``tensor_parallel/random.py:104-133`` and ``:135-175``, reached from Megatron's activation
+    recomputation: ``CheckpointFunction.forward`` saves ``_get_all_rng_states()``
+    (``random.py:604`` -> ``:528``) and its backward restores them (``_fork_rng`` and
+    ``_set_all_rng_states``, ``:640-642`` -> ``:538``). Without the getter, a forward with
+    ``recompute_granularity="full"`` fails with ``AssertionError: Torch not compiled with CUDA
+    enabled`` at ``random.py:118`` (``torch.cuda.random.get_rng_state``); the setter does not
+    raise on a CPU-only torch but queues a callback in ``torch.cuda._queued_calls`` per call
+    (``_lazy_call``, ``:175``), never run. The replacements: an empty state and a no-op. The CPU
+    generator, the only one these fp32 models draw from (dropout 0), is still saved and
+    restored by ``random.py:527`` and ``:537``; the tracker's named states
+    (``get_cuda_rng_tracker().get_states()``) are an empty dict here (none added).
+
+``FP8GlobalStateManager``, ``activation_recompute_forward``, ``fp8_autocast`` in
+``tensor_parallel.random`` (Transformer Engine's, absent: the fp8-off answers)
+    ``tensor_parallel/random.py:85-90`` imports them from Transformer Engine under a guard
+    (absent here: ``transformer_impl="local"``), but ``CheckpointWithoutOutput`` (selective
+    recomputation of the ``layernorm``, ``transformer_layer.py:633-636``) sets ``self.fp8 = fp8
+    is not None`` (``random.py:740``), true for its default ``fp8=False``, and so always reads
+    them: without them ``NameError: name 'FP8GlobalStateManager' is not defined`` at
+    ``random.py:693``. The stand-ins, put in that module only while they are missing, answer as
+    Transformer Engine does with fp8 off: ``is_fp8_enabled()`` false, ``get_fp8_recipe()``
+    ``None``, and no-op contexts for ``activation_recompute_forward`` (``:696``, ``:788``) and
+    ``fp8_autocast(enabled=False)`` (``:791``); the recomputation is then the non-fp8 one.
+
 Use::
 
     from megatron_shims import megatron_cpu_shims
@@ -81,7 +106,7 @@ caller still gets the real ``torch.cuda.current_device``, which raises on a CPU-
 REDIRECTED: collections.Counter = collections.Counter()
 """``file:line`` -> how many ``torch.cuda.current_device()`` calls the shim answered there."""
 
-SHIMS = ("rotate_activation", *CURRENT_DEVICE_CALLERS, "rope_cp")
+SHIMS = ("rotate_activation", *CURRENT_DEVICE_CALLERS, "rope_cp", "cuda_rng", "te_fp8_off")
 """The shim names ``megatron_cpu_shims(skip=...)`` accepts."""
 
 
@@ -123,6 +148,43 @@ def get_pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_grou
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
 
 
+def get_cuda_rng_state_cpu(*args, **kwargs) -> torch.Tensor:
+    """``tensor_parallel.random._get_cuda_rng_state`` (``random.py:104-133``) without CUDA:
+    an empty state."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def set_cuda_rng_state_cpu(*args, **kwargs) -> None:
+    """``tensor_parallel.random._set_cuda_rng_state`` (``random.py:135-175``) without CUDA:
+    nothing to set."""
+
+
+class FP8OffStateManager:
+    """Transformer Engine's ``FP8GlobalStateManager`` as it answers with fp8 off."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def no_op_context(*args, **kwargs) -> contextlib.AbstractContextManager:
+    """``activation_recompute_forward(...)`` / ``fp8_autocast(enabled=False, ...)`` with fp8
+    off: nothing to enter."""
+    return contextlib.nullcontext()
+
+
+TE_FP8_NAMES = {
+    "FP8GlobalStateManager": FP8OffStateManager,
+    "activation_recompute_forward": no_op_context,
+    "fp8_autocast": no_op_context,
+}
+"""The Transformer Engine names ``tensor_parallel/random.py`` reads without Transformer Engine."""
+
+
 def _current_device_for(callers: tuple[str, ...], original):
     """A ``torch.cuda.current_device`` that answers ``torch.device("cpu")`` to the files in
     ``callers`` and defers to ``original`` for everyone else."""
@@ -140,7 +202,7 @@ def _current_device_for(callers: tuple[str, ...], original):
 
 @contextlib.contextmanager
 def megatron_cpu_shims(skip: tuple[str, ...] = ()) -> Iterator[None]:
-    """Install the three shims (all but those named in ``skip``), restore the originals on exit.
+    """Install the shims (all but those named in ``skip``), restore the originals on exit.
 
     Imports megatron-core lazily, so this module imports without it."""
     unknown = set(skip) - set(SHIMS)
@@ -151,6 +213,7 @@ def megatron_cpu_shims(skip: tuple[str, ...] = ()) -> Iterator[None]:
         rotary_pos_embedding,
         yarn_rotary_pos_embedding,
     )
+    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.experimental_attention_variant import dsa
 
     patches: list[tuple[object, str, object]] = []
@@ -163,6 +226,12 @@ def megatron_cpu_shims(skip: tuple[str, ...] = ()) -> Iterator[None]:
         patches.append(
             (torch.cuda, "current_device", _current_device_for(callers, torch.cuda.current_device))
         )
+    if "cuda_rng" not in skip:
+        patches.append((tp_random, "_get_cuda_rng_state", get_cuda_rng_state_cpu))
+        patches.append((tp_random, "_set_cuda_rng_state", set_cuda_rng_state_cpu))
+    added = []
+    if "te_fp8_off" not in skip:
+        added = [name for name in TE_FP8_NAMES if not hasattr(tp_random, name)]
     if "rope_cp" not in skip:
         for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
             patches.append((module, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank_cpu))
@@ -171,8 +240,12 @@ def megatron_cpu_shims(skip: tuple[str, ...] = ()) -> Iterator[None]:
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
+        for name in added:
+            setattr(tp_random, name, TE_FP8_NAMES[name])
         yield
     finally:
+        for name in added:
+            delattr(tp_random, name)
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
 

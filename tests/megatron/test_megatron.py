@@ -12,7 +12,14 @@ model, weights and batch on one process at ``context_parallel_size=1`` in the sa
   gradient by name to 1e-4 of that parameter's largest one-process gradient (floored at 1e-2
   of the largest of all);
 * refused on every rank: Megatron's CP group not hp_cp's, an attention mask, a batch
-  Megatron's ``get_batch_on_this_cp_rank`` sharded.
+  Megatron's ``get_batch_on_this_cp_rank`` sharded;
+* at cp 2 and 3, both layouts, with Megatron's full activation recomputation
+  (``recompute_granularity="full"``, uniform, one layer): forwards of A (S = 61, batch 2) and B
+  (S = 47, batch 1), then the backwards in both orders; and A's forward, an evaluation forward
+  of B under ``torch.no_grad``, then A's backward; with Megatron's selective recomputation
+  (``layernorm``, ``mla_up_proj``, ``core_attn``, ``mlp``) the first order, and with each
+  ``TransformerLayer`` in torch's non-reentrant ``checkpoint_wrapper`` the second; the losses
+  and every gradient after each backward against one process running the same calls.
 
 Skipped when megatron-core is absent, unless ``HP_CP_REQUIRE_BACKEND`` contains ``megatron``
 (the ``megatron`` nox session sets it).
@@ -99,3 +106,21 @@ def test_unsupported_setups_are_refused_on_every_rank(suite: dict) -> None:
         "attention_mask": "ok",
         "megatron_sharded_batch": "ok",
     }
+
+
+@pytest.mark.slow
+def test_recomputed_layers_read_their_own_forward(suite: dict) -> None:
+    """Megatron's recomputation with another forward (S = 47, batch 1) between A's forward
+    (S = 61, batch 2) and its backward (the backwards in both orders), or an evaluation
+    forward of B under ``torch.no_grad``: the losses and every gradient after each backward
+    match one process running the same calls (each recomputed layer reads its own forward's
+    positions)."""
+    cp = suite["results"][0]["cp"]
+    got = [(r["order"], r["layout"], r["recompute"]) for r in suite["orders"]]
+    assert got == megatron_cases.order_cases_for(cp)
+    for res in suite["orders"]:
+        name = f"cp={res['cp']} {res['order']} {res['layout']} {res['recompute']}"
+        assert "error" not in res, (name, res.get("error"))
+        assert res["backwards"] == (1 if res["order"] == "fwd_eval_bwd" else 2), name
+        assert res["loss_rel_err"] <= RTOL, name
+        assert res["grad_rel_err_max"] <= GRAD_RTOL, (name, res["grad_rel_err_worst"])

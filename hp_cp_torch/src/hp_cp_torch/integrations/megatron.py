@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_cp_core import CPHandle, HpCpError, LayerSpec
+from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.model_adapter import (
     AttentionParams,
@@ -89,9 +91,9 @@ DSA_MASKING = "megatron.core.transformer.experimental_attention_variant.dsa_mask
 DSA_LOSS = "megatron.core.transformer.experimental_attention_variant.dsa_indexer_loss"
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
-POSITIONS_ATTR = "_hp_cp_position_ids"
-"""Where the forward pre-hook on each ``GPTModel`` leaves its ``position_ids`` for the layers
-(Megatron hands them no positions)."""
+POSITIONS_ATTR = "_hp_cp_model_positions"
+"""Where each layer finds the :class:`_ModelPositions` of its handle (Megatron hands the layers
+no positions: Note [The model's positions per forward])."""
 
 POSITIONS_HINT = (
     "got position_ids that are not hp_cp's positions of this rank's rows (the global row, or "
@@ -157,8 +159,64 @@ x keys``: the teacher's logits and the indexer's per-head scores)."""
 # shared-KV head, and Megatron's default is the dense one.
 
 
+# Note [The model's positions per forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Megatron gives position_ids to the GPTModel, never to the layers; the adapter reads them only
+# to refuse a batch Megatron sharded itself (get_batch_on_this_cp_rank's zigzag) on every rank
+# before any exchange (value_checks, in the agreement), and ropes at them once they passed.
+# A forward pre-hook on each GPTModel hands them over, but a layer may run after a later
+# forward of the model: Megatron's activation recomputation (recompute_granularity="full",
+# tensor_parallel.checkpoint) re-runs each layer of a forward in its backward, and between the
+# two another forward may run (an evaluation forward, the next micro-batch). So the positions
+# are kept per forward, by hp_cp's record of the forward (Note [Records per forward] in
+# hp_cp_core.records): an original layer call files the model's latest position_ids under its
+# forward's record, a recomputed call (hp_cp's scope finds its forward's record again: Note
+# [Finding a recomputed forward's record]) reads them back. The map holds the records weakly:
+# the positions live as long as the forward's graph.
+#
+#     fwd A (pos A) ──> record A: pos A          fwd B (pos B) ──> record B: pos B
+#     bwd A: recompute layer k ──> record A ──> pos A, checked against A's plan
+
+
 def _module(name: str) -> Any:
     return importlib.import_module(name)
+
+
+class _ModelPositions:
+    """The ``position_ids`` each forward of a handle's ``GPTModel`` was given, by the forward's
+    record (Note [The model's positions per forward])."""
+
+    def __init__(self, records: Any) -> None:
+        self.records = records
+        self.latest: Any = None
+        """The running ``GPTModel`` forward's (its pre-hook's; ``None`` outside one)."""
+        self.by_forward: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+    def hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """The ``GPTModel`` forward pre-hook: its ``position_ids`` (``None`` when not given:
+        Megatron's RoPE needs none, hp_cp's plan has them)."""
+        pos = kwargs["position_ids"] if "position_ids" in kwargs else (args[1:2] or (None,))[0]
+        self.latest = pos
+
+    def done(self, *_: Any) -> None:
+        """The ``GPTModel`` forward hook (always called): a layer run outside the model's
+        forward takes no model's positions (hp_cp's plan has them)."""
+        self.latest = None
+
+    def of_call(self) -> Any:
+        """The positions of the layer call running now: its forward's (filed by an original
+        call under the forward's record, read back by a recomputed one)."""
+        records = self.records
+        record = records.current
+        if records.recomputing:
+            return None if record is None else self.by_forward.get(record)
+        if record is not None:
+            self.by_forward[record] = self.latest
+        return self.latest
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused, as the installed forward is: it belongs to the CP handle's forwards."""
+        raise cp_state_not_copyable("AbsorbedMLASelfAttention")
 
 
 @dataclass
@@ -247,8 +305,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
         """Refuse, before any exchange, what hp_cp cannot run: tensor parallelism, a Megatron
         CP group that is not hp_cp's (Note [Megatron's CP group under hp_cp]); a forward
-        pre-hook on each ``GPTModel`` hands the layers its ``position_ids``, so that a batch
-        Megatron sharded is refused, not silently roped at the wrong rows."""
+        pre-hook on each ``GPTModel`` hands the layers its ``position_ids`` per forward (Note
+        [The model's positions per forward]), so that a batch Megatron sharded is refused, not
+        silently roped at the wrong rows."""
         want = sorted(int(r) for r in handle.group.global_ranks)
         for layer in layers:
             config = layer.config
@@ -273,11 +332,16 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
                     "the attention, and Megatron's data loading, DDP and loss scales stay "
                     "those of its own CP."
                 )
+        positions = _ModelPositions(handle.records)
         gpt = getattr(sys.modules.get(GPT_MODEL), "GPTModel", None)
         for mod in model.modules():
             if gpt is not None and isinstance(mod, gpt):
-                hook = mod.register_forward_pre_hook(_positions_hook(layers), with_kwargs=True)
+                hook = mod.register_forward_pre_hook(positions.hook, with_kwargs=True)
                 handle.on_disable(hook.remove)
+                hook = mod.register_forward_hook(positions.done, always_call=True)
+                handle.on_disable(hook.remove)
+        for layer in layers:
+            layer.__dict__[POSITIONS_ATTR] = positions
         handle.on_disable(lambda: [layer.__dict__.pop(POSITIONS_ATTR, None) for layer in layers])
 
     def layer_spec(self) -> LayerSpec:
@@ -325,9 +389,10 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         cu = None
         if packed_seq_params is not None:
             cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+        positions = self.module.__dict__.get(POSITIONS_ATTR)
         return MegatronCallInputs(
             hidden_states,
-            self.module.__dict__.get(POSITIONS_ATTR),  # the GPTModel's, from its pre-hook
+            None if positions is None else positions.of_call(),  # this forward's, the model's
             cu,
             attention_mask=attention_mask,
             packed_seq_params=packed_seq_params,
@@ -576,15 +641,3 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         if config.calculate_per_token_loss:
             return total
         return total / max(1, batch * int(total_rows))
-
-
-def _positions_hook(layers: list[nn.Module]) -> Any:
-    """A ``GPTModel`` forward pre-hook that leaves its ``position_ids`` on each layer (``None``
-    when not given: Megatron's RoPE needs none, hp_cp's plan has them)."""
-
-    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        pos = kwargs["position_ids"] if "position_ids" in kwargs else (args[1:2] or (None,))[0]
-        for layer in layers:
-            layer.__dict__[POSITIONS_ATTR] = pos
-
-    return hook
