@@ -1,0 +1,419 @@
+"""Attention of many query heads over the rows each query picked: DSA's latent (MLA) attention
+and grouped-query attention with keys apart from values, one kernel with two strategies per
+query block and a hand-written backward.
+
+Note [Picked attention: dense band or gather, per block]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A DSA layer's columns are the indexer's picks: query ``i`` reads ``k`` rows of the gathered
+buffer ``rows [B, N, C]`` (``selected [B, L, k]``, ``-1`` = none). Its ``G`` KV heads each
+serve ``h = H / G`` query heads and read their keys and values out of the same row::
+
+    row j:  [ k_0 k_1 .. k_{G-1} | v_0 v_1 .. v_{G-1} ]     grouped (values apart from keys)
+    row j:  [ c_j (rank)  | k_rot_j ]   keys = the whole row, values = c_j   latent (G = 1)
+
+so a rank receives each row once, at the model's width, and each query head computes over
+its own group's ``d_k`` / ``d_v`` columns only. The latent kind folds ``kv_b_proj`` into the
+queries and the output (Note [DSA attention on the latents] in
+:mod:`hp_cp_torch.latent_attention`), inside this kernel, block by block.
+
+The core plans query blocks (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`); for each,
+one of two strategies, chosen from the block's shape:
+
+    block's visible rows  s0 .......................... s1       (n = s1 - s0)
+    dense band:   q [h, l, d] @ rows[s0:s1]^T -> [h, l, n], masked to the picks
+    gather:       rows[picks] -> [l, k, C];   q_i [h, d] @ picked_i^T -> [h, l, k]
+
+* **dense band** where ``n <= F(heads) * k``: one matrix product per block, at matmul speed;
+  a column weighs ``log(count)`` of the query's picks of it (``-inf``: not picked), as the
+  banded kernel's picks band does (Note [Band plus gather, one softmax] in
+  :mod:`hp_cp_torch.kernels.banded`), so repeated picks add up exactly as the gather does.
+* **gather** elsewhere: ``index_select`` of the picks and ``l`` small products; the backward
+  scatters only the block's ``[l, k, C]`` gradient (``index_add_``), never a gradient of the
+  whole buffer per block.
+
+``F(heads)`` (:func:`band_factor`) is where the two cost the same, measured on a 2-core CPU
+at the published latent width (C = 576, fp32, forward + backward of one block of 64 rows):
+
+    heads        8      16      32      64     128
+    F            4       4       2       2       2
+
+(a dense product costs ``heads * n`` per row at ~10-20x the gather's FLOP rate; the gather's
+cost is its ``k * C`` copy plus ``heads * k``, so the more heads, the sooner dense wins per
+pick and the smaller F). A pinned strategy (``"dense"`` / ``"gather"``) overrides it.
+
+Both strategies share the softmax (fp32, with an optional per-head sink in the max and the
+denominator) and keep only ``lse = m + log(denom)`` per (head, row); the backward recomputes
+each block's weights from it (flash attention's backward), so nothing saved grows with the
+columns or the heads' widths. A row that sees nothing (every pick ``-1``: hp_cp's padding
+rows, an empty document) has ``denom = 0`` (no sink) and gives 0, forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hp_cp_core import HpCpError
+from hp_cp_core.columns import DenseBlock, PlanColumns
+
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "STRATEGIES",
+    "HeadLayout",
+    "band_factor",
+    "block_rows",
+    "picked_attention",
+]
+
+STRATEGIES = ("auto", "dense", "gather")
+"""``auto``: per block by :func:`band_factor`; ``dense`` / ``gather``: every block so."""
+
+BLOCK_ELEMENTS = 1 << 24
+"""Most elements one block's scores, picked rows and per-head query / output tensors hold
+together (~64 MiB in fp32) at any top-k, width and head count."""
+
+_BAND_FACTORS = ((8, 4), (16, 4), (32, 2))
+"""``(most heads, F)``: :func:`band_factor`'s measured table (Note [Picked attention: dense
+band or gather, per block]); more heads than the last entry: 2."""
+
+
+def band_factor(heads: int) -> int:
+    """``F``: a block reads its picks as a dense band when its visible rows are at most
+    ``F * k`` (Note [Picked attention: dense band or gather, per block])."""
+    for most, factor in _BAND_FACTORS:
+        if heads <= most:
+            return factor
+    return 2
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How the query heads read a row of the gathered buffer.
+
+    Attributes:
+        groups: KV heads ``G``; query head ``j`` reads group ``j // (H / G)``.
+        key_width, value_width: ``d_k`` and ``d_v`` of one group.
+        values_at: the column where group 0's values start: ``G * d_k`` when values are
+            apart from keys (grouped), 0 when they are the first ``d_v`` columns of the key
+            (latent: ``c_j`` of ``[c_j ; k_rot_j]``).
+        latent: ``(nope, rope, value, rank)`` of MLA with ``kv_b_proj`` folded in (the
+            queries are ``[q_pass ; q_rot]`` and the output ``W_v`` of the latent sum), or
+            ``None``.
+    """
+
+    groups: int
+    key_width: int
+    value_width: int
+    values_at: int
+    latent: tuple[int, int, int, int] | None = None
+
+    @classmethod
+    def grouped(cls, kv_heads: int, key_width: int, value_width: int) -> HeadLayout:
+        """Keys ``[k_0 .. k_{G-1}]`` then values ``[v_0 .. v_{G-1}]`` in each row."""
+        return cls(int(kv_heads), int(key_width), int(value_width), int(kv_heads * key_width))
+
+    @classmethod
+    def mla(cls, nope: int, rope: int, value: int, rank: int) -> HeadLayout:
+        """MLA's latent rows ``[c ; k_rot]`` (``rank + rope``), one KV head."""
+        return cls(1, int(rank + rope), int(rank), 0, (int(nope), int(rope), int(value), int(rank)))
+
+    @property
+    def row_width(self) -> int:
+        """Columns a row holds."""
+        if self.values_at == 0:
+            return self.key_width
+        return self.groups * (self.key_width + self.value_width)
+
+    def keys(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[..., n, C]`` -> ``[..., G, n, d_k]`` (a view)."""
+        g, d = self.groups, self.key_width
+        return rows[..., : g * d].unflatten(-1, (g, d)).transpose(-2, -3)
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[..., n, C]`` -> ``[..., G, n, d_v]`` (a view)."""
+        g, d, at = self.groups, self.value_width, self.values_at
+        return rows[..., at : at + g * d].unflatten(-1, (g, d)).transpose(-2, -3)
+
+
+def block_rows(query_chunk: int, picks: int, layout: HeadLayout, heads: int, batch: int) -> int:
+    """Query rows per block: at most ``query_chunk``, few enough that a block's scores (a band
+    of up to ``F * k`` columns, or ``k``), its picked rows and its per-head queries and
+    outputs stay under :data:`BLOCK_ELEMENTS` (at least one row)."""
+    k = max(int(picks), 1)
+    width = layout.key_width + layout.value_width
+    if layout.latent is not None:
+        width += layout.latent[0] + layout.latent[2]
+    per_row = batch * (2 * heads * band_factor(heads) * k + k * layout.row_width + heads * width)
+    return max(1, min(int(query_chunk), BLOCK_ELEMENTS // max(per_row, 1)))
+
+
+def picked_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    selected: torch.Tensor,
+    plan: Any,
+    layout: HeadLayout,
+    scale: float,
+    sink: torch.Tensor | None = None,
+    up_proj: torch.Tensor | None = None,
+    *,
+    query_chunk: int = 1024,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """Each local query's attention over the rows it picked (Note [Picked attention: dense
+    band or gather, per block]), in fp32, with gradients to ``q``, ``rows``, ``sink`` and
+    ``up_proj``.
+
+    Args:
+        q: ``[B, L, H, D]`` local queries (latent: ``D = nope + rope``, ``[q_pass ; q_rot]``).
+        rows: ``[B, N, C]`` the gathered rows in global order (the plan's slots).
+        selected: ``[B, L, k]`` picked rows (global ids), ``-1`` = none.
+        plan: this rank's :class:`hp_cp_core.plan.RankPlan` (its blocks).
+        layout: how the heads read a row (:class:`HeadLayout`).
+        scale: the softmax scale.
+        sink: per-head sink logits ``[H]``, or ``None`` (no sink).
+        up_proj: latent only: ``kv_b_proj.weight`` ``[H * (nope + value), rank]``.
+        query_chunk: most query rows per block.
+        strategy: one of :data:`STRATEGIES`.
+
+    Returns:
+        ``[B, L, H, d_v]`` (latent: ``value``) in ``q``'s dtype.
+    """
+    if strategy not in STRATEGIES:
+        raise HpCpError(f"picked attention: strategy={strategy!r}; expected one of {STRATEGIES}.")
+    heads = q.shape[2]
+    if heads % layout.groups or rows.shape[-1] != layout.row_width:
+        raise HpCpError(
+            f"picked attention: {heads} query heads over {layout.groups} KV heads, rows of "
+            f"width {rows.shape[-1]}; expected heads divisible by the KV heads and rows of "
+            f"width {layout.row_width} (keys, then values)."
+        )
+    if (layout.latent is None) != (up_proj is None):
+        raise HpCpError("picked attention: up_proj is given exactly for the latent layout.")
+    k = selected.shape[-1]
+    rows_per_block = block_rows(query_chunk, k, layout, heads, q.shape[0])
+    band = {"auto": band_factor(heads) * k, "dense": 1 << 62, "gather": 0}[strategy]
+    blocks = PlanColumns(plan, 0).dense_blocks(rows_per_block, picks_band_max=band)
+    selected = selected.to(q.device)
+    return _PickedAttention.apply(q, rows, sink, up_proj, selected, blocks, layout, float(scale))
+
+
+# ------------------------------------------------------------------ per-block math (fp32)
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the compute dtype: fp32, or fp64 for fp64 inputs."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@dataclass
+class _Block:
+    """One block's inputs in fp32: ``q`` (``[B, G, h, l, d_k]`` for a band, ``[B, G, l, h,
+    d_k]`` gathered), its keys and values (``[B, G, 1, n, d]`` for a band, ``[B, G, l, k, d]``
+    gathered) and the logits' bias."""
+
+    q: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    dense: bool
+    ids: torch.Tensor | None = None  # gathered: [B * l * k] flat row ids
+
+
+def _bias_dense(sel: torch.Tensor, s0: int, n: int) -> torch.Tensor:
+    """``[B, l, n]`` ``log(count)`` of each query's picks of band row ``s0 + c``."""
+    inside = (sel >= s0) & (sel < s0 + n)
+    col = torch.where(inside, sel - s0, n)
+    counts = torch.zeros((*sel.shape[:-1], n + 1), dtype=torch.float32, device=sel.device)
+    counts.scatter_add_(-1, col, torch.ones_like(col, dtype=torch.float32))
+    return counts[..., :n].log()
+
+
+def _load_block(
+    q: torch.Tensor, rows: torch.Tensor, sel: torch.Tensor, block: DenseBlock, layout: HeadLayout
+) -> _Block:
+    """The block's queries (``[B, G, h, l, d]``), keys, values and bias, in fp32."""
+    batch, length = q.shape[0], q.shape[1]
+    g = layout.groups
+    qb = _up(q).unflatten(2, (g, -1)).permute(0, 2, 3, 1, 4)  # [B, G, h, l, d]
+    if block.picks_in_band:
+        s0, s1 = block.slot_start, block.slot_stop
+        band = _up(rows[:, s0:s1])
+        bias = _bias_dense(sel, s0, s1 - s0)[:, None, None]  # [B, 1, 1, l, n]
+        keys, values = layout.keys(band)[:, :, None], layout.values(band)[:, :, None]
+        return _Block(qb, keys, values, bias, True)  # keys [B, G, 1, n, d_k]
+    n = rows.shape[1]
+    base = torch.arange(batch, device=sel.device).view(-1, 1, 1) * n
+    ids = (sel.clamp(min=0) + base).reshape(-1)
+    picked = _up(rows.reshape(batch * n, -1).index_select(0, ids))
+    picked = picked.view(batch, length, sel.shape[-1], -1)  # [B, l, k, C]
+    keys = layout.keys(picked).transpose(1, 2)  # [B, G, l, k, d_k]
+    values = layout.values(picked).transpose(1, 2)
+    bias = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
+    bias = bias.masked_fill(sel < 0, -math.inf)[:, None, :, None]  # [B, 1, l, 1, k]
+    return _Block(qb.transpose(2, 3), keys, values, bias, False, ids)  # q [B, G, l, h, d]
+
+
+def _logits(b: _Block, scale: float) -> torch.Tensor:
+    """Dense: ``[B, G, h, l, n]``; gathered: ``[B, G, l, h, k]``."""
+    return torch.matmul(b.q, b.keys.transpose(-1, -2)) * scale + b.bias
+
+
+def _sink_view(sink: torch.Tensor | None, b: _Block, groups: int) -> torch.Tensor | None:
+    """The sink ``[H]`` shaped to broadcast against the block's rows (no last dim)."""
+    if sink is None:
+        return None
+    s = _up(sink).view(groups, -1)  # [G, h]
+    return s[:, :, None] if b.dense else s[:, None, :]  # [G, h, 1] or [G, 1, h]
+
+
+def _softmax(s: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, lse)``: the weights with the sink in the max and denominator, and ``lse``, ``+inf``
+    where the row sees nothing (then ``p = 0`` here and in backward)."""
+    m = s.amax(-1)
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isneginf(m), 0.0, m)
+    p = torch.exp(s - m[..., None])
+    denom = p.sum(-1)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
+    p = p / torch.where(denom > 0, denom, 1.0)[..., None]
+    lse = torch.where(denom > 0, m + denom.log(), math.inf)
+    return p, lse
+
+
+def _weighted(p: torch.Tensor, b: _Block) -> torch.Tensor:
+    """``p @ values``: ``[B, G, h, l, d_v]`` (gathered: ``[B, G, l, h, d_v]``)."""
+    return torch.matmul(p, b.values)
+
+
+def _to_heads(o: torch.Tensor, dense: bool) -> torch.Tensor:
+    """``[B, G, h, l, d]`` (or gathered ``[B, G, l, h, d]``) -> ``[B, l, H, d]``."""
+    o = o.permute(0, 3, 1, 2, 4) if dense else o.permute(0, 2, 1, 3, 4)
+    return o.flatten(2, 3)
+
+
+def _from_heads(t: torch.Tensor, groups: int, dense: bool) -> torch.Tensor:
+    """``[B, l, H, d]`` -> the block's head layout (the inverse of :func:`_to_heads`)."""
+    t = _up(t).unflatten(2, (groups, -1))  # [B, l, G, h, d]
+    return t.permute(0, 2, 3, 1, 4) if dense else t.permute(0, 2, 1, 3, 4)
+
+
+# ------------------------------------------------------------------ the latent fold
+def _latent_weights(up_proj: torch.Tensor, heads: int, lat: tuple[int, ...]):  # noqa: ANN202
+    nope, _, value, rank = lat
+    w = _up(up_proj).view(heads, nope + value, rank)
+    return w[:, :nope], w[:, nope:]  # W_k [H, nope, rank], W_v [H, value, rank]
+
+
+def _fold_queries(q: torch.Tensor, w_k: torch.Tensor, lat: tuple[int, ...]) -> torch.Tensor:
+    """``[q_pass W_k ; q_rot]``: ``[B, l, H, rank + rope]`` in fp32."""
+    nope = lat[0]
+    q = _up(q)
+    return torch.cat([torch.einsum("blhd,hdr->blhr", q[..., :nope], w_k), q[..., nope:]], -1)
+
+
+class _PickedAttention(torch.autograd.Function):
+    """Forward block by block without a graph, keeping ``lse [B, L, H]``; backward recomputes
+    each block and writes the gradients by hand."""
+
+    @staticmethod
+    def forward(ctx: Any, q, rows, sink, up_proj, selected, blocks, layout, scale):  # noqa: ANN001
+        heads, g, lat = q.shape[2], layout.groups, layout.latent
+        w = None if lat is None else _latent_weights(up_proj, heads, lat)
+        out_width = layout.value_width if lat is None else lat[2]
+        out = q.new_empty((*q.shape[:3], out_width))
+        lse = torch.empty(q.shape[:3], dtype=_up(q).dtype, device=q.device)
+        with torch.no_grad():
+            for block in blocks:
+                lo, hi = block.lo, block.hi
+                qb = q[:, lo:hi] if w is None else _fold_queries(q[:, lo:hi], w[0], lat)
+                b = _load_block(qb, rows, selected[:, lo:hi], block, layout)
+                p, lse_b = _softmax(_logits(b, scale), _sink_view(sink, b, g))
+                o = _to_heads(_weighted(p, b), b.dense)  # [B, l, H, d_v]
+                if w is not None:
+                    o = torch.einsum("blhr,hvr->blhv", o, w[1])
+                out[:, lo:hi] = o.to(out.dtype)
+                lse[:, lo:hi] = _to_heads(lse_b[..., None], b.dense)[..., 0]
+        ctx.save_for_backward(q, rows, sink, up_proj, selected, lse)
+        ctx.blocks, ctx.layout, ctx.scale = blocks, layout, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # noqa: ANN205, C901
+        q, rows, sink, up_proj, selected, lse = ctx.saved_tensors
+        layout, scale, lat = ctx.layout, ctx.scale, ctx.layout.latent
+        heads, g = q.shape[2], layout.groups
+        need_q, need_rows, need_sink, need_w = ctx.needs_input_grad[:4]
+        w = None if lat is None else _latent_weights(up_proj, heads, lat)
+        dq = torch.zeros(q.shape, dtype=_up(q).dtype, device=q.device) if need_q else None
+        drows = torch.zeros(rows.shape, dtype=_up(rows).dtype, device=rows.device)
+        dsink = torch.zeros(heads, dtype=_up(q).dtype, device=q.device) if need_sink else None
+        dw_k = dw_v = None
+        if w is not None and need_w:
+            dw_k, dw_v = torch.zeros_like(w[0]), torch.zeros_like(w[1])
+        flat_rows = drows.view(-1, drows.shape[-1])
+        for block in ctx.blocks:
+            lo, hi = block.lo, block.hi
+            qb = q[:, lo:hi] if w is None else _fold_queries(q[:, lo:hi], w[0], lat)
+            b = _load_block(qb, rows, selected[:, lo:hi], block, layout)
+            lse_b = _from_heads(lse[:, lo:hi, :, None], g, b.dense)[..., 0]
+            p = torch.exp(_logits(b, scale) - lse_b[..., None])
+            o = _weighted(p, b)
+            go = _up(grad[:, lo:hi])  # [B, l, H, d_out]
+            if w is not None:  # out = o W_v^T: d o and d W_v
+                if dw_v is not None:
+                    dw_v += torch.einsum("blhv,blhr->hvr", go, _to_heads(o, b.dense))
+                go = torch.einsum("blhv,hvr->blhr", go, w[1])
+            do = _from_heads(go, g, b.dense)
+            delta = (do * o).sum(-1)  # [.., rows]
+            if dsink is not None:
+                ps = torch.exp(_sink_view(sink, b, g) - lse_b)
+                dsink -= _to_heads((ps * delta)[..., None], b.dense)[..., 0].sum((0, 1))
+            ds = p * (torch.matmul(do, b.values.transpose(-1, -2)) - delta[..., None])
+            ds = ds * scale
+            if dq is not None or dw_k is not None:
+                dqb = _to_heads(torch.matmul(ds, b.keys), b.dense)  # [B, l, H, d_k]
+                if w is not None:
+                    nope, rank = lat[0], lat[3]
+                    if dw_k is not None:
+                        qp = _up(q[:, lo:hi, :, :nope])
+                        dw_k += torch.einsum("blhd,blhr->hdr", qp, dqb[..., :rank])
+                    dqb = torch.cat(
+                        [torch.einsum("blhr,hdr->blhd", dqb[..., :rank], w[0]), dqb[..., rank:]],
+                        -1,
+                    )
+                if dq is not None:
+                    dq[:, lo:hi] = dqb
+            if not need_rows:
+                continue
+            # key and value gradients, summed over the group's heads
+            if b.dense:  # [B, G, h, l, n]
+                dk = torch.matmul(ds.transpose(-1, -2), b.q).sum(2)  # [B, G, n, d_k]
+                dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+                band = drows[:, block.slot_start : block.slot_stop]
+                layout.keys(band).add_(dk)
+                layout.values(band).add_(dv)
+            else:  # [B, G, l, h, k]
+                dk = torch.matmul(ds.transpose(-1, -2), b.q)  # [B, G, l, k, d_k]
+                dv = torch.matmul(p.transpose(-1, -2), do)
+                shape = (*selected[:, lo:hi].shape, rows.shape[-1])  # [B, l, k, C]
+                picked = torch.zeros(shape, dtype=drows.dtype, device=rows.device)
+                layout.keys(picked).transpose(1, 2).add_(dk)
+                layout.values(picked).transpose(1, 2).add_(dv)
+                flat_rows.index_add_(0, b.ids, picked.view(-1, picked.shape[-1]))
+        dw = None
+        if dw_k is not None:
+            dw = torch.cat([dw_k, dw_v], 1).view(up_proj.shape).to(up_proj.dtype)
+        return (
+            None if dq is None else dq.to(q.dtype),
+            drows.to(rows.dtype) if need_rows else None,
+            None if dsink is None else dsink.to(sink.dtype),
+            dw,
+            None,
+            None,
+            None,
+            None,
+        )
