@@ -70,7 +70,8 @@ class Projection:
 
     Attributes:
         query: ``[B, L, H, D]``, roped (latent attention: ``D`` is ``nope + rope``).
-        kv: the shared KV head ``[B, L, D]`` (keys = values), roped; latent: ``[c ; k_rot]``.
+        kv: the shared KV head ``[B, L, D]`` (keys = values), roped; latent: ``[c ; k_rot]``;
+            grouped: ``[k_0 .. k_{G-1} ; v_0 .. v_{G-1}]`` (:class:`AttentionParams`).
         index_input: what :meth:`ModelAdapter.index_queries` needs beyond the state, or ``None``.
         index_keys: with :attr:`Traits.rows_are_slots`, each row's indexer key ``[B, L, D_I]``.
         local_work: callables run while the exchanges travel (the first during the halo
@@ -175,7 +176,7 @@ class Latent:
     up_proj: torch.Tensor
 
 
-ATTENTION_KINDS = ("shared_kv", "latent", "own")
+ATTENTION_KINDS = ("shared_kv", "grouped", "latent", "own")
 
 
 @dataclass(frozen=True)
@@ -184,25 +185,44 @@ class AttentionParams:
 
     Attributes:
         scale: the softmax scale.
-        sink: per-head sink logits ``[H]`` (inside the softmax), or ``None``.
-        kind: ``"shared_kv"`` (one shared KV head, by the configured kernel), ``"latent"``
-            (MLA, with :attr:`latent`) or ``"own"`` (:meth:`ModelAdapter.attention` always:
-            it picks its slots itself from ``state.keys``; hp_cp runs no selection).
+        sink: per-head sink logits ``[H]`` (inside the softmax), or ``None``: no sink.
+        kind: ``"shared_kv"`` (one KV head whose rows are keys and values at once, by the
+            configured kernel), ``"grouped"`` (grouped-query attention with keys apart from
+            values: :attr:`kv_heads` KV heads, MQA to MHA), ``"latent"`` (MLA, with
+            :attr:`latent`) or ``"own"`` (:meth:`ModelAdapter.attention` always: it picks its
+            slots itself from ``state.keys``; hp_cp runs no selection). ``"grouped"`` and
+            ``"latent"`` attend to the indexer's picks only (a layer with no window).
         latent: the dims of ``kind="latent"``.
+        kv_heads: ``kind="grouped"``: the KV heads ``G`` (the query heads a multiple of it;
+            query head ``j`` reads KV head ``j // (H / G)``, as ``repeat_interleave`` does).
+            ``project(state).kv`` is then each token's keys, then its values:
+            ``[k_0 .. k_{G-1} ; v_0 .. v_{G-1}]``, ``G * (d_k + d_v)`` wide, ``d_k`` the
+            queries' head width.
     """
 
     scale: float | None = None
     sink: torch.Tensor | None = None
     kind: str = "shared_kv"
     latent: Latent | None = None
+    kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         latent, scaled = self.latent is not None, self.scale is not None or self.kind == "own"
-        if self.kind not in ATTENTION_KINDS or (self.kind == "latent") != latent or not scaled:
+        grouped = self.kind == "grouped"
+        heads_ok = (self.kv_heads is not None) == grouped and (
+            not grouped or (isinstance(self.kv_heads, int) and self.kv_heads >= 1)
+        )
+        if (
+            self.kind not in ATTENTION_KINDS
+            or (self.kind == "latent") != latent
+            or not scaled
+            or not heads_ok
+        ):
             raise HpCpError(
                 f"AttentionParams(kind={self.kind!r}, scale={self.scale!r}, latent given: "
-                f"{latent}): expected a kind of {ATTENTION_KINDS}, a Latent exactly for "
-                "kind='latent', and a softmax scale (but for kind='own')."
+                f"{latent}, kv_heads={self.kv_heads!r}): expected a kind of {ATTENTION_KINDS}, "
+                "a Latent exactly for kind='latent', kv_heads >= 1 exactly for kind='grouped', "
+                "and a softmax scale (but for kind='own')."
             )
 
 

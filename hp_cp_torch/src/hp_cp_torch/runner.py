@@ -9,6 +9,7 @@ one agreement on every rank, ``project``, the core's exchanges (``compress``), t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -19,11 +20,11 @@ from typing import Any
 import torch
 
 from hp_cp_core import CPContext, HpCpError, stage1_compress_with_halo
-from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
+from hp_cp_torch.kernels.picked import HeadLayout
+from hp_cp_torch.kernels.registry import kernel_named
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
 from hp_cp_torch.model_adapter import RECORDED, ForwardState, LayerInputs, ModelAdapter
 from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, rows_hint
@@ -193,8 +194,16 @@ class LayerRunner:
         a, x = self.adapter, inputs.hidden
         checks = TensorChecks(getattr(group, "device", None), f"{a.layer_name()} under CP")
         a.check_inputs(inputs, checks)
-        if isinstance(x, torch.Tensor) and a.attention_params().kind != "own":
+        kind = a.attention_params().kind
+        if isinstance(x, torch.Tensor) and kind != "own":
             checks.kernel(cp_forward.config.attention_kernel, x.device)
+        if kind in ("grouped", "latent") and cp_forward.spec.window_size:
+            checks.fail(
+                f"attention_params(kind={kind!r}) attends to the indexer's picks only, but "
+                f"layer_spec() has window_size={cp_forward.spec.window_size}; a layer with a "
+                "window has one KV head shared by keys and values (kind='shared_kv') or runs "
+                "its own attention (kind='own')."
+            )
         cu = checks.host_cu_seqlens(inputs.cu_seqlens)
         check = cp_forward.inspect(
             rows_hint(x, -2), cu, problems=checks.problems, signature=checks.signature
@@ -309,8 +318,8 @@ class LayerRunner:
                 )
         if "attend" in self._v03:  # a 0.3 adapter's own kernel call
             return self._v03["attend"](a, request, state, config.attention_kernel)
-        if params.kind == "latent":
-            return _latent(request, params)
+        if params.kind in ("latent", "grouped"):
+            return _with_heads(request, params, config.attention_kernel)
         args = (r.q, r.ori_ext, r.cmp_kv, r.plan, r.selected, r.sink, r.scale)
         return run_sparse_attention(
             *args, kernel=config.attention_kernel, query_chunk=r.query_chunk
@@ -384,16 +393,20 @@ class LayerRunner:
         )
 
 
-def _latent(request: AttentionRequest, params: Any) -> torch.Tensor:
-    """Latent (MLA) attention on the gathered latents (:func:`hp_cp_torch.latent_attention`)."""
-    lat, q = params.latent, request.q.transpose(1, 2)  # [B, H, L, nope + rope]
-    q_pass, q_rot = torch.split(q, [lat.nope, lat.rope], dim=-1)
-    dims = MLADims(lat.nope, lat.rope, lat.value, lat.rank, params.scale)
-    latent, selected = request.cmp_kv, request.selected.to(q.device)
-    rows = chunk_rows(request.query_chunk, selected.shape[-1], latent.shape[-1], q.shape[1])
-    chunks = PlanColumns(request.plan, 0).chunks(rows)
-    out = latent_attention(q_pass, q_rot, latent, selected, lat.up_proj, dims, chunks)
-    return out.transpose(1, 2)  # [B, L, H, value]
+def _with_heads(request: AttentionRequest, params: Any, kernel_name: Any) -> torch.Tensor:
+    """Grouped-query or latent attention: the request with its :class:`HeadLayout`, by the
+    configured kernel where it runs that kind (``kinds``), else by ``banded``."""
+    width = request.cmp_kv.shape[-1]
+    if params.kind == "latent":
+        lat = params.latent
+        heads, up_proj = HeadLayout.mla(lat.nope, lat.rope, lat.value, lat.rank), lat.up_proj
+    else:
+        g, d_k = params.kv_heads, request.q.shape[-1]
+        heads, up_proj = HeadLayout.grouped(g, d_k, (width - g * d_k) // g), None
+    kernel = kernel_named(kernel_name)
+    if params.kind not in getattr(kernel, "kinds", ("shared_kv",)):
+        kernel = kernel_named("banded")
+    return kernel(dataclasses.replace(request, heads=heads, up_proj=up_proj))
 
 
 def _loss_rows(cp_forward: Any, xb: torch.Tensor, loss_mask: Any, with_loss: bool) -> Any:

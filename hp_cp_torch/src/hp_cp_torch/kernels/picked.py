@@ -257,7 +257,20 @@ def _load_block(
 
 def _logits(b: _Block, scale: float) -> torch.Tensor:
     """Dense: ``[B, G, h, l, n]``; gathered: ``[B, G, l, h, k]``."""
-    return torch.matmul(b.q, b.keys.transpose(-1, -2)) * scale + b.bias
+    return _mm(b.q, b.keys.transpose(-1, -2)) * scale + b.bias
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``; a band's ``[B, G, h, l, x] @ [B, G, 1, x, y]`` as one product over the
+    group's ``h * l`` rows (not ``h`` products of ``l``)."""
+    if b.dim() == a.dim() == 5 and b.shape[2] == 1 and a.shape[2] > 1:
+        return torch.matmul(a.flatten(2, 3), b[:, :, 0]).unflatten(2, a.shape[2:4])
+    return torch.matmul(a, b)
+
+
+def _mm_heads(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A band's ``sum_h a[h]^T b[h]``: ``[B, G, h, l, x], [B, G, h, l, y] -> [B, G, x, y]``."""
+    return torch.matmul(a.flatten(2, 3).transpose(-1, -2), b.flatten(2, 3))
 
 
 def _sink_view(sink: torch.Tensor | None, b: _Block, groups: int) -> torch.Tensor | None:
@@ -286,7 +299,7 @@ def _softmax(s: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, 
 
 def _weighted(p: torch.Tensor, b: _Block) -> torch.Tensor:
     """``p @ values``: ``[B, G, h, l, d_v]`` (gathered: ``[B, G, l, h, d_v]``)."""
-    return torch.matmul(p, b.values)
+    return _mm(p, b.values)
 
 
 def _to_heads(o: torch.Tensor, dense: bool) -> torch.Tensor:
@@ -372,10 +385,10 @@ class _PickedAttention(torch.autograd.Function):
             if dsink is not None:
                 ps = torch.exp(_sink_view(sink, b, g) - lse_b)
                 dsink -= _to_heads((ps * delta)[..., None], b.dense)[..., 0].sum((0, 1))
-            ds = p * (torch.matmul(do, b.values.transpose(-1, -2)) - delta[..., None])
+            ds = p * (_mm(do, b.values.transpose(-1, -2)) - delta[..., None])
             ds = ds * scale
             if dq is not None or dw_k is not None:
-                dqb = _to_heads(torch.matmul(ds, b.keys), b.dense)  # [B, l, H, d_k]
+                dqb = _to_heads(_mm(ds, b.keys), b.dense)  # [B, l, H, d_k]
                 if w is not None:
                     nope, rank = lat[0], lat[3]
                     if dw_k is not None:
@@ -391,8 +404,7 @@ class _PickedAttention(torch.autograd.Function):
                 continue
             # key and value gradients, summed over the group's heads
             if b.dense:  # [B, G, h, l, n]
-                dk = torch.matmul(ds.transpose(-1, -2), b.q).sum(2)  # [B, G, n, d_k]
-                dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+                dk, dv = _mm_heads(ds, b.q), _mm_heads(p, do)  # [B, G, n, d]
                 band = drows[:, block.slot_start : block.slot_stop]
                 layout.keys(band).add_(dk)
                 layout.values(band).add_(dv)

@@ -52,12 +52,16 @@ ENTRY_POINT_GROUP = "hp_cp.torch_kernels"
 
 SHIPPED: dict[str, str] = {
     "banded": "hp_cp_torch.kernels.shipped:BANDED",
+    "dense_picks": "hp_cp_torch.kernels.shipped:DENSE_PICKS",
+    "gathered_picks": "hp_cp_torch.kernels.shipped:GATHERED_PICKS",
     "smallop": "hp_cp_torch.kernels.shipped:SMALLOP",
     "efficient": "hp_cp_torch.kernels.shipped:EFFICIENT",
     "triton": "hp_cp_torch.kernels.shipped:TRITON",
     "model_ops": "hp_cp_torch.kernels.shipped:MODEL_OPS",
 }
-"""The kernels hp_cp_torch ships (imported by name on first use): ``banded`` (the default),
+"""The kernels hp_cp_torch ships (imported by name on first use): ``banded`` (the default;
+``dense_picks`` / ``gathered_picks``: the same with the indexer's picks always read as a
+dense masked band, or always gathered, instead of its measured per-block choice),
 ``smallop`` (gathers the columns; the exact reference), ``efficient`` (memory flat in the
 number of columns), ``triton`` (fused GPU kernels) and ``model_ops`` (the model's own op
 order where its adapter has one, else ``smallop``)."""

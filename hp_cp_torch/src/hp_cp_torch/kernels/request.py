@@ -29,6 +29,13 @@ class AttentionRequest:
         scale: the softmax scale.
         query_chunk: queries per chunk for chunked kernels.
         tuning: kernel-specific knobs (the banded kernel reads ``"picks"``).
+        heads: ``None``: one KV head whose rows are keys and values at once (``shared_kv``,
+            the window and slots above). Otherwise how ``H`` query heads read keys apart from
+            values out of each slot row (grouped-query or latent attention,
+            :class:`hp_cp_torch.kernels.picked.HeadLayout`): the columns are then the picks
+            only (no window), and ``sink`` may be ``None``.
+        up_proj: latent attention's ``kv_b_proj.weight`` (folded into the queries and the
+            output), else ``None``.
     """
 
     q: torch.Tensor
@@ -36,10 +43,12 @@ class AttentionRequest:
     cmp_kv: torch.Tensor | None
     plan: Any
     selected: torch.Tensor | None
-    sink: torch.Tensor
+    sink: torch.Tensor | None
     scale: float
     query_chunk: int = 1024
     tuning: Mapping[str, Any] = field(default_factory=dict)
+    heads: Any = None
+    up_proj: torch.Tensor | None = None
 
     @property
     def columns(self) -> PlanColumns:
