@@ -91,7 +91,8 @@ def run_both(plan, selected, layout, qd, up, g, heads, sink_kind, strategy, dtyp
 
     def bind(ts):
         it = iter(ts)
-        return [next(it) if t is not None and t.isfinite().all() else t for t in (q, rows, sink, up)]
+        given = (q, rows, sink, up)
+        return [next(it) if t is not None and t.isfinite().all() else t for t in given]
 
     mq, mr, ms, mu = bind(mine)
     out = picked_attention(

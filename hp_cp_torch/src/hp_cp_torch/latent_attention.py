@@ -1,6 +1,7 @@
 """Sparse MLA attention on the latents, for layers whose indexer picks the tokens each query
 reads (DSA: DeepSeek V3.2, GLM-5): ``kv_b_proj`` folded into the queries and the output, each
-query chunk reading only its picks, recomputed in backward.
+query block reading its picks (as a dense masked band or gathered: the picked kernel,
+:mod:`hp_cp_torch.kernels.picked`), recomputed in backward.
 
 Note [DSA attention on the latents]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -16,16 +17,17 @@ kept for backward grow as ``S * S / cp``. The same numbers come from the latents
     latents [N, rank + rope]  --gather the picks-->  [l, k, rank + rope]   (one query chunk)
     q_latent [H, l, rank + rope] . picked  ->  p [H, l, k]  ->  p . picked[:rank]  ->  W_v
 
-One autograd node per query chunk saves only its inputs (the chunk's ``q_pass`` / ``q_rot``,
-its picks, ``kv_b_proj``'s weight and the gathered latents, which it shares with every other
-chunk) and recomputes the chunk in backward. So a rank keeps its own rows' queries, as
+One autograd node for the layer's attention saves only its inputs (the queries, the picks,
+``kv_b_proj``'s weight and the gathered latents) and each row's log-sum-exp, and recomputes
+block by block in backward (Note [Picked attention: dense band or gather, per block] in
+:mod:`hp_cp_torch.kernels.picked`). So a rank keeps its own rows' queries, as
 transformers does, plus the gathered latents, and those are saved through autograd's saved
 tensors, where ``DeepSeekV4CPConfig(regather_compressed_kv=True)`` can drop them after the
 forward and receive them again in backward (Note [Re-gathered slots] in
 :mod:`hp_cp_core.compression`). Nothing grows as ``S * S / cp`` and nothing is expanded per
 global token. The sums differ from transformers' only in rounding order (fp32: about 1e-6).
-An unselected pick (``-1``) gets ``finfo.min``, as transformers' dense mask gives it, so its
-weight is exactly 0.
+An unselected pick (``-1``) gets weight exactly 0, as transformers' dense mask gives it; a row
+with no pick at all (hp_cp's padding rows) gives 0.
 
 Rounding and the next layer's top-k: the indexer of the next layer picks its top-k from
 scores of this layer's output, a discontinuous choice. Where two of its scores lie within
@@ -42,10 +44,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+
+from hp_cp_core.columns import DenseBlock
+from hp_cp_torch.kernels.picked import HeadLayout, attend_blocks
 
 __all__ = ["CHUNK_ELEMENTS", "MLADims", "chunk_rows", "latent_attention"]
 
@@ -97,62 +101,11 @@ def latent_attention(
     Returns:
         ``[B, H, L, value]``, the heads' outputs before ``o_proj``.
     """
-    outs = [
-        _ChunkAttention.apply(
-            q_pass[:, :, lo:hi], q_rot[:, :, lo:hi], latent, selected[:, lo:hi], kv_b_weight, dims
-        )
-        for lo, hi in chunks
-    ]
-    return torch.cat(outs, dim=2) if outs else q_pass.new_zeros((*q_pass.shape[:3], dims.value))
+    blocks = [DenseBlock(lo, hi, 0, 0, _NONE, _NONE) for lo, hi in chunks]
+    q = torch.cat([q_pass, q_rot], dim=-1).transpose(1, 2)  # [B, L, H, nope + rope]
+    layout = HeadLayout.mla(dims.nope, dims.rope, dims.value, dims.rank)
+    out = attend_blocks(q, latent, selected, blocks, layout, dims.scaling, None, kv_b_weight)
+    return out.transpose(1, 2)
 
 
-def _chunk_attention(
-    q_pass: torch.Tensor,
-    q_rot: torch.Tensor,
-    latent: torch.Tensor,
-    selected: torch.Tensor,
-    kv_b_weight: torch.Tensor,
-    dims: MLADims,
-) -> torch.Tensor:
-    w_kv = kv_b_weight.view(q_pass.shape[1], dims.nope + dims.value, dims.rank)
-    w_k, w_v = torch.split(w_kv, [dims.nope, dims.value], dim=1)
-    q_latent = torch.cat([torch.einsum("bhld,hdr->bhlr", q_pass, w_k), q_rot], dim=-1)
-    batch, rows, picks = selected.shape
-    ids = selected.clamp(min=0).reshape(batch, rows * picks, 1)
-    picked = torch.gather(latent, 1, ids.expand(-1, -1, latent.shape[-1]))
-    picked = picked.view(batch, rows, picks, -1)  # [B, l, k, rank + rope]
-    neg = torch.finfo(q_latent.dtype).min
-    bias = torch.zeros(selected.shape, dtype=q_latent.dtype, device=q_latent.device)
-    bias = bias.masked_fill(selected < 0, neg).unsqueeze(1)  # [B, 1, l, k]
-    w = torch.einsum("bhlc,blkc->bhlk", q_latent, picked) * dims.scaling + bias
-    softmax_dtype = torch.promote_types(w.dtype, torch.float32)  # fp32 as transformers'
-    w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(q_latent.dtype)
-    out_latent = torch.einsum("bhlk,blkr->bhlr", w, picked[..., : dims.rank])
-    return torch.einsum("bhlr,hvr->bhlv", out_latent, w_v)
-
-
-class _ChunkAttention(torch.autograd.Function):
-    """One query chunk: forward without a graph, backward recomputes it from the saved inputs."""
-
-    @staticmethod
-    def forward(ctx: Any, q_pass, q_rot, latent, selected, kv_b_weight, dims):  # noqa: ANN001
-        ctx.save_for_backward(q_pass, q_rot, latent, selected, kv_b_weight)
-        ctx.dims = dims
-        with torch.no_grad():
-            return _chunk_attention(q_pass, q_rot, latent, selected, kv_b_weight, dims)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # noqa: ANN205
-        q_pass, q_rot, latent, selected, kv_b_weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        inputs = [
-            t.detach().requires_grad_(bool(n))
-            for t, n in zip((q_pass, q_rot, latent), needs[:3], strict=True)
-        ]
-        weight = kv_b_weight.detach().requires_grad_(bool(needs[4]))
-        with torch.enable_grad():
-            out = _chunk_attention(*inputs, selected, weight, ctx.dims)
-        wanted = [t for t in (*inputs, weight) if t.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        grads = [next(got) if t.requires_grad else None for t in (*inputs, weight)]
-        return grads[0], grads[1], grads[2], None, grads[3], None
+_NONE = np.zeros(0, dtype=np.int64)

@@ -51,6 +51,7 @@ rows, an empty document) has ``denom = 0`` (no sink) and gives 0, forward and ba
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "STRATEGIES",
     "HeadLayout",
+    "attend_blocks",
     "band_factor",
     "block_rows",
     "picked_attention",
@@ -197,6 +199,21 @@ def picked_attention(
     rows_per_block = block_rows(query_chunk, k, layout, heads, q.shape[0])
     band = {"auto": band_factor(heads) * k, "dense": 1 << 62, "gather": 0}[strategy]
     blocks = PlanColumns(plan, 0).dense_blocks(rows_per_block, picks_band_max=band)
+    return attend_blocks(q, rows, selected, blocks, layout, scale, sink, up_proj)
+
+
+def attend_blocks(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    selected: torch.Tensor,
+    blocks: Sequence[DenseBlock],
+    layout: HeadLayout,
+    scale: float,
+    sink: torch.Tensor | None = None,
+    up_proj: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`picked_attention` over given blocks (each query once): a block with
+    ``picks_in_band`` reads its slot band ``[slot_start, slot_stop)``, the others gather."""
     selected = selected.to(q.device)
     return _PickedAttention.apply(q, rows, sink, up_proj, selected, blocks, layout, float(scale))
 
