@@ -8,7 +8,10 @@ run or marked as not run, so a documented example cannot silently go stale:
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata as md
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,72 @@ def test_readme_stays_short() -> None:
     the matrix, links); everything longer belongs in docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+# ------------------------------------------------- the backend guide's wiring, executed
+
+BACKEND_GUIDE = ROOT / "docs" / "writing-a-backend.md"
+TORCH_PLUGIN = "hp_cp_torch/src/hp_cp_torch/_plugin.py"
+
+
+def snippet_block(doc: Path, source: str) -> str:
+    """The contents of ``doc``'s code block marked ``<!-- snippet: source -->``."""
+    text = doc.read_text(encoding="utf-8")
+    for start, before, body in code_blocks(text):
+        m = SNIPPET.match(before)
+        if m is not None and m.group(1) == source:
+            return "\n".join(body) + "\n"
+    raise AssertionError(f"{doc.name} has no snippet of {source}")
+
+
+def test_the_backend_guides_entry_points_load_through_discovery() -> None:
+    """The guide's ``pyproject.toml`` block: its ``hp_cp`` entry points, loaded by the core's
+    own discovery (``PluginHost.discover``), register working backends."""
+    tomllib = pytest.importorskip("tomllib")
+    from hp_cp_core.plugins import ENTRY_POINT_GROUP, PluginHost
+
+    project = tomllib.loads(snippet_block(BACKEND_GUIDE, "tests/fakes/pyproject.toml"))
+    group = project["project"]["entry-points"][ENTRY_POINT_GROUP]
+    host = PluginHost(autoload=False)
+    host.discover([md.EntryPoint(n, v, ENTRY_POINT_GROUP) for n, v in group.items()])
+    assert {n: (s.ok, s.error) for n, s in host.statuses.items()} == {
+        "fake": (True, None),
+        "legacy": (True, None),
+    }
+
+
+def test_the_backend_guides_adapter_wiring_registers_with_the_core() -> None:
+    """The guide's ``AdapterHooks`` block (the torch plugin, whole) runs without torch and
+    registers with the core as a backend of the current API, every hook known."""
+    from hp_cp_core import hookspecs
+    from hp_cp_core.plugins import PluginHost
+    from hp_cp_core.versions import BACKEND_API
+
+    plugin = types.ModuleType("guide_plugin")
+    exec(compile(snippet_block(BACKEND_GUIDE, TORCH_PLUGIN), "guide", "exec"), vars(plugin))
+    host = PluginHost(autoload=False)
+    host.add(plugin, "guide")
+    status = host.statuses["guide"]
+    assert (status.ok, status.error, status.backend_api) == (True, None, BACKEND_API)
+    assert {n for n in vars(plugin) if n.startswith("hp_cp_")} == {
+        n for n in dir(hookspecs) if n.startswith("hp_cp_")
+    }
+
+
+def _adapter_hooks_call(source: str) -> dict[str, str]:
+    """The keyword arguments of the ``AdapterHooks(...)`` call in ``source``, as source text."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "AdapterHooks":
+            return {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
+    raise AssertionError("no AdapterHooks(...) call")
+
+
+def test_the_adapter_hooks_docstring_shows_the_real_wiring() -> None:
+    """``hp_cp_core.adapters``' example is the torch plugin's call, argument for argument."""
+    import hp_cp_core.adapters
+
+    doc = hp_cp_core.adapters.__doc__ or ""
+    example = doc.split("::\n", 1)[1].split("\n\n", 1)[0]
+    shown = _adapter_hooks_call(re.sub(r"^    ", "", example, flags=re.M).replace("...", ""))
+    real = _adapter_hooks_call((ROOT / TORCH_PLUGIN).read_text(encoding="utf-8"))
+    assert shown == real

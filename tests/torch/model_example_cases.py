@@ -187,16 +187,16 @@ def checked_adapter(layer: Any) -> Any:
     from hp_cp_torch.model_adapter import Projection
 
     class CheckedAdapter(PooledAttentionAdapter):
-        refuse = False
-        value_checks_run = 0
+        _refuse = False
+        _value_checks_run = 0
 
         def check_inputs(self, inputs: Any, checks: Any) -> None:
             super().check_inputs(inputs, checks)
-            if self.refuse:
+            if self._refuse:
                 checks.fail("was told to refuse on this rank")
 
         def value_checks(self, inputs: Any, plan: Any) -> list[tuple[Any, str]]:
-            self.value_checks_run += 1
+            self._value_checks_run += 1
             pos = inputs.position_ids
             if pos is None:
                 return []
@@ -239,7 +239,7 @@ def run_hooks(world: int) -> dict:
             handle = enable_cp(model, None, config)
             res["cp_rank"], last = handle.group.rank, handle.group.rank == handle.group.size - 1
             pos = handle.shard(torch.arange(ROWS)[None].expand(2, -1), 1)
-            adapters[0].refuse = name == "refusal" and last
+            adapters[0]._refuse = name == "refusal" and last
             try:
                 with torch.no_grad():
                     out = model(
@@ -247,7 +247,7 @@ def run_hooks(world: int) -> dict:
                     )
                 if name == "ok":
                     res["out"] = handle.unshard(out, 1)
-                    res["value_checks_run"] = sum(a.value_checks_run for a in adapters)
+                    res["value_checks_run"] = sum(a._value_checks_run for a in adapters)
                 else:
                     res["errors"][name] = "no error"
             except HpCpError as exc:

@@ -135,7 +135,7 @@ def test_two_adapters_claiming_one_class_name_both() -> None:
 def test_an_adapter_registered_in_process_shadows_the_entry_points() -> None:
     from hp_cp_torch import ModelAdapter, register_model_adapter, unregister_model_adapter
 
-    class InProcess(ModelAdapter):
+    class InProcess(ModelAdapter, abstract=True):  # registry matching only: no hook
         pass
 
     reg = ModelRegistry.from_entry_points([ep(f"{__name__}:Attention", f"{__name__}:GoodAdapter")])

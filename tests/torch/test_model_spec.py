@@ -18,9 +18,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from hp_cp_core import HpCpError
-from hp_cp_torch.model_adapter import RENAMED_0_3, ModelAdapter, Traits
+from hp_cp_torch.model_adapter import MACHINERY, RENAMED_0_3, REQUIRED, ModelAdapter, Traits
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-model-adapter.md"
 
@@ -76,18 +77,22 @@ def _attributes(doc: str) -> dict[str, str]:
 
 def hook_table() -> list[str]:
     """The guide's table of the spec, one row per public name, from the docstrings."""
-    rows = ["| hook | what the model returns | called | default |", "|---|---|---|---|"]
+    rows = [
+        "| hook | what the model returns | called | default | required for |",
+        "|---|---|---|---|---|",
+    ]
     attributes = _attributes(inspect.getdoc(ModelAdapter))
     for name in spec_names():
         value = inspect.getattr_static(ModelAdapter, name)
         if name in attributes:
             shown = "Traits()" if isinstance(value, Traits) else repr(value)
-            rows.append(f"| `{name}` | {_md(attributes[name])} | class attribute | `{shown}` |")
+            rows.append(f"| `{name}` | {_md(attributes[name])} | class attribute | `{shown}` | |")
             continue
         fn = value.__func__ if isinstance(value, classmethod) else value
         params = list(inspect.signature(fn).parameters)[1:]
         doc = _sections(inspect.getdoc(fn))
         cells = [_md(doc[""]), _md(doc["Called"]), _md(doc["Default"])]
+        cells.append(REQUIRED[name].text if name in REQUIRED else "")
         rows.append(f"| `{name}({', '.join(params)})` | " + " | ".join(cells) + " |")
     return rows
 
@@ -158,7 +163,7 @@ def test_the_machinery_cannot_be_overridden() -> None:
 
 
 def test_a_missing_required_hook_names_itself() -> None:
-    class Empty(ModelAdapter):
+    class Empty(ModelAdapter, abstract=True):  # checked in its subclasses
         pass
 
     with pytest.raises(HpCpError, match=r"does not define the hook project\(state\)"):
@@ -205,6 +210,169 @@ def test_a_hook_returning_a_wrong_shape_names_the_hook_and_the_shape() -> None:
     runner.expect(
         "compress(rows, start, state)", torch.zeros(2, 1, 4), (2, 1, None), "[B, n // r, D]"
     )
+
+
+# ------------------------------------------------ the hooks checked when a model is defined
+
+
+def _layer_hooks() -> dict[str, object]:
+    """The hooks every layer needs, as a class body would define them."""
+    return {
+        "layer_spec": lambda self: None,
+        "project": lambda self, state: None,
+        "attention_params": lambda self: None,
+        "output": lambda self, o, state: None,
+    }
+
+
+def _compress(self: ModelAdapter, rows: object, start: int, state: object) -> None:
+    """A hook of the 0.4 signature for ``compress`` / ``compress_index_keys``."""
+
+
+def test_a_misspelled_hook_is_refused_when_the_class_is_defined() -> None:
+    message = (
+        r"Misspelled defines 'index_score', which is no hook of hp_cp_torch.ModelAdapter. "
+        r"Did you mean index_scores\(state, lo, hi, keys\)\? A helper of the model's own is "
+        r"private: _index_score"
+    )
+    with pytest.raises(HpCpError, match=message):
+
+        class Misspelled(ModelAdapter):
+            def layer_spec(self):  # noqa: ANN201
+                return None
+
+            def project(self, state):  # noqa: ANN001, ANN201
+                return None
+
+            def attention_params(self):  # noqa: ANN201
+                return None
+
+            def output(self, o, state):  # noqa: ANN001, ANN201
+                return None
+
+            def index_score(self, state, lo, hi, keys):  # noqa: ANN001, ANN201
+                return None
+
+    with pytest.raises(HpCpError, match=r"'compres'.*Did you mean compress\(rows, start, state\)"):
+        type("Adapter", (ModelAdapter,), {**_layer_hooks(), "compres": None})
+    with pytest.raises(HpCpError, match=r"'trait'.*Did you mean traits\?"):
+        type("Adapter", (ModelAdapter,), {**_layer_hooks(), "trait": Traits()})
+
+
+def test_a_runner_step_is_refused_when_the_class_is_defined() -> None:
+    for name, near in [("indexer_loss", "indexer_loss_scores"), ("expect", None)]:
+        message = f"defines \\['{name}'\\]: hp_cp's machinery"
+        with pytest.raises(HpCpError, match=message) as err:
+            type("Adapter", (ModelAdapter,), {**_layer_hooks(), name: lambda self: None})
+        if near is not None:
+            assert f"{name}: Did you mean {near}(" in str(err.value)
+
+
+def test_the_machinery_names_are_the_runners_steps() -> None:
+    """:data:`MACHINERY` is every public method of the runner that is no spec hook."""
+    from hp_cp_torch.runner import LayerRunner
+
+    steps = {n for n, v in vars(LayerRunner).items() if not n.startswith("_") and callable(v)}
+    assert steps - set(SPEC) <= set(MACHINERY)
+    assert not set(MACHINERY) & set(SPEC)
+
+
+def test_a_missing_required_hook_is_refused_when_the_class_is_defined() -> None:
+    hooks = _layer_hooks()
+    del hooks["output"], hooks["attention_params"]
+    message = (
+        r"NoOutput does not define the hooks \['attention_params\(\)', 'output\(o, state\)'\] "
+        r"that every layer needs .* class NoOutput\(ModelAdapter, abstract=True\)"
+    )
+    with pytest.raises(HpCpError, match=message):
+        type("NoOutput", (ModelAdapter,), hooks)
+    base = type("Base", (ModelAdapter,), hooks, abstract=True)  # its subclasses fill them
+    type("Layer", (base,), {"output": hooks["project"], "attention_params": hooks["project"]})
+    with pytest.raises(
+        HpCpError, match=r"Child does not define the hooks \['output\(o, state\)'\]"
+    ):
+        type("Child", (base,), {"attention_params": hooks["project"]})
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "missing"),
+    [
+        ({"compress_ratio": 0}, "shared_kv", []),
+        ({"compress_ratio": 128}, "shared_kv", ["compress"]),
+        (
+            {"compress_ratio": 4, "has_indexer": True},
+            "shared_kv",
+            ["compress", "compress_index_keys", "index_scores"],
+        ),
+        (
+            {"compress_ratio": 4, "has_indexer": True},
+            "own",
+            ["compress", "compress_index_keys", "attention"],
+        ),
+        (
+            {"compress_ratio": 1, "has_indexer": True, "reuses": ("selection",)},
+            "shared_kv",
+            ["compress"],
+        ),
+    ],
+)
+def test_the_hooks_a_layer_needs_are_checked_at_install(
+    spec: dict[str, object], kind: str, missing: list[str]
+) -> None:
+    """What the layer does (its ``LayerSpec``, its attention's kind) decides the rest of
+    :data:`REQUIRED`; ``enable_cp`` checks it before installing (``prepare_module``)."""
+    from hp_cp_core import LayerSpec
+    from hp_cp_torch.model_adapter import AttentionParams, check_layer_hooks
+
+    hooks = _layer_hooks() | {
+        "layer_spec": lambda self: LayerSpec(**spec),
+        "attention_params": lambda self: AttentionParams(1.0, kind=kind),
+    }
+    adapter = type("Partial", (ModelAdapter,), hooks)(torch.nn.Linear(2, 2))
+    if not missing:
+        check_layer_hooks(adapter)
+        return
+    with pytest.raises(HpCpError) as err:
+        check_layer_hooks(adapter)
+    text = str(err.value)
+    assert text.startswith("Linear under CP: Partial does not define the hooks")
+    named = re.findall(r"(?:: |; )(\w+)\(", text)
+    assert named == missing
+    filled = type("Filled", (type(adapter),), {n: _compress for n in missing})
+    check_layer_hooks(filled(torch.nn.Linear(2, 2)))
+
+
+def test_a_helper_is_private_or_refused() -> None:
+    hooks = _layer_hooks()
+    with pytest.raises(HpCpError, match=r"'rope', which is no hook .*\. A helper of the .* _rope"):
+        type("Adapter", (ModelAdapter,), {**hooks, "rope": lambda self: None})
+    type("Adapter", (ModelAdapter,), {**hooks, "_rope": lambda self: None, "__doc__": "ok"})
+
+    class Mixin:  # no adapter: its public names land in the hooks' namespace
+        def rope(self) -> None: ...
+
+    with pytest.raises(HpCpError, match=r"defines 'rope' \(from .*Mixin\), which is no hook"):
+        type("Adapter", (Mixin, ModelAdapter), hooks)
+
+
+def test_rows_are_slots_refuses_what_it_never_uses() -> None:
+    """With ``rows_are_slots`` there is no compressor: its hooks and another
+    ``indexer_grad`` than the default would be ignored, so they are refused."""
+    hooks = _layer_hooks()
+    slots = Traits(rows_are_slots=True)
+    type("Adapter", (ModelAdapter,), {**hooks, "traits": slots})
+    type(
+        "Adapter",
+        (ModelAdapter,),
+        {**hooks, "traits": Traits(rows_are_slots=True, indexer_grad="loss")},
+    )
+    for extra in [
+        {"compress": _compress},
+        {"compress_index_keys": _compress},
+        {"traits": Traits(rows_are_slots=True, indexer_grad="none")},
+    ]:
+        with pytest.raises(HpCpError, match="declares traits.rows_are_slots=True but also"):
+            type("Adapter", (ModelAdapter,), {**hooks, "traits": slots, **extra})
 
 
 # ------------------------------------------------------------------ the shipped models
@@ -261,17 +429,82 @@ def test_the_shipped_models_override_only_spec_hooks() -> None:
     )
 
 
-def test_overrides_are_found() -> None:
-    class Base(ModelAdapter):
-        def helper(self) -> None: ...
+MODEL_FILES = {
+    "adapter.py": {
+        "ReferenceLayerAdapter": "layer_spec read_inputs project compress compress_index_keys "
+        "index_queries index_scores indexer_params attention_params output",
+        "TorchDeepSeekV4CSAAdapter": "traits layer_spec layer_name read_inputs check_inputs "
+        "project compress compress_index_keys attention_params attention output",
+    },
+    "integrations/megatron.py": {
+        "MegatronDSAAttentionAdapter": "claims traits prepare_model layer_spec layer_name "
+        "read_inputs check_inputs value_checks project index_scores indexer_params "
+        "attention_params output finish",
+    },
+    "integrations/nemo_automodel.py": {
+        "NemoDeepseekV4AttentionAdapter": "prepare_model layer_spec read_inputs check_inputs "
+        "project compress compress_index_keys index_queries index_scores indexer_params output",
+    },
+    "integrations/nemo_automodel_dsa.py": {
+        "NemoDeepseekV32Refusal": "",
+        "NemoGlmDsaAttentionAdapter": "traits prepare_model layer_name read_inputs check_inputs "
+        "value_checks project index_scores attention_params attention finish",
+    },
+    "integrations/nemo_automodel_v41.py": {
+        "NemoDeepseekV41AttentionAdapter": "traits prepare_model layer_spec read_inputs "
+        "check_inputs value_checks project compress compress_index_keys index_queries "
+        "index_scores block_candidates indexer_params attention_params output finish",
+    },
+    "integrations/transformers.py": {
+        "TransformersAttention": "prepare_model check_inputs value_checks",
+        "DeepseekV4AttentionAdapter": "traits layer_spec read_inputs project compress "
+        "compress_index_keys index_queries index_scores indexer_params attention_params "
+        "attention output finish",
+    },
+    "integrations/transformers_dsa.py": {
+        "DSAAttentionAdapter": "traits layer_spec read_inputs project index_scores "
+        "indexer_params attention_params attention output finish",
+    },
+    "integrations/veomni.py": {
+        "VeOmniDeepseekV4AttentionAdapter": "traits prepare_model check_inputs index_scores",
+    },
+}
+"""Each shipped model file -> its adapter classes -> the hooks each fills (its public names:
+nothing else, Note [Hooks checked when a model is defined]), in the spec's order."""
 
-    class Child(Base):
-        def helper(self) -> None: ...
+
+def test_each_shipped_model_file_fills_these_hooks_and_nothing_else() -> None:
+    import hp_cp_torch
+
+    root = Path(hp_cp_torch.__file__).parent
+    found: dict[str, dict[str, str]] = {}
+    for path in MODEL_FILES:
+        name = "hp_cp_torch." + path.removesuffix(".py").replace("/", ".")
+        module = importlib.import_module(name)
+        assert (root / path).is_file()
+        for attr, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, ModelAdapter):
+                if value.__module__ != name and not attr.endswith("Refusal"):
+                    continue  # imported from elsewhere
+                filled = [n for n in vars(value) if not n.startswith("_")]
+                assert set(filled) <= set(SPEC), (attr, filled)
+                found.setdefault(path, {})[attr] = " ".join(n for n in SPEC if n in filled)
+    assert found == MODEL_FILES
+    shipped = {cls.__qualname__ for cls in shipped_adapters()} - {"refuse.<locals>.Refusal"}
+    assert shipped <= {c for classes in MODEL_FILES.values() for c in classes}
+
+
+def test_overrides_are_found() -> None:
+    class Base(ModelAdapter, abstract=True):
+        def _helper(self) -> None: ...
+
+    class Child(Base, abstract=True):
+        def _helper(self) -> None: ...
 
         def project(self, state):  # noqa: ANN001, ANN201
             return None
 
-    assert overrides(Child) == {"test_overrides_are_found.<locals>.Child": ["helper", "project"]}
+    assert overrides(Child) == {"test_overrides_are_found.<locals>.Child": ["_helper", "project"]}
 
 
 # ------------------------------------------------------------------ 0.3.0 adapters
@@ -320,13 +553,13 @@ def test_0_3_class_attributes_become_traits() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
 
-        class Old(ModelAdapter):
+        class Old(ModelAdapter, abstract=True):  # its 0.3 names only
             state_class = State
             sequence_dim = 0
             packed_topk_row = "stream"
             index_keys_without_grad = True
 
-        class Full(ModelAdapter):
+        class Full(ModelAdapter, abstract=True):
             detach_indexer_inputs = False
 
     assert Old.traits == Traits(State, 0, "stream", indexer_grad="none")

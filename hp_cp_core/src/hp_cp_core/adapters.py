@@ -4,9 +4,16 @@ A backend that maps each module it knows to an adapter (``layer_spec()``,
 ``extract_ori_kv(key)``, ``compress_main(x, halo_x, call)``, ``compress_indexer(...)``,
 ``run_attention(query, ori_ext, x, qr, call)``, ``make_forward(cp_forward, group)``) needs
 the same six hooks and the same install rule; :class:`AdapterHooks` is them, once. A plugin
-module exposes its bound methods as module-level hooks::
+module exposes its bound methods as module-level hooks (``hp_cp_torch/_plugin.py``, which
+``docs/writing-a-backend.md`` shows whole)::
 
-    _HOOKS = AdapterHooks(framework="torch", adapter_for="hp_cp_torch.adapter:adapter_for", ...)
+    _HOOKS = AdapterHooks(
+        framework="torch",
+        adapter_for="hp_cp_torch.adapter:runner_for",
+        make_backend="hp_cp_torch.adapter:make_backend",
+        children=_children,
+        install_forward="hp_cp_torch.adapter:install_forward",
+    )
     hp_cp_backend = _HOOKS.hp_cp_backend
     ...
 

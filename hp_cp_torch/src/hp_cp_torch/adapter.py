@@ -37,6 +37,7 @@ from hp_cp_torch.model_adapter import (
     ModelAdapter,
     Projection,
     Traits,
+    check_layer_hooks,
 )
 from hp_cp_torch.model_registry import adapter_class_for
 from hp_cp_torch.runner import LayerRunner, runner_of
@@ -352,14 +353,16 @@ def patch_torch_deepseek_v4_csa_forward(
 
 
 def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> None:
-    """Refuse ``attention_precision="model"`` where an adapter has no ``attention`` of its
-    own, then run each adapter class's ``prepare_model(module, layers, handle)`` once, with
-    its own layers: the model-level pieces an integration needs under CP (NeMo's guards,
-    V4.1's Engram hash, GLM-5's positions), whichever ``enable_cp`` the user called."""
+    """Refuse a layer whose adapter lacks a hook it needs (:func:`check_layer_hooks`) and
+    ``attention_precision="model"`` where an adapter has no ``attention`` of its own, then
+    run each adapter class's ``prepare_model(module, layers, handle)`` once, with its own
+    layers: the model-level pieces an integration needs under CP (NeMo's guards, V4.1's
+    Engram hash, GLM-5's positions), whichever ``enable_cp`` the user called."""
     by_class: dict[type, list[nn.Module]] = {}
     for layer in layers:
         adapter = adapter_for(layer)
         if adapter is not None:
+            check_layer_hooks(adapter)
             by_class.setdefault(type(adapter), []).append(layer)
     if handle.config.attention_precision == "model":
         lacking = {

@@ -1,16 +1,30 @@
-"""The model-adapter spec: the hooks a model fills to run under CP, each optional with a default.
+"""The model-adapter spec: the hooks a model fills to run under CP (:data:`REQUIRED`: which).
 
 A model adapter subclasses :class:`ModelAdapter`, fills the hooks its model needs and is
 registered under the entry-point group ``hp_cp.torch_models``. As pluggy separates a hookspec
 from its ``PluginManager``, this is the spec and :mod:`hp_cp_torch.runner` the machinery, which
 no subclass can override. ``docs/writing-a-model-adapter.md``'s table is generated from the
-hooks' docstrings. An adapter written against 0.3.0 keeps working through 0.4: each 0.3 name it
-defines warns, naming the hook that replaces it (:data:`RENAMED_0_3`), and runs as that hook.
+hooks' docstrings and :data:`REQUIRED`. An adapter written against 0.3.0 keeps working: each 0.3
+name it defines warns, naming the hook that replaces it (:data:`RENAMED_0_3`), and runs as that
+hook.
+
+Note [Hooks checked when a model is defined]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+As pluggy's ``check_pending`` refuses a hook implementation no spec declares, a subclass is
+checked when its class statement runs (``__init_subclass__``, so at import): its public names
+are the spec's (or 0.3's, which warn). A runner step (:data:`MACHINERY`), any other public
+name (a misspelled hook: ``index_score``) or a missing hook every layer needs raises an
+``HpCpError`` naming it and the nearest spec name. A model's own helpers are private
+(``_rope``), as pytest's plugins keep their helpers out of the ``pytest_`` namespace; a base
+class that leaves hooks to its subclasses says so: ``class Base(ModelAdapter, abstract=True)``.
+The hooks a layer needs by what it does (its ``LayerSpec``, its attention's kind) are checked
+when ``enable_cp`` installs it (:func:`check_layer_hooks`), before any collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -27,15 +41,19 @@ from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
+    "MACHINERY",
     "RECORDED",
+    "REQUIRED",
     "AttentionParams",
     "ForwardState",
     "IndexerParams",
     "Latent",
     "LayerInputs",
+    "LayerKind",
     "ModelAdapter",
     "Projection",
     "Traits",
+    "check_layer_hooks",
 ]
 
 RECORDED: Any = SimpleNamespace(name="RECORDED")
@@ -133,9 +151,13 @@ class Traits:
         ascending_picks: picks in ascending slot order (``topk(sorted=False)``, then sorted).
         indexer_grad: the indexer compressor's gradient: ``"loss"`` (its rows detached: the
             indexer loss only, as Megatron), ``"none"`` (no autograd: HF's, NeMo's) or
-            ``"full"`` (gradients reach the layer's input through the keys).
+            ``"full"`` (gradients reach the layer's input through the keys). hp_cp applies
+            it to :meth:`ModelAdapter.compress_index_keys`; with ``rows_are_slots`` there is
+            none (``project`` makes the keys with the autograd it wants) and another value
+            than the default is refused when the class is defined.
         rows_are_slots: the projection's rows are the slots (DSA): ``Projection.kv`` and
-            ``Projection.index_keys``, no compressor.
+            ``Projection.index_keys``, no compressor (defining ``compress`` or
+            ``compress_index_keys`` too is refused when the class is defined).
     """
 
     state_class: type[ForwardState] = ForwardState
@@ -226,16 +248,66 @@ class AttentionParams:
             )
 
 
-def _required(adapter: Any, hook: str, why: str) -> HpCpError:
+@dataclass(frozen=True)
+class LayerKind:
+    """Layers that need a hook: ``text`` as the guide and the errors say it, ``test(spec,
+    traits, kind)`` true for such a layer (its ``LayerSpec``, its model's :class:`Traits`,
+    its :attr:`AttentionParams.kind`)."""
+
+    text: str
+    test: Callable[[LayerSpec, Traits, str], bool]
+
+
+EVERY_LAYER = LayerKind("every layer", lambda spec, traits, kind: True)
+
+REQUIRED: dict[str, LayerKind] = {
+    "layer_spec": EVERY_LAYER,
+    "project": EVERY_LAYER,
+    "compress": LayerKind(
+        "a layer that makes its slots (`LayerSpec.makes_compressed_kv`), unless "
+        "`traits.rows_are_slots`",
+        lambda spec, traits, kind: spec.makes_compressed_kv and not traits.rows_are_slots,
+    ),
+    "compress_index_keys": LayerKind(
+        "a layer that makes its index keys (`LayerSpec.makes_index_keys`), unless "
+        "`traits.rows_are_slots`",
+        lambda spec, traits, kind: spec.makes_index_keys and not traits.rows_are_slots,
+    ),
+    "index_scores": LayerKind(
+        "a layer that selects (`LayerSpec.makes_selection`), but for `kind='own'`",
+        lambda spec, traits, kind: spec.makes_selection and kind != "own",
+    ),
+    "attention_params": EVERY_LAYER,
+    "attention": LayerKind("a layer of `AttentionParams(kind='own')`", lambda s, t, k: k == "own"),
+    "output": EVERY_LAYER,
+}
+"""The spec's required hooks -> the layers that need them, stated once: the guide's table,
+the checks at class definition (every layer's) and at install (:func:`check_layer_hooks`) and
+a default's error read it. Every other hook has a default that serves."""
+
+
+def _hook(name: str) -> str:
+    """The spec's hook ``name`` as the guide writes it: ``name(arguments)`` (a method) or
+    ``name`` (a class attribute)."""
+    value = inspect.getattr_static(ModelAdapter, name)
+    if isinstance(value, classmethod):
+        value = value.__func__
+    if not callable(value):
+        return name
+    params = list(inspect.signature(value).parameters)[1:]  # self or cls
+    return f"{name}({', '.join(params)})"
+
+
+def _required(adapter: Any, hook: str) -> HpCpError:
     return HpCpError(
-        f"{type(adapter).__qualname__} does not define the hook {hook} that {why} needs "
-        "(docs/writing-a-model-adapter.md, the table of hooks)."
+        f"{type(adapter).__qualname__} does not define the hook {_hook(hook)} that "
+        f"{REQUIRED[hook].text} needs (docs/writing-a-model-adapter.md, the table of hooks)."
     )
 
 
 class ModelAdapter:
     """The spec of a model adapter for the layer ``module`` (one adapter per layer): subclass it
-    and define the hooks your model needs.
+    and define the hooks your model needs (Note [Hooks checked when a model is defined]).
 
     Attributes:
         claims: the modeling classes it runs (``"package.module.Class"``), read when the entry
@@ -249,9 +321,14 @@ class ModelAdapter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, abstract: bool = False, **kwargs: Any) -> None:
+        """Check the subclass's names (Note [Hooks checked when a model is defined]);
+        ``abstract=True``: a base whose subclasses fill the hooks every layer needs."""
         super().__init_subclass__(**kwargs)
         _adopt_0_3(cls)
+        _check_names(cls)
+        if not abstract:
+            _check_required(cls)
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
@@ -268,9 +345,9 @@ class ModelAdapter:
 
         Called: when ``enable_cp`` plans the layers, then by the core; it never depends on
         the input.
-        Default: none (required).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "layer_spec()", "every layer")
+        raise _required(self, "layer_spec")
 
     def layer_name(self) -> str:
         """How error messages name the layer (``"<name> under CP: ..."``).
@@ -321,9 +398,9 @@ class ModelAdapter:
         model's own ops (they run unchanged on local rows).
 
         Called: once per forward, before any exchange, with autograd.
-        Default: none (required).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "project(state)", "every layer")
+        raise _required(self, "project")
 
     def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
         """The main compressor: slots ``[B, n // r, D]`` of one document's rows ``[B, n,
@@ -332,9 +409,9 @@ class ModelAdapter:
 
         Called: per document segment of the rank (r > 0; ``n`` may be 0: return
         ``[B, 0, D]`` with the parameters in the graph).
-        Default: none (required for r > 0, unless ``traits.rows_are_slots``).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "compress(rows, start, state)", "a layer with r > 0")
+        raise _required(self, "compress")
 
     def compress_index_keys(
         self, rows: torch.Tensor, start: int, state: ForwardState
@@ -343,9 +420,9 @@ class ModelAdapter:
         detached or without autograd as ``traits.indexer_grad`` says).
 
         Called: as ``compress``, for a layer whose ``LayerSpec`` has an indexer.
-        Default: none (required with an indexer, unless ``traits.rows_are_slots``).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "compress_index_keys(rows, start, state)", "an indexer")
+        raise _required(self, "compress_index_keys")
 
     def index_queries(self, state: ForwardState) -> Any:
         """What :meth:`index_scores` scores with (the indexer's roped queries and per-head
@@ -363,9 +440,9 @@ class ModelAdapter:
         s, D_I]`` (some gathered slots), the higher the likelier picked.
 
         Called: chunk by chunk, without autograd, for the selection.
-        Default: none (required for a layer that selects).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "index_scores(state, lo, hi, keys)", "a layer that selects")
+        raise _required(self, "index_scores")
 
     def indexer_loss_scores(
         self, state: ForwardState, keys: torch.Tensor, selected: torch.Tensor
@@ -422,9 +499,9 @@ class ModelAdapter:
         """The layer's :class:`AttentionParams`: softmax scale, sink, attention kind.
 
         Called: every forward.
-        Default: none (required).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "attention_params()", "every layer")
+        raise _required(self, "attention_params")
 
     def attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor | None:
         """The model's own attention op order, in the model's dtype, on the plan's columns:
@@ -432,7 +509,7 @@ class ModelAdapter:
 
         Called: for ``attention_kernel="model_ops"`` / ``attention_precision="model"``, and
         every forward of ``kind="own"``.
-        Default: ``None``.
+        Default: ``None`` (:data:`REQUIRED` for ``kind="own"``).
         """
         return None
 
@@ -441,9 +518,9 @@ class ModelAdapter:
         RoPE, output projection...).
 
         Called: after the attention.
-        Default: none (required).
+        Default: none (:data:`REQUIRED`).
         """
-        raise _required(self, "output(o, state)", "every layer")
+        raise _required(self, "output")
 
     def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
         """The layer's return value from :meth:`output`'s.
@@ -459,11 +536,116 @@ def refuse(message: str) -> type[ModelAdapter]:
     """An adapter class that refuses its claimed modules with ``HpCpError(message)`` (a model
     hp_cp cannot run exactly, registered so ``enable_cp`` says why instead of "no layer")."""
 
-    class Refusal(ModelAdapter):
+    class Refusal(ModelAdapter, abstract=True):  # it runs nothing: no hook is needed
         def __init__(self, module: nn.Module) -> None:
             raise HpCpError(message)
 
     return Refusal
+
+
+# --------------------------------------------------------------------------- the checks
+
+MACHINERY = (
+    "make_forward begin agree_inputs read_objects selection select attend compress_main "
+    "compress_indexer run_attention extract_ori_kv indexer_loss record_indexer_loss "
+    "check_student_once expect state"
+).split()
+"""hp_cp's machinery: :class:`hp_cp_torch.runner.LayerRunner`'s steps (and 0.3's ``state``),
+which no model adapter defines (``tests/torch/test_model_spec.py`` keeps it the runner's)."""
+
+
+def _spec_names() -> list[str]:
+    return [name for name in vars(ModelAdapter) if not name.startswith("_")]
+
+
+def _nearest(name: str) -> str:
+    """`` Did you mean hook(args)?`` for the spec's hook nearest ``name`` (difflib), or ``""``
+    when none is near."""
+    close = difflib.get_close_matches(name, _spec_names(), n=1, cutoff=0.6)
+    return f" Did you mean {_hook(close[0])}?" if close else ""
+
+
+def _own_names(cls: type) -> dict[str, str]:
+    """The public names ``cls`` brings: its own, and those of any base between it and
+    :class:`ModelAdapter` that is no adapter (a mixin, never checked itself) -> where from."""
+    found: dict[str, str] = {}
+    for base in reversed(cls.__mro__[: cls.__mro__.index(ModelAdapter)]):
+        if base is cls or not issubclass(base, ModelAdapter):
+            where = "" if base is cls else f" (from {base.__qualname__})"
+            found.update({n: where for n in vars(base) if not n.startswith("_")})
+    return found
+
+
+def _check_names(cls: type) -> None:
+    """Refuse a runner step or a name that is no hook (Note [Hooks checked when a model is
+    defined]); also what ``traits.rows_are_slots`` makes meaningless."""
+    own = _own_names(cls)
+    machinery = [name for name in MACHINERY if name in own]
+    if machinery:
+        raise HpCpError(
+            f"{cls.__qualname__} defines {machinery}: hp_cp's machinery (hp_cp_torch.runner), "
+            "which a model adapter cannot override since 0.4.0. Fill the hooks of "
+            "hp_cp_torch.model_adapter.ModelAdapter instead (docs/writing-a-model-adapter.md)."
+            + "".join(f" {n}:{_nearest(n)}" for n in machinery if _nearest(n))
+        )
+    spec = set(_spec_names()) | set(RENAMED_0_3)
+    unknown = [name for name in own if name not in spec]
+    if unknown:
+        name = unknown[0]
+        raise HpCpError(
+            f"{cls.__qualname__} defines {name!r}{own[name]}, which is no hook of "
+            f"hp_cp_torch.ModelAdapter.{_nearest(name)} A helper of the model's own is "
+            f"private: _{name} (the hooks: docs/writing-a-model-adapter.md)."
+            + (f" Also unknown: {unknown[1:]}." if unknown[1:] else "")
+        )
+    if cls.traits.rows_are_slots:
+        extra = [n for n in ("compress", "compress_index_keys") if _defines(cls, n)]
+        if cls.traits.indexer_grad != Traits.indexer_grad:
+            extra.append(f"traits.indexer_grad={cls.traits.indexer_grad!r}")
+        if extra:
+            raise HpCpError(
+                f"{cls.__qualname__} declares traits.rows_are_slots=True but also {extra}, "
+                "which hp_cp never uses for such a model: its slots and index keys are "
+                "project(state)'s (Projection.kv, Projection.index_keys), made with the "
+                "autograd the model wants. Remove them (indexer_grad: leave the default)."
+            )
+
+
+def _defines(cls: type, hook: str) -> bool:
+    """Whether ``cls`` (or a base between it and :class:`ModelAdapter`) defines ``hook``."""
+    return getattr(cls, hook) is not getattr(ModelAdapter, hook)
+
+
+def _check_required(cls: type) -> None:
+    missing = [
+        _hook(n) for n, kind in REQUIRED.items() if kind is EVERY_LAYER and not _defines(cls, n)
+    ]
+    if missing:
+        raise HpCpError(
+            f"{cls.__qualname__} does not define the hooks {missing} that every layer needs "
+            "(docs/writing-a-model-adapter.md, the table of hooks). Define them, or declare a "
+            f"base class that leaves them to its subclasses: class {cls.__name__}(ModelAdapter, "
+            "abstract=True)."
+        )
+
+
+def check_layer_hooks(adapter: ModelAdapter) -> None:
+    """Raise ``HpCpError`` naming each hook of :data:`REQUIRED` that ``adapter``'s layer needs
+    (by its ``layer_spec()`` and ``attention_params().kind``) and its class does not define;
+    called when ``enable_cp`` installs the layer, before any collective."""
+    cls, spec = type(adapter), adapter.layer_spec()
+    kind = adapter.attention_params().kind if _defines(cls, "attention_params") else "shared_kv"
+    missing = [
+        f"{_hook(n)} for {k.text}"
+        for n, k in REQUIRED.items()
+        if k.test(spec, cls.traits, kind) and not _defines(cls, n)
+    ]
+    if missing:
+        raise HpCpError(
+            f"{adapter.layer_name()} under CP: {cls.__qualname__} does not define the hooks its "
+            f"layer needs ({spec}, kind={kind!r}): {'; '.join(missing)}. Define them "
+            "(docs/writing-a-model-adapter.md, the table of hooks)."
+        )
 
 
 # --------------------------------------------------------------------------- 0.3 adapters
@@ -493,24 +675,12 @@ RENAMED_0_3 = {
 """0.3.0's model-math names -> the 0.4 hook that replaces each. A subclass that defines one
 gets a ``DeprecationWarning`` naming the new hook, and runs as before (until 0.5.0)."""
 
-MACHINERY_0_3 = (
-    "make_forward begin agree_inputs selection select compress_main compress_indexer "
-    "run_attention extract_ori_kv state"
-).split()
-"""0.3.0's machinery methods: :mod:`hp_cp_torch.runner`'s now, which no model overrides."""
-
 
 def _adopt_0_3(cls: type) -> None:
-    """Warn about and translate the 0.3.0 names ``cls`` defines (:data:`RENAMED_0_3`); refuse
-    an override of the machinery."""
+    """Warn about and translate the 0.3.0 names ``cls`` defines (:data:`RENAMED_0_3`)."""
     own = vars(cls)
-    machinery = [name for name in MACHINERY_0_3 if name in own]
-    if machinery:
-        raise HpCpError(
-            f"{cls.__qualname__} defines {machinery}: hp_cp's machinery (hp_cp_torch.runner), "
-            "which a model adapter cannot override since 0.4.0. Fill the hooks of "
-            "hp_cp_torch.model_adapter.ModelAdapter instead (docs/writing-a-model-adapter.md)."
-        )
+    if any(name in own for name in MACHINERY):
+        return  # refused by _check_names
     four = {n for n in ("compress", "compress_index_keys") if n in own}
     four = {n for n in four if len(inspect.signature(own[n]).parameters) == 4}  # 0.4's already
     old = {name: own[name] for name in RENAMED_0_3 if name in own and name not in four}

@@ -297,7 +297,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
     )
 
     @property
-    def indexer(self) -> Any:
+    def _indexer(self) -> Any:
         """The layer's ``DSAIndexer``, or ``None`` on a layer IndexShare skips."""
         return getattr(self.module.core_attention, "indexer", None)
 
@@ -350,12 +350,12 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
             window_size=0,
             has_indexer=True,
             force_unfused=True,
-            reuses=() if self.indexer is not None else ("selection",),
+            reuses=() if self._indexer is not None else ("selection",),
         )
 
     def layer_name(self) -> str:
         number = getattr(self.module, "layer_number", None)
-        shared = " (IndexShare)" if self.indexer is None else ""
+        shared = " (IndexShare)" if self._indexer is None else ""
         return f"AbsorbedMLASelfAttention layer {number}{shared}"
 
     def read_inputs(
@@ -493,7 +493,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         query = torch.cat([q_no_pe, q_pos_emb], dim=-1).transpose(0, 1)  # [B, L, H, D]
         latents = torch.cat([kv_compressed, k_pos_emb], dim=-1).transpose(0, 1)  # [B, L, c+r]
         index_keys = None
-        if self.indexer is not None:
+        if self._indexer is not None:
             index_keys = self._indexer_projection(x, q_compressed, state)
         return Projection(query, latents, index_keys=index_keys)
 
@@ -502,7 +502,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         on a layer that computes its top-k."""
         coeff = self.module.config.dsa_indexer_loss_coeff or 0.0
         return (
-            self.indexer is not None
+            self._indexer is not None
             and self.module.training
             and torch.is_grad_enabled()
             and coeff > 0
@@ -514,7 +514,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         """``DSAIndexer.forward_before_topk`` at global positions on the detached ``x`` /
         ``qr`` (``[L, B, ...]``): keeps ``(q [L, B, h, d], weights [L, B, h])`` as
         ``state.index_queries`` and returns the keys ``[B, L, d]``."""
-        ix, config = self.indexer, self.module.config
+        ix, config = self._indexer, self.module.config
         rotate = _module(DSA).rotate_activation  # looked up per call (a test may replace it)
         x, qr = x.detach(), qr.detach()
         length, batch = x.shape[:2]
@@ -547,7 +547,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
     def indexer_params(self) -> IndexerParams | None:
         """The indexer's top-k and heads (its loss is :meth:`finish`'s, Note [The Megatron
         indexer loss under hp_cp]); ``None`` on a layer IndexShare skips."""
-        ix = self.indexer
+        ix = self._indexer
         if ix is None:
             return None
         return IndexerParams(topk=int(ix.index_topk), heads=int(ix.index_n_heads))

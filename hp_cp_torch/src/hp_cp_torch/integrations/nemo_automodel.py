@@ -112,16 +112,16 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
     def layer_spec(self) -> LayerSpec:
         m = self.module
         ratio = int(m.compress_ratio)
-        if ratio and (ratio == 4) != self.is_csa:
+        if ratio and (ratio == 4) != self._is_csa:
             raise HpCpError(
                 f"NeMo DeepseekV4Attention layer {m.layer_idx} has compress ratio {ratio} "
-                f"{'with' if self.is_csa else 'without'} an indexer; hp_cp supports the "
+                f"{'with' if self._is_csa else 'without'} an indexer; hp_cp supports the "
                 "indexer (overlapping) layers only at ratio 4. Use compress_ratios of 0, 4, 128."
             )
         return LayerSpec(
             compress_ratio=ratio,
             window_size=int(m.sliding_window),
-            has_indexer=self.is_csa,
+            has_indexer=self._is_csa,
             force_unfused=True,
         )
 
@@ -149,7 +149,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
         return scores(q[:, lo:hi], keys, weights[:, lo:hi], ix.softmax_scale)
 
     def indexer_params(self) -> IndexerParams | None:
-        if not self.is_csa:
+        if not self._is_csa:
             return None
         ix = self.module.compressor.indexer
         return IndexerParams(int(ix.index_topk), int(ix.n_heads))

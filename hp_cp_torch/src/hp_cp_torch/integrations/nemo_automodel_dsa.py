@@ -139,7 +139,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         return latent_params(self.module, float(self.module.softmax_scale))
 
     def layer_name(self) -> str:
-        return type(self.module).__name__ + (" (shared)" if self.shared else "")
+        return type(self.module).__name__ + (" (shared)" if self._shared else "")
 
     def _rope(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """NeMo's interleaved complex RoPE (``apply_rotary_emb``, bshd)."""
@@ -261,7 +261,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         k_pe = self._rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
         query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, L, D]
         index_k = None
-        if not self.shared:
+        if not self._shared:
             ix = self.module.indexer
             index_q, index_k = self._nemo_indexer_qk(x, q_resid, freqs_cis)
             with torch.no_grad():  # the per-head weights [B, L, H_I]

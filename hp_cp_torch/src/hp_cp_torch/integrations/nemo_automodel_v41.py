@@ -195,12 +195,12 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
         prepare_v41_model(model, layers, handle)
 
     @property
-    def role(self) -> str:
+    def _role(self) -> str:
         return layer_role(self.module)
 
     def layer_spec(self) -> LayerSpec:
         m = self.module
-        role, ratio = self.role, int(m.compress_ratio)
+        role, ratio = self._role, int(m.compress_ratio)
         if role == "window":
             return LayerSpec(compress_ratio=0, window_size=int(m.window_size))
         ix = m.indexer  # None on a Reuse layer
@@ -319,7 +319,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
     def finish(self, out: torch.Tensor, state: V41ForwardState) -> Any:
         """NeMo's output and ``DeepseekV41AttentionState``: its own or the owner's buffers."""
         nemo_state = state.inputs.nemo_state
-        if self.role != "window":
+        if self._role != "window":
             nemo_state = type(nemo_state)(
                 compressed_kv=state.slots,  # [B, N, D]
                 index_keys=state.keys,  # [B, N, Di]

@@ -247,9 +247,9 @@ def call_value_checks(
     return [(_mask_is_unsupported(inputs.attention_mask), mask), (bad_positions, positions)]
 
 
-class TransformersAttention(ModelAdapter):
+class TransformersAttention(ModelAdapter, abstract=True):
     """The hooks every transformers-style attention layer shares (the DeepSeek V4 and the DSA
-    adapters derive from it): its call's checks (:func:`call_problems`,
+    adapters derive from it, filling the layer's): its call's checks (:func:`call_problems`,
     :func:`call_value_checks`) and the refusal of HF's own loss on local rows."""
 
     @classmethod
@@ -295,7 +295,7 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
     )
 
     @property
-    def is_csa(self) -> bool:
+    def _is_csa(self) -> bool:
         comp = self.module.compressor
         return comp is not None and getattr(comp, "indexer", None) is not None
 
@@ -305,8 +305,8 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
     def layer_spec(self) -> LayerSpec:
         m, comp = self.module, self.module.compressor
         ratio = 0 if comp is None else int(comp.compress_rate)
-        if comp is not None and (ratio == 4) != self.is_csa:
-            kind = "CSA (overlapping, with indexer)" if self.is_csa else "HCA (non-overlapping)"
+        if comp is not None and (ratio == 4) != self._is_csa:
+            kind = "CSA (overlapping, with indexer)" if self._is_csa else "HCA (non-overlapping)"
             raise HpCpError(
                 f"layer {m.layer_idx} ({m.layer_type}) is a {kind} layer with compress rate "
                 f"{ratio}; hp_cp supports overlapping compression only at rate 4 and "
@@ -316,12 +316,12 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
         return LayerSpec(
             compress_ratio=ratio,
             window_size=int(m.sliding_window),
-            has_indexer=self.is_csa,
+            has_indexer=self._is_csa,
             force_unfused=True,
         )
 
     def compress(self, rows: torch.Tensor, start: int, state: ForwardState) -> torch.Tensor:
-        return _compress_rows(self.module.compressor, self.is_csa, rows, start, self._rope)
+        return _compress_rows(self.module.compressor, self._is_csa, rows, start, self._rope)
 
     def compress_index_keys(
         self, rows: torch.Tensor, start: int, state: ForwardState
@@ -341,7 +341,7 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
         return ix.scorer(state.index_queries[:, lo:hi], keys, state.hidden[:, lo:hi])
 
     def indexer_params(self) -> IndexerParams | None:
-        if not self.is_csa:
+        if not self._is_csa:
             return None
         ix = self.module.compressor.indexer
         return IndexerParams(int(ix.index_topk), int(ix.num_heads))
@@ -424,7 +424,7 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
 
         def residual_and_indexer_queries() -> None:
             state.qr = m.q_a_norm(m.q_a_proj(x))
-            if self.is_csa:
+            if self._is_csa:
                 state.index_queries = self.index_queries(state)
 
         def queries() -> None:

@@ -162,7 +162,7 @@ class DSAAttentionAdapter(TransformersAttention):
         return importlib.import_module(self.modeling)
 
     @property
-    def shared(self) -> bool:
+    def _shared(self) -> bool:
         """A GLM-5 ``"shared"`` layer: no indexer of its own, the previous full layer's picks."""
         return self.module.indexer is None
 
@@ -172,7 +172,7 @@ class DSAAttentionAdapter(TransformersAttention):
             window_size=0,
             has_indexer=True,
             force_unfused=True,
-            reuses=("selection",) if self.shared else (),
+            reuses=("selection",) if self._shared else (),
         )
 
     def read_inputs(
@@ -212,7 +212,7 @@ class DSAAttentionAdapter(TransformersAttention):
         query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, L, qk_head_dim]
         latents = torch.cat([m.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)
         index_k = None
-        if not self.shared:
+        if not self._shared:
             index_q, index_k = self._indexer_qk(x, q_resid, cos, sin)
             with torch.no_grad():
                 state.index_queries = (index_q, self._index_weights(x))
