@@ -149,7 +149,7 @@ def _useful_attention_flops(name: str, model: Any, positions: Any) -> float:
     return 3.5 * total
 
 
-ATTENTION_NODES = ("_BandedSparseAttention", "_ChunkAttention", "_SparseAttention")
+ATTENTION_NODES = ("_BandedSparseAttention", "_PickedAttention", "_SparseAttention")
 """The autograd nodes of the attention kernels (forward and ``...Backward``)."""
 
 
