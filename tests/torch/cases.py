@@ -500,6 +500,7 @@ JOINT_SUITES: dict[str, tuple[str, tuple[int, ...] | None]] = {
     "foreign_cases:foreign_suite": ("test_foreign_modules.py", (2, 3, 4, 8)),
     "model_example_cases:example_suite": ("test_model_example.py", (1, 2, 3, 4)),
     "fuzz_cases:fuzz_suite:0": ("test_fuzz.py", None),  # the world sizes that have cases
+    "sink_cases:sink_suite": ("test_sink.py", (2,)),
 }
 """Suites that share one spawned job per world size (a job costs 7-14 s to start) when their
 test modules are collected together: the first test of any of them at a world size its

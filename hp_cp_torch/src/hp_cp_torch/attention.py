@@ -290,7 +290,7 @@ def run_sparse_attention(
     cmp_kv: torch.Tensor | None,
     plan: Any,
     selected: torch.Tensor | None,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float,
     *,
     kernel: Any = "smallop",

@@ -9,9 +9,14 @@ Per query row ``t`` (docs/semantics.md section 7, sparse variant):
 * teacher: for each main head ``h``, ``a[t,h,j] = scale * q[t,h] . ckv[j]`` over the picked
   (visible) slots, normalised with the window and sink mass in the denominator,
   ``p = exp(a - logaddexp(LSE_window+sink, logsumexp_j a))``; summed over heads and
-  L1-normalised over ``j``. ``q`` and the KV are detached.
+  L1-normalised over ``j``. ``q`` and the KV are detached. Without a sink (``None``) the
+  denominator has no sink term. Latent (MLA) attention (``kind="latent"``) reads only its
+  picks, in the absorbed form: ``a[t,h,j] = scale * q_latent[t,h] . [c_j ; k_rot_j]`` with
+  ``q_latent = [W_k^T q_pass ; q_rot]`` (:func:`latent_queries`; Note [DSA attention on the
+  latents] in :mod:`hp_cp_torch.latent_attention`), no window.
 * student: ``log_softmax_j`` of the indexer scores over the same picked slots.
-* ``kl[t] = sum_j target (log target - log student)``; 0 for a row with no picked slot.
+* ``kl[t] = sum_j target (log target - log student)``; 0 for a row with no picked slot (or
+  one that sees nothing at all).
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from hp_cp_core.config import DeepSeekV4CPContext
 from hp_cp_core.indexer_loss import indexer_loss_weight
 from hp_cp_torch.attention import chunk_columns
 from hp_cp_torch.kernels.smallop import gather_rows
+from hp_cp_torch.kernels.softmax import sink_logits
 
 __all__ = [
     "attach_indexer_loss",
     "indexer_kl_rows",
     "indexer_loss_share",
     "indexer_scores_at",
+    "latent_queries",
     "student_mismatch",
 ]
 
@@ -98,7 +105,7 @@ def indexer_kl_rows(
     window_cols: torch.Tensor,
     slot_cols: torch.Tensor,
     student: torch.Tensor,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """Per-row KL(teacher || student) ``[B, S]`` (fp32); only ``student`` carries gradient.
@@ -109,7 +116,7 @@ def indexer_kl_rows(
         window_cols: window pool rows ``[B, S, W]``, ``-1`` = empty.
         slot_cols: pool rows of the picked compressed slots ``[B, S, k]``, ``-1`` = none.
         student: indexer scores of the same picks ``[B, S, k]``.
-        sink: per-head sink logits ``[H]``.
+        sink: per-head sink logits ``[H]``, or ``None``: no sink.
         scale: the main softmax scale.
     """
     with torch.no_grad():
@@ -119,6 +126,8 @@ def indexer_kl_rows(
         window_lse = _logsumexp_cols(q32, pool, window_cols, scale, sink)  # [B, S, H]
         cmp_logits = _logits(q32, pool, slot_cols, scale)  # [B, S, H, k]
         full_lse = torch.logaddexp(window_lse, torch.logsumexp(cmp_logits, dim=-1))
+        # a row that sees nothing (no column, no sink) has lse -inf: its mass is 0, not NaN
+        full_lse = torch.where(torch.isneginf(full_lse), float("inf"), full_lse)
         mass = torch.exp(cmp_logits - full_lse[..., None]).sum(dim=2)  # [B, S, k]
         total = mass.sum(dim=-1, keepdim=True)
         target = torch.where(total > 0, mass / total.clamp(min=1e-30), torch.zeros_like(mass))
@@ -138,14 +147,17 @@ def indexer_loss_share(
     cmp_kv: torch.Tensor,
     selected: torch.Tensor,
     student: torch.Tensor,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float,
     loss_mask: torch.Tensor | None = None,
+    latent: Any = None,
 ) -> torch.Tensor:
     """This rank's share of the global loss: its rows' KL sum over ``N`` (all ranks' rows).
 
     The columns are the attention's own (:class:`~hp_cp_core.columns.PlanColumns`), chunk
-    by chunk, so the teacher's window + sink mass is exactly the attention's.
+    by chunk, so the teacher's window + sink mass is exactly the attention's. For latent
+    attention (``latent`` given) they are the picks alone, rows of the latents ``cmp_kv``,
+    scored by :func:`latent_queries` (the absorbed form of the attention's weights).
 
     Args:
         call: the forward's context (plan, ``loss_rows``, ``query_chunk``).
@@ -154,15 +166,25 @@ def indexer_loss_share(
         cmp_kv: global compressed KV ``[B, N, D]``.
         selected: the indexer's picks ``[B, L, k]`` (global slot ids, ``-1`` = none).
         student: their indexer scores ``[B, L, k]``, with gradient.
-        sink: per-head sink logits ``[H]``.
+        sink: per-head sink logits ``[H]``, or ``None``: no sink.
         scale: the main softmax scale.
         loss_mask: ``[B, L]``, nonzero where a row counts; ``None``: every row.
+        latent: ``AttentionParams.latent`` (:class:`~hp_cp_torch.model_adapter.Latent`) of a
+            ``kind="latent"`` layer: ``q`` is ``[B, L, H, nope + rope]`` and ``cmp_kv`` the
+            latents ``[B, N, rank + rope]``; ``None`` for shared-KV attention.
     """
-    pool = torch.cat([ori_ext, cmp_kv], dim=1)
     columns = PlanColumns(call.plan, ori_ext.shape[1])
+    if latent is None:
+        pool = torch.cat([ori_ext, cmp_kv], dim=1)
+    else:
+        q, pool = latent_queries(q, latent), cmp_kv
     kls = []
     for lo, hi in columns.chunks(call.config.query_chunk):
-        window, slots = chunk_columns(columns, lo, hi, selected, True, q.shape[0], q.device)
+        if latent is None:
+            window, slots = chunk_columns(columns, lo, hi, selected, True, q.shape[0], q.device)
+        else:  # the latent attention reads its picks (rows of the latents), no window
+            slots = selected[:, lo:hi].to(q.device)
+            window = slots[..., :0]
         kls.append(
             indexer_kl_rows(q[:, lo:hi], pool, window, slots, student[:, lo:hi], sink, scale)
         )
@@ -172,6 +194,20 @@ def indexer_loss_share(
     return kl.sum() * indexer_loss_weight(call)
 
 
+def latent_queries(q: torch.Tensor, latent: Any) -> torch.Tensor:
+    """The absorbed MLA queries ``q_latent = [W_k^T q_pass ; q_rot]`` ``[B, L, H, rank +
+    rope]`` (fp32, detached) of ``q`` ``[B, L, H, nope + rope]``, with ``W_k`` from
+    ``latent.up_proj`` (``kv_b_proj.weight`` viewed ``[H, nope + value, rank]``): their dot
+    product with a latent row ``[c_j ; k_rot_j]`` is ``q . k_j`` of the expanded keys."""
+    with torch.no_grad():
+        q32 = q.detach().float()
+        heads = q32.shape[2]
+        w_kv = latent.up_proj.detach().float().view(heads, latent.nope + latent.value, -1)
+        q_pass, q_rot = torch.split(q32, [latent.nope, latent.rope], dim=-1)
+        q_nope = torch.einsum("blhd,hdr->blhr", q_pass, w_kv[:, : latent.nope])
+        return torch.cat([q_nope, q_rot], dim=-1)
+
+
 def _logits(q: torch.Tensor, pool: torch.Tensor, cols: torch.Tensor, scale: float) -> torch.Tensor:
     kv = gather_rows(pool, cols.long().clamp(min=0))  # [B, S, K, D]
     logits = torch.einsum("bshd,bskd->bshk", q, kv) * scale
@@ -179,11 +215,17 @@ def _logits(q: torch.Tensor, pool: torch.Tensor, cols: torch.Tensor, scale: floa
 
 
 def _logsumexp_cols(
-    q: torch.Tensor, pool: torch.Tensor, cols: torch.Tensor, scale: float, sink: torch.Tensor
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    cols: torch.Tensor,
+    scale: float,
+    sink: torch.Tensor | None,
 ) -> torch.Tensor:
+    """``log(sum exp(logits) + exp(sink))`` over ``cols`` ``[B, S, H]``: ``-inf`` for a row
+    without a column and without a sink."""
     logits = _logits(q, pool, cols, scale)
-    sink_col = sink.detach().float().view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
-    return torch.logsumexp(torch.cat([logits, sink_col], dim=-1), dim=-1)
+    sink_f = sink_logits(sink, q.shape[2], q).detach().view(1, 1, -1, 1)
+    return torch.logsumexp(torch.cat([logits, sink_f.expand(*logits.shape[:-1], 1)], -1), -1)
 
 
 class _AttachIndexerLoss(torch.autograd.Function):

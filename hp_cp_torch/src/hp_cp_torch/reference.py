@@ -9,7 +9,8 @@ per-document grid (section 6 of that file).
 The stages are exposed as methods so a context-parallel path can run them on its local rows:
 ``project`` (token-local projections), ``compressor`` / ``indexer`` (the only cross-token
 parts besides attention), ``select_slots`` (indexer top-k), ``attend`` (sparse attention with
-sink) and ``output`` (inverse RoPE and grouped output projection).
+the sink ``attn_sink``; a model without one sets it to ``None``) and ``output`` (inverse
+RoPE and grouped output projection).
 
 Conventions (padded input ``x [B, S, hidden]``):
 
@@ -67,7 +68,9 @@ class DeepSeekV4AttentionConfig:
         q_lora_rank: Width of the low-rank query (``qr``, also the indexer's query input).
         o_groups: Groups of the grouped output projection.
         o_lora_rank: Per-group rank of the output projection.
-        window_size: Sliding window ``W``, including the query itself.
+        window_size: Sliding window ``W``, including the query itself; 0 (no window, as
+            :class:`hp_cp_core.LayerSpec` allows) for a layer with compressed slots, whose
+            first ``r - 1`` rows of a sequence then see nothing (output 0 without a sink).
         compress_ratio: 0 (sliding window only), 4 (CSA, overlapping compressor plus
             indexer) or 128 (HCA).
         index_n_heads: Indexer heads (r = 4 only).
@@ -123,8 +126,11 @@ class DeepSeekV4AttentionConfig:
                 f"n_heads * head_dim ({self.n_heads * self.head_dim}) must be divisible by "
                 f"o_groups ({self.o_groups})"
             )
-        if self.window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+        if self.window_size < 0 or (self.compress_ratio == 0 and self.window_size < 1):
+            raise ValueError(
+                f"window_size must be >= 1 (or 0 with compress_ratio 4 or 128), got "
+                f"{self.window_size} with compress_ratio {self.compress_ratio}"
+            )
         if not self.indexer_loss_coeff >= 0:
             raise ValueError(f"indexer_loss_coeff must be >= 0, got {self.indexer_loss_coeff}")
 
@@ -474,7 +480,8 @@ class DeepSeekV4Attention(nn.Module):
         return torch.where(torch.isneginf(values), -1, ids)
 
     def attend(self, q: torch.Tensor, kv_pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Sparse attention with this layer's sink and scale ``head_dim**-0.5``.
+        """Sparse attention with this layer's sink (``attn_sink``, ``None``: no sink) and scale
+        ``head_dim**-0.5``.
 
         Args:
             q: Queries ``[B, S, H, D]``.

@@ -1,4 +1,4 @@
-"""The sparse-attention kernels: the same attention with a sink, computed five ways.
+"""The sparse-attention kernels: the same attention with an optional sink, computed five ways.
 
 * :mod:`~hp_cp_torch.kernels.smallop`: gathers the selected rows (the exact reference);
 * :mod:`~hp_cp_torch.kernels.efficient`: chunked, recomputes in backward (memory flat in K);
@@ -7,7 +7,8 @@
 * :mod:`~hp_cp_torch.kernels.triton_attention`: fused Triton kernels, whose programs are
   :mod:`~hp_cp_torch.kernels.triton_kernels` (imports ``triton``).
 
-Each is registered by name in :mod:`~hp_cp_torch.kernels.registry` (one calling convention,
-:mod:`~hp_cp_torch.kernels.shipped`); :func:`hp_cp_torch.attention.run_sparse_attention`
+They share the softmax of :mod:`~hp_cp_torch.kernels.softmax` (no sink, and rows that see
+nothing). Each is registered by name in :mod:`~hp_cp_torch.kernels.registry` (one calling
+convention, :mod:`~hp_cp_torch.kernels.shipped`); :func:`hp_cp_torch.attention.run_sparse_attention`
 runs the one ``CPConfig.attention_kernel`` names, a third party's too.
 """

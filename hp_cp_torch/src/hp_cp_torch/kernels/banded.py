@@ -1,4 +1,5 @@
-"""Sparse attention with a sink that runs the window as dense bands and gathers only the top-k.
+"""Sparse attention with an optional sink that runs the window as dense bands and gathers
+only the top-k.
 
 :func:`sparse_attention_banded` computes what
 :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` computes for the pool
@@ -34,8 +35,10 @@ sink)`` (exactly the small-op kernel's max),
 ``o = (P_band V_band + P_slots V_slots) / denom``; the forward keeps only
 ``lse = m + log(denom)`` per (row, head) and backward recomputes ``p = exp(logit - lse)``
 block by block (as :mod:`hp_cp_torch.kernels.efficient` does), so saved memory does not grow with
-the number of columns. In backward the band's KV gradient is a dense product added to a
-slice of ``d kv_ext``; only the top-k part scatters (``index_add_``, duplicates add up).
+the number of columns. Without a sink the sink terms are left out, and a row that sees
+nothing gives 0 with zero gradients (Note [Rows that see nothing] in
+:mod:`hp_cp_torch.kernels.softmax`). In backward the band's KV gradient is a dense product
+added to a slice of ``d kv_ext``; only the top-k part scatters (``index_add_``, duplicates add up).
 Masked band keys and ``-1`` slots have ``p = 0``: they add nothing anywhere.
 """
 
@@ -48,6 +51,13 @@ from typing import Any
 import torch
 
 from hp_cp_core.columns import DenseBlock
+from hp_cp_torch.kernels.softmax import (
+    finite_max,
+    row_lse,
+    safe_denominator,
+    sink_gradient,
+    sink_logits,
+)
 
 __all__ = [
     "BLOCK_ROWS",
@@ -268,7 +278,7 @@ class _BandedSparseAttention(torch.autograd.Function):
         kv_ext: torch.Tensor,
         cmp_kv: torch.Tensor,
         idx: torch.Tensor,
-        sink: torch.Tensor,
+        sink: torch.Tensor | None,
         scale: float,
         blocks: Sequence[DenseBlock],
         picks: str,
@@ -276,7 +286,7 @@ class _BandedSparseAttention(torch.autograd.Function):
         batch, seq, heads, dim = q.shape
         idx = idx.expand(batch, -1, -1)
         cmp = cmp_kv if cmp_kv.shape[1] else cmp_kv.new_zeros(batch, 1, dim)
-        sink_f = sink.detach().float().view(1, 1, -1, 1)
+        sink_f = sink_logits(sink, heads, q).detach().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         ws = _Workspace()
@@ -286,12 +296,13 @@ class _BandedSparseAttention(torch.autograd.Function):
             m = sink_f
             for lg in logits:
                 m = torch.maximum(m, lg.amax(dim=-1, keepdim=True))
+            m = finite_max(m)
             probs = [torch.exp(lg - m) for lg in logits]
             denom = torch.exp(sink_f - m)
             for p in probs:
                 denom = denom + p.sum(dim=-1, keepdim=True)
-            out[:, blk.lo : blk.hi] = (parts.values(probs) / denom).to(q.dtype)
-            lse[:, blk.lo : blk.hi] = (m + torch.log(denom)).squeeze(-1)
+            out[:, blk.lo : blk.hi] = (parts.values(probs) / safe_denominator(denom)).to(q.dtype)
+            lse[:, blk.lo : blk.hi] = row_lse(m, denom).squeeze(-1)
         small = cmp.shape[1] < 2**31 - 1
         ctx.save_for_backward(q, kv_ext, cmp_kv, idx.int() if small else idx.long(), sink, lse)
         ctx.scale, ctx.blocks, ctx.picks = float(scale), blocks, picks
@@ -311,7 +322,6 @@ class _BandedSparseAttention(torch.autograd.Function):
         wanted = {id(kv_ext): need_ext, id(cmp): need_cmp}
         d_q = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
         d_sink = torch.zeros(heads, dtype=torch.float32, device=q.device)
-        sink_f = sink.detach().float().view(1, 1, -1)
         ws = _Workspace()
         for blk in ctx.blocks:
             parts = _Block(q, kv_ext, cmp, idx, blk, _masks(blk, q.device), scale, ws, ctx.picks)
@@ -328,7 +338,7 @@ class _BandedSparseAttention(torch.autograd.Function):
                 dps.append(dpc.view(probs[-1].shape))
             delta = sum((p * dp).sum(dim=-1) for p, dp in zip(probs, dps))  # dO . o
             dss = [p * (dp - delta[..., None]) for p, dp in zip(probs, dps)]
-            d_sink -= (torch.exp(sink_f - lse_c) * delta).sum(dim=(0, 1))
+            d_sink += sink_gradient(sink, lse_c, delta)
             if need_q:
                 d_q[:, blk.lo : blk.hi] = (parts.values(dss) * scale).to(q.dtype)
             # both roles of each key (value: p dO, key: scale ds q) in one product
@@ -366,13 +376,14 @@ def sparse_attention_banded(
     kv_ext: torch.Tensor,
     cmp_kv: torch.Tensor | None,
     idx: torch.Tensor | None,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float,
     blocks: Sequence[DenseBlock],
     *,
     picks: str = "weights",
 ) -> torch.Tensor:
-    """Attention of every query to its window band and its compressed slots, with a sink.
+    """Attention of every query to its window band and its compressed slots, with an optional
+    sink.
 
     Equal (up to rounding) to :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` on the
     pool ``[kv_ext ; cmp_kv]`` with columns "window, then ``n_ext + idx``"; see Note [Band
@@ -384,7 +395,7 @@ def sparse_attention_banded(
         cmp_kv: Compressed KV slots ``[B, N, D]``, or ``None``.
         idx: Gathered slot columns ``[B or 1, L, K]`` (rows of ``cmp_kv``, ``-1`` = empty; the
             indexer's picks), or ``None``.
-        sink: Per-head sink logits ``[H]``.
+        sink: Per-head sink logits ``[H]``, or ``None``: no sink (and no gradient for it).
         scale: Softmax scale.
         blocks: Blocks covering every query ``0 .. L-1`` exactly once
             (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`); blocks with a slot band

@@ -1,4 +1,5 @@
-"""Sparse attention with a sink whose saved activations do not grow with the selected keys.
+"""Sparse attention with an optional sink whose saved activations do not grow with the
+selected keys.
 
 :func:`sparse_attention_efficient` computes exactly what
 :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` computes (same arguments, same
@@ -20,8 +21,10 @@ semantics, fp32 softmax), as one ``torch.autograd.Function``:
       dv_i  = sum_h (p_i dO + scale * ds_i q)        (K == V: one pool row, both roles)
       dsink = -sum_{b,s} exp(sink - lse) * delta
 
-A row whose every column is ``-1`` has ``lse = sink``, output 0 and zero gradients, like the
-small-op path. The chunk height is chosen so a chunk's gather stays under
+A row whose every column is ``-1`` has ``lse = sink`` (``+inf`` without a sink), output 0
+and zero gradients, like the small-op path (Note [Rows that see nothing] in
+:mod:`hp_cp_torch.kernels.softmax`). Without a sink (``None``) the sink terms are left out
+and it gets no gradient. The chunk height is chosen so a chunk's gather stays under
 ``GATHER_BUDGET_BYTES`` (at most ``MAX_CHUNK_ROWS`` rows).
 """
 
@@ -32,6 +35,13 @@ from typing import Any
 import torch
 
 from hp_cp_torch.kernels.smallop import gather_rows
+from hp_cp_torch.kernels.softmax import (
+    finite_max,
+    row_lse,
+    safe_denominator,
+    sink_gradient,
+    sink_logits,
+)
 
 __all__ = ["GATHER_BUDGET_BYTES", "MAX_CHUNK_ROWS", "sparse_attention_efficient"]
 
@@ -65,7 +75,7 @@ class _SparseAttention(torch.autograd.Function):
         q: torch.Tensor,
         kv_pool: torch.Tensor,
         idx: torch.Tensor,
-        sink: torch.Tensor,
+        sink: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
         batch, seq, heads, dim = q.shape
@@ -73,7 +83,7 @@ class _SparseAttention(torch.autograd.Function):
         k = idx.shape[-1]
         # nothing to gather from (no pool row): every column must be -1
         pool = kv_pool if kv_pool.shape[1] else kv_pool.new_zeros(batch, 1, dim)
-        sink_f = sink.detach().float().view(1, 1, -1, 1)
+        sink_f = sink_logits(sink, heads, q).detach().view(1, 1, -1, 1)
         out = q.new_empty(q.shape)
         lse = torch.empty(batch, seq, heads, dtype=torch.float32, device=q.device)
         step = _chunk_rows(batch, k, dim)
@@ -85,10 +95,12 @@ class _SparseAttention(torch.autograd.Function):
                 m = sink_f.expand(batch, hi - lo, heads, 1)
             else:
                 m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink_f)
+            m = finite_max(m)
             p = torch.exp(logits - m)
             denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink_f - m)
-            out[:, lo:hi] = torch.einsum("bshk,bskd->bshd", p / denom, kv_sel).to(q.dtype)
-            lse[:, lo:hi] = (m + torch.log(denom)).squeeze(-1)
+            probs = p / safe_denominator(denom)
+            out[:, lo:hi] = torch.einsum("bshk,bskd->bshd", probs, kv_sel).to(q.dtype)
+            lse[:, lo:hi] = row_lse(m, denom).squeeze(-1)
             del kv_sel, logits, p
         small = kv_pool.shape[1] < 2**31 - 1
         ctx.save_for_backward(q, kv_pool, idx.int() if small else idx.long(), sink, lse)
@@ -106,7 +118,6 @@ class _SparseAttention(torch.autograd.Function):
         d_pool = torch.zeros(pool.shape, dtype=torch.float32, device=pool.device)
         d_q = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
         d_sink = torch.zeros(heads, dtype=torch.float32, device=q.device)
-        sink_f = sink.detach().float().view(1, 1, -1)
         flat_pool = d_pool.view(-1, dim)
         step = _chunk_rows(batch, k, dim)
         for lo in range(0, seq, step):
@@ -117,7 +128,7 @@ class _SparseAttention(torch.autograd.Function):
             dp = torch.einsum("bshd,bskd->bshk", go, kv_sel)
             delta = (p * dp).sum(dim=-1)  # [B, n, H] = dO . o
             ds = p * (dp - delta[..., None])
-            d_sink -= (torch.exp(sink_f - lse_c) * delta).sum(dim=(0, 1))
+            d_sink += sink_gradient(sink, lse_c, delta)
             if need_q:
                 d_q[:, lo:hi] = (torch.einsum("bshk,bskd->bshd", ds, kv_sel) * scale).to(q.dtype)
             if need_kv and k:
@@ -138,10 +149,10 @@ def sparse_attention_efficient(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
     idx: torch.Tensor,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
+    """Attend each query to the KV-pool rows listed in ``idx``, with an optional sink.
 
     Same arguments, result and gradients as
     :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop`; chunked over queries and

@@ -25,7 +25,8 @@ class AttentionRequest:
         plan: this rank's :class:`hp_cp_core.plan.RankPlan`.
         selected: the indexer's picks ``[B, L, k]`` (global slot ids, ``-1`` = none) for
             CSA, ``None`` otherwise (HCA: every visible slot).
-        sink: per-head sink logits ``[H]`` (inside the softmax's max and denominator).
+        sink: per-head sink logits ``[H]`` (inside the softmax's max and denominator), or
+            ``None``: no sink (a row that sees nothing gives 0).
         scale: the softmax scale.
         query_chunk: queries per chunk for chunked kernels.
         tuning: kernel-specific knobs (the banded kernel reads ``"picks"``).

@@ -35,7 +35,8 @@ __all__ = [
 
 class ColumnKernel:
     """A kernel from a column-list function ``fn(q [B, l, H, D], kv_pool [B, P, D],
-    idx [B, l, K], sink [H], scale) -> [B, l, H, D]`` (``idx``: pool rows, ``-1`` empty),
+    idx [B, l, K], sink [H] or None, scale) -> [B, l, H, D]`` (``idx``: pool rows, ``-1``
+    empty; ``sink=None``: no sink),
     run on :meth:`AttentionRequest.column_chunks`.
 
     Args:

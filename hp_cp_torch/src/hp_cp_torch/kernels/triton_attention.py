@@ -1,4 +1,4 @@
-"""Sparse attention with a sink as fused Triton kernels (``attention_kernel="triton"``).
+"""Sparse attention with an optional sink as fused Triton kernels (``attention_kernel="triton"``).
 
 :func:`sparse_attention_triton` computes what
 :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop` computes (same arguments, fp32
@@ -67,6 +67,7 @@ import torch
 from hp_cp_core import HpCpError
 from hp_cp_core.columns import ColumnBands
 from hp_cp_torch.kernels.pool_index import build_inverted_index
+from hp_cp_torch.kernels.softmax import sink_gradient, sink_logits
 
 __all__ = ["TRITON_EXTRA", "TUNABLE", "sparse_attention_triton", "triton_problem"]
 
@@ -291,7 +292,7 @@ class _TritonSparseAttention(torch.autograd.Function):
         q: torch.Tensor,
         kv_pool: torch.Tensor,
         idx: torch.Tensor,
-        sink: torch.Tensor,
+        sink: torch.Tensor | None,
         scale: float,
         tuning: dict[str, Any] | None,
         bands: ColumnBands | None,
@@ -314,7 +315,7 @@ class _TritonSparseAttention(torch.autograd.Function):
             kernel = {"heads_m": sparse_attention_fwd_heads_m, "head_blocks": sparse_attention_fwd}
             with _on(q.device):
                 kernel[cfg.pop("LAYOUT")][_grid(batch, seq, heads, cfg)](
-                    q, pool, idx, sink.detach().float().contiguous(), out, lse,
+                    q, pool, idx, sink_logits(sink, heads, q).detach().contiguous(), out, lse,
                     float(scale), seq, pool.shape[1], k, heads, dim, **cfg,
                 )  # fmt: skip
         ctx.save_for_backward(q, pool, idx, sink, lse)
@@ -352,7 +353,7 @@ class _TritonSparseAttention(torch.autograd.Function):
                     grads = (q, pool, idx, grad_out, lse, delta, d_pool, d_q)
                     pool_grad = _pool_grad_owned if owned else _pool_grad_atomic
                     pool_grad(grads, args, cfg, all_heads, fused, parts_mib, ctx.bands)
-        d_sink = -(torch.exp(sink.detach().float() - lse) * delta).sum(dim=(0, 1))
+        d_sink = sink_gradient(sink, lse, delta)
         return (
             d_q if need_q else None,
             d_pool[:, : ctx.n_pool].to(pool.dtype) if need_kv else None,
@@ -438,13 +439,13 @@ def sparse_attention_triton(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
     idx: torch.Tensor,
-    sink: torch.Tensor,
+    sink: torch.Tensor | None,
     scale: float,
     *,
     tuning: dict[str, Any] | None = None,
     bands: ColumnBands | None = None,
 ) -> torch.Tensor:
-    """Attend each query to the KV-pool rows listed in ``idx``, with an attention sink.
+    """Attend each query to the KV-pool rows listed in ``idx``, with an optional sink.
 
     Same arguments, result and gradients as
     :func:`hp_cp_torch.kernels.smallop.sparse_attention_smallop`, as fused Triton kernels (see

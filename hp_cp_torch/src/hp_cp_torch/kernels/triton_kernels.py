@@ -9,9 +9,12 @@ sparse kernel:
 * ``sparse_attention_fwd_heads_m`` (the default forward): up to 128 heads as M, D in two
   halves, base-2 online softmax whose running max starts at the sink logit;
 * ``sparse_attention_fwd`` (the 0.2.0 forward, ``LAYOUT="head_blocks"``): online softmax
-  whose running max starts at the sink logit (``m = sink``, ``l = exp(sink - m) = 1``), so
-  the max includes the sink and an all ``-1`` row gives 0; writes ``o`` and
-  ``lse = m + log(l)``;
+  whose running max starts at the sink logit (``m = sink``, ``l = exp(sink - m) = 1``; a
+  sink of ``-inf``, which is how no sink arrives, starts at ``l = 0``), so the max includes
+  the sink and an all ``-1`` row gives 0; writes ``o`` and ``lse = m + log(l)``. Without a
+  sink, an all ``-1`` row has ``l = 0``: it is written as ``o = 0``, ``lse = +inf``
+  (exponents taken at a max of 0, Note [Rows that see nothing] in
+  :mod:`hp_cp_torch.kernels.softmax`), so backward's ``p = exp(s - lse)`` is 0 there;
 * ``sparse_attention_bwd_dq``: two passes over the columns, the first for
   ``delta = sum_i p_i dp_i`` (``= dO . o``, recomputed instead of saving ``o``), the second
   (``DQ_PASS``) for ``dq = scale * sum_i ds_i kv_i``; writes ``dq`` and ``delta``;
@@ -75,6 +78,41 @@ def _column_tile(IDX, kv_base, row, K, k0, offs_k, offs_d, d_ok, D, UPCAST: tl.c
 
 
 @triton.jit
+def _sink_start(SINK, offs_h, h_ok, unit):
+    """The online softmax's start for a block of heads: ``(m, l)`` = the sink logit (times
+    ``unit``: 1, or log2(e) for a base-2 softmax) and ``exp(sink - m) = 1``; ``l = 0`` for
+    a sink of ``-inf`` (no sink)."""
+    m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * unit
+    return m, (m != float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _finite(m):
+    """The running max to take exponents at: ``m``, or 0 where it is ``-inf`` (the row has
+    seen nothing yet and has no sink), so ``exp(-inf - m)`` is 0, never NaN."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _finish(acc, l_sum):
+    """The output ``acc / l``, 0 where ``l = 0`` (a row that saw nothing)."""
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+
+
+@triton.jit
+def _row_lse(m, l_sum, BASE2: tl.constexpr):
+    """``lse = m + log(l)`` in natural log (``m`` in base 2 when ``BASE2``), ``+inf`` where
+    ``l = 0`` (a row that saw nothing: backward's ``p = exp(s - lse)`` is 0)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    safe = tl.where(l_sum > 0, l_sum, 1.0)
+    if BASE2:
+        lse = (m + tl.log2(safe)) / LOG2E
+    else:
+        lse = m + tl.log(safe)
+    return tl.where(l_sum > 0, lse, float("inf"))
+
+
+@triton.jit
 def _probs_and_dp(q, do, kv, ok, lse, scale, PRECISION: tl.constexpr):
     """The backward's recomputed probabilities ``p`` of one column block (from the saved
     ``lse``) and ``dp = dO kv^T``."""
@@ -114,8 +152,7 @@ def sparse_attention_fwd(
     hd_ok = h_ok[:, None] & d_ok[None, :]
     q_off = row * H * D + offs_h[:, None] * D + offs_d[None, :]
     q = _row_tile(Q, q_off, hd_ok, UPCAST)
-    m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-    l_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
+    m, l_sum = _sink_start(SINK, offs_h, h_ok, 1.0)  # m = sink, l = exp(sink - m)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     kv_base = KV + b * P * D
     for k0 in range(0, K, BLOCK_K):
@@ -123,14 +160,14 @@ def sparse_attention_fwd(
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_at = _finite(m_new)
+        alpha = tl.exp(m - m_at)
+        p = tl.exp(s - m_at[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
         m = m_new
-    out = acc / l_sum[:, None]
-    tl.store(OUT + q_off, out.to(OUT.dtype.element_ty), mask=hd_ok)
-    tl.store(LSE + row * H + offs_h, m + tl.log(l_sum), mask=h_ok)
+    tl.store(OUT + q_off, _finish(acc, l_sum).to(OUT.dtype.element_ty), mask=hd_ok)
+    tl.store(LSE + row * H + offs_h, _row_lse(m, l_sum, False), mask=h_ok)
 
 
 @triton.jit
@@ -444,8 +481,7 @@ def sparse_attention_fwd_heads_m(
     q_lo = _row_tile(Q, q_row + lo[None, :], h_ok[:, None] & lo_ok[None, :], UPCAST)
     q_hi = _row_tile(Q, q_row + hi[None, :], h_ok[:, None] & hi_ok[None, :], UPCAST)
     qk_scale = scale * LOG2E
-    m = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
-    l_sum = tl.full([BLOCK_H], 1.0, tl.float32)  # 2^(sink - m) with m = sink
+    m, l_sum = _sink_start(SINK, offs_h, h_ok, LOG2E)  # m = sink, l = 2^(sink - m)
     acc_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
     kv_base = KV + b * P * D
@@ -462,16 +498,17 @@ def sparse_attention_fwd_heads_m(
         s = tl.dot(q_hi, tl.trans(kv_hi), s, input_precision=PRECISION) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_at = _finite(m_new)
+        alpha = tl.exp2(m - m_at)
+        p = tl.exp2(s - m_at[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
         pv = p.to(kv_lo.dtype)
         acc_lo = tl.dot(pv, kv_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
         acc_hi = tl.dot(pv, kv_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
         m = m_new
     out_row = OUT + q_row
-    tl.store(out_row + lo[None, :], (acc_lo / l_sum[:, None]).to(OUT.dtype.element_ty),
+    tl.store(out_row + lo[None, :], _finish(acc_lo, l_sum).to(OUT.dtype.element_ty),
              mask=h_ok[:, None] & lo_ok[None, :])  # fmt: skip
-    tl.store(out_row + hi[None, :], (acc_hi / l_sum[:, None]).to(OUT.dtype.element_ty),
+    tl.store(out_row + hi[None, :], _finish(acc_hi, l_sum).to(OUT.dtype.element_ty),
              mask=h_ok[:, None] & hi_ok[None, :])  # fmt: skip
-    tl.store(LSE + row * H + offs_h, (m + tl.log2(l_sum)) / LOG2E, mask=h_ok)
+    tl.store(LSE + row * H + offs_h, _row_lse(m, l_sum, True), mask=h_ok)
