@@ -151,13 +151,16 @@ def indexer_loss_share(
     scale: float,
     loss_mask: torch.Tensor | None = None,
     latent: Any = None,
+    kv_heads: int | None = None,
 ) -> torch.Tensor:
     """This rank's share of the global loss: its rows' KL sum over ``N`` (all ranks' rows).
 
     The columns are the attention's own (:class:`~hp_cp_core.columns.PlanColumns`), chunk
     by chunk, so the teacher's window + sink mass is exactly the attention's. For latent
     attention (``latent`` given) they are the picks alone, rows of the latents ``cmp_kv``,
-    scored by :func:`latent_queries` (the absorbed form of the attention's weights).
+    scored by :func:`latent_queries` (the absorbed form of the attention's weights); for
+    grouped-query attention (``kv_heads`` given) the picks alone, each head against its
+    group's key.
 
     Args:
         call: the forward's context (plan, ``loss_rows``, ``query_chunk``).
@@ -172,17 +175,22 @@ def indexer_loss_share(
         latent: ``AttentionParams.latent`` (:class:`~hp_cp_torch.model_adapter.Latent`) of a
             ``kind="latent"`` layer: ``q`` is ``[B, L, H, nope + rope]`` and ``cmp_kv`` the
             latents ``[B, N, rank + rope]``; ``None`` for shared-KV attention.
+        kv_heads: ``G`` of a ``kind="grouped"`` layer: ``cmp_kv`` rows are ``[k_0 .. k_{G-1}
+            ; v_0 .. v_{G-1}]`` and query head ``j`` is scored against key ``j // (H / G)``.
     """
     columns = PlanColumns(call.plan, ori_ext.shape[1])
-    if latent is None:
-        pool = torch.cat([ori_ext, cmp_kv], dim=1)
-    else:
+    picks_only = latent is not None or kv_heads is not None
+    if latent is not None:
         q, pool = latent_queries(q, latent), cmp_kv
+    elif kv_heads is not None:  # the keys of the rows [k_0 .. k_{G-1} ; v_0 .. v_{G-1}]
+        pool = cmp_kv[..., : kv_heads * q.shape[-1]]
+    else:
+        pool = torch.cat([ori_ext, cmp_kv], dim=1)
     kls = []
     for lo, hi in columns.chunks(call.config.query_chunk):
-        if latent is None:
+        if not picks_only:
             window, slots = chunk_columns(columns, lo, hi, selected, True, q.shape[0], q.device)
-        else:  # the latent attention reads its picks (rows of the latents), no window
+        else:  # latent and grouped attention read their picks (rows of cmp_kv), no window
             slots = selected[:, lo:hi].to(q.device)
             window = slots[..., :0]
         kls.append(
@@ -209,8 +217,15 @@ def latent_queries(q: torch.Tensor, latent: Any) -> torch.Tensor:
 
 
 def _logits(q: torch.Tensor, pool: torch.Tensor, cols: torch.Tensor, scale: float) -> torch.Tensor:
-    kv = gather_rows(pool, cols.long().clamp(min=0))  # [B, S, K, D]
-    logits = torch.einsum("bshd,bskd->bshk", q, kv) * scale
+    """``[B, S, H, K]``; a pool ``G`` times the queries' width holds ``G`` keys per row, head
+    ``j`` scored against key ``j // (H / G)``."""
+    kv = gather_rows(pool, cols.long().clamp(min=0))  # [B, S, K, G * D]
+    groups = pool.shape[-1] // q.shape[-1]
+    if groups == 1:
+        logits = torch.einsum("bshd,bskd->bshk", q, kv) * scale
+    else:
+        qg, kg = q.unflatten(2, (groups, -1)), kv.unflatten(-1, (groups, -1))
+        logits = torch.einsum("bsghd,bskgd->bsghk", qg, kg).flatten(2, 3) * scale
     return logits.masked_fill((cols < 0)[:, :, None, :], float("-inf"))
 
 

@@ -126,8 +126,7 @@ class LayerRunner:
         )
         o = self.attend(request, state, params, call.config)
         self.expect("the attention", o, (*state.hidden.shape[:2], None, None), "[B, L, H, D]")
-        latent = params.latent if params.kind == "latent" else None
-        return self.indexer_loss(self.adapter.output(o, state), state, call, request, latent)
+        return self.indexer_loss(self.adapter.output(o, state), state, call, request, params)
 
     def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
         """The layer's forward under CP: ``read_inputs``, :meth:`begin`, ``project``, the
@@ -332,12 +331,12 @@ class LayerRunner:
         state: ForwardState,
         call: CPContext,
         request: AttentionRequest,
-        latent: Any = None,
+        attention: Any = None,
     ) -> torch.Tensor:
         """This rank's share of the indexer loss attached to ``out`` (Note [Indexer loss
         under CP]); its global mean, the same on every rank, kept as ``module.indexer_loss``.
-        ``latent``: ``AttentionParams.latent`` of a ``kind="latent"`` layer (the teacher in
-        the absorbed form), else ``None``."""
+        ``attention``: the layer's ``AttentionParams`` (a latent layer's teacher is in the
+        absorbed form, a grouped layer's per KV head)."""
         params, r = self.indexer_params(call.spec), request
         if params is None or params.loss_coeff is None or r.selected is None or state.keys is None:
             self.record_indexer_loss(None)
@@ -345,7 +344,10 @@ class LayerRunner:
         student = self.adapter.indexer_loss_scores(state, state.keys, r.selected)
         self.check_student_once(state, student)
         args = (r.q, r.ori_ext, r.cmp_kv, r.selected, student, r.sink, r.scale, state.loss_mask)
-        share = indexer_loss_share(call, *args, latent=latent)
+        kind = getattr(attention, "kind", "shared_kv")
+        latent = attention.latent if kind == "latent" else None
+        kv_heads = attention.kv_heads if kind == "grouped" else None
+        share = indexer_loss_share(call, *args, latent=latent, kv_heads=kv_heads)
         self.record_indexer_loss(call.group.sum_detached(share))  # no host sync
         return attach_indexer_loss(out, share, params.loss_coeff)
 
