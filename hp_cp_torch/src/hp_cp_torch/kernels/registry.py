@@ -56,6 +56,7 @@ SHIPPED: dict[str, str] = {
     "efficient": "hp_cp_torch.kernels.shipped:EFFICIENT",
     "triton": "hp_cp_torch.kernels.shipped:TRITON",
     "model_ops": "hp_cp_torch.kernels.shipped:MODEL_OPS",
+    "megatron": "hp_cp_torch.kernels.megatron:MEGATRON",
 }
 """The kernels hp_cp_torch ships (imported by name on first use): ``banded`` (the default),
 ``smallop`` (gathers the columns; the exact reference), ``efficient`` (memory flat in the
