@@ -41,19 +41,36 @@ VARIANTS = {
     "sparse": {"sparse_loss": True},
     "topk_freq2": {"topk_freq": 2},
     "per_token": {"calculate_per_token_loss": True},
+    "megatron_kernel": {},
+    "megatron_kernel_topk_freq2": {"topk_freq": 2},
 }
 """Megatron configs: the dense indexer loss (Megatron's default), the sparse one, IndexShare
 (layer 2 reuses layer 1's top-k) and ``calculate_per_token_loss``; all with
-``dsa_indexer_loss_coeff=0.1``."""
+``dsa_indexer_loss_coeff=0.1``. The ``megatron_kernel`` variants run hp_cp with
+``attention_kernel="megatron"`` (Megatron's own sparse attention on hp_cp's exchange)."""
 
 EXTRA = {
-    1: (("sparse", "load_balanced", "packed"), ("topk_freq2", "contiguous", "padded")),
-    2: (("sparse", "load_balanced", "padded"), ("per_token", "contiguous", "packed")),
-    3: (("topk_freq2", "load_balanced", "packed"), ("per_token", "load_balanced", "padded")),
+    1: (
+        ("sparse", "load_balanced", "packed"),
+        ("topk_freq2", "contiguous", "padded"),
+        ("megatron_kernel", "load_balanced", "packed"),
+    ),
+    2: (
+        ("sparse", "load_balanced", "padded"),
+        ("per_token", "contiguous", "packed"),
+        ("megatron_kernel", "load_balanced", "padded"),
+        ("megatron_kernel", "contiguous", "packed"),
+    ),
+    3: (
+        ("topk_freq2", "load_balanced", "packed"),
+        ("per_token", "load_balanced", "padded"),
+        ("megatron_kernel_topk_freq2", "load_balanced", "packed"),
+    ),
     4: (
         ("sparse", "contiguous", "packed"),
         ("topk_freq2", "load_balanced", "padded"),
         ("per_token", "load_balanced", "packed"),
+        ("megatron_kernel", "load_balanced", "padded"),
     ),
 }
 """Per cp, the cases beyond the dense loss at every layout x padded / packed."""
@@ -280,8 +297,12 @@ def cp_case(
     model.train()
     group = parallel_state.get_context_parallel_group()
     chunk = 5 if layout == "load_balanced" else DeepSeekV4CPConfig.query_chunk
-    cfg = DeepSeekV4CPConfig(layout=layout, single_rank_bypass=False, query_chunk=chunk)
+    kernel = "megatron" if variant.startswith("megatron_kernel") else "banded"
+    cfg = DeepSeekV4CPConfig(
+        layout=layout, single_rank_bypass=False, query_chunk=chunk, attention_kernel=kernel
+    )
     handle = enable_cp(model, group, cfg)
+    calls = _count_megatron_kernel_calls()
     try:
         ids = tokens(docs)
         batch = handle.batch(ids, cu_seqlens=CU if docs == "packed" else None)
@@ -309,6 +330,7 @@ def cp_case(
         dist.all_reduce(report, group=group)
     finally:
         disable_cp(handle)
+        calls.restore()
     largest = max(float(g.abs().max()) for g in ref["grads"].values())
     grad_err = {}
     for n, p in model.named_parameters():
@@ -338,9 +360,29 @@ def cp_case(
         "indexer_grad_norm": sum(float(ref["grads"][n].norm()) for n in indexer),
         "params": len(grad_err),
         "bytes_sent": stats["bytes_sent"],
+        "megatron_kernel_calls": calls.count,
         "time_cp_s": seconds,
         "time_single_s": ref["seconds"],
     }
+
+
+class _count_megatron_kernel_calls:  # noqa: N801 - used as a context value
+    """Counts the calls of Megatron's ``dsa._run_sparse_attention`` until :meth:`restore`
+    (``attention_kernel="megatron"`` calls it once per query chunk; hp_cp's kernels never)."""
+
+    def __init__(self) -> None:
+        from megatron.core.transformer.experimental_attention_variant import dsa
+
+        self.dsa, self.real, self.count = dsa, dsa._run_sparse_attention, 0
+
+        def counting(**kwargs: Any) -> Any:
+            self.count += 1
+            return self.real(**kwargs)
+
+        dsa._run_sparse_attention = counting
+
+    def restore(self) -> None:
+        self.dsa._run_sparse_attention = self.real
 
 
 def error_cases(rank: int, cp: int) -> dict[str, str]:

@@ -245,3 +245,14 @@ def test_model_ops_is_its_own_kernel() -> None:
         rtol=0,
         atol=0,
     )
+
+
+def test_the_megatron_kernel_runs_only_on_megatrons_layers() -> None:
+    """``attention_kernel="megatron"`` asks for the adapter's own attention (the Megatron
+    adapter's: megatron-core's sparse attention, ``tests/megatron``); a layer without one
+    reaches the kernel itself, which refuses, naming the fix."""
+    assert registry.uses_model_op_order("megatron")
+    assert registry.kernel_precision("megatron") == "model"
+    q, ori, cmp_kv, plan, sink = _plan_inputs()
+    with pytest.raises(HpCpError, match="only on the layers of hp_cp_torch.integrations.megatron"):
+        run_sparse_attention(q, ori, cmp_kv, plan, None, sink, 0.25, kernel="megatron")

@@ -19,8 +19,9 @@ def test_every_kernel_states_its_precision() -> None:
     from hp_cp_torch.kernels.registry import SHIPPED
     from hp_cp_torch.precision import KERNEL_PRECISION
 
-    # every shipped kernel but "model_ops" (the model's own op order, in the model's dtype)
-    assert set(KERNEL_PRECISION) == set(SHIPPED) - {"model_ops"}
+    # every shipped kernel but the model's own op order, in the model's dtype ("model_ops",
+    # and "megatron": megatron-core's own sparse attention)
+    assert set(KERNEL_PRECISION) == set(SHIPPED) - {"model_ops", "megatron"}
     assert set(KERNEL_PRECISION.values()) == {"fp32"}
     assert PRECISIONS == ("fp32", "model")
 
@@ -35,7 +36,7 @@ def test_each_kernel_carries_its_precision() -> None:
     from hp_cp_torch.precision import KERNEL_PRECISION
 
     for name in SHIPPED:
-        want = "model" if name == "model_ops" else KERNEL_PRECISION[name]
+        want = "model" if name in ("model_ops", "megatron") else KERNEL_PRECISION[name]
         assert kernel_precision(name) == want, name
 
     class Bf16Kernel:

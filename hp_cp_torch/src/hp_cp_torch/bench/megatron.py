@@ -16,12 +16,15 @@ and 4 under
   kernels save.
 
 Widths: the published latent widths of DeepSeek V3.2 / GLM-5 (``kv_lora_rank`` 512 + rope 64,
-``qk_head_dim`` 128, ``v_head_dim`` 128, indexer heads x 128) with fewer attention heads and a
-small hidden size, so that Megatron's dense ``[heads, S / cp, S]`` scores fit a CPU; top-k
-2048, or the largest power of two below S (so that it selects); the sparse indexer loss on
-(``dsa_indexer_loss_coeff=0.1``).
+``qk_head_dim`` 128, ``v_head_dim`` 128, indexer 32 heads x 128) with a small hidden size; the
+sparse indexer loss on (``dsa_indexer_loss_coeff=0.1``). The attention heads, S, top-k and cp
+are the cell's (:class:`Cell`): the default grid (:data:`GRID`) is heads {8, 32, 64} x S
+{2048, 4096} x top-k {S / 8, S / 2} x cp {2, 4}, 24 cells, one job each; ``--megatron-cells``
+takes ``quick`` (one tiny cell, a smoke run) or a list ``heads:S:topk:cp,...``. A cell whose
+Megatron ranks would not fit the host together (:func:`megatron_peak_estimate`) runs hp_cp's
+two sides only and is listed as skipped.
 
-Measures, per cp (max over ranks):
+Measures, per cell (max over ranks):
 
 * ``bytes``: bytes each rank receives, forward + backward (hp_cp: counted by its group;
   Megatron: what its all-gathers and reduce-scatters deliver to each rank, Note [Megatron's
@@ -32,12 +35,17 @@ Measures, per cp (max over ranks):
 * ``peak_mem``: the most tensor bytes alive at once during the step (``live_tensor_peak``:
   torch's profiler, the CPU's ``max_memory_allocated``).
 
-Keys ``megatron_<measure>_cp<N>_ratio`` are hp_cp over Megatron (lower is better),
-``megatron_peak_mem_vs_allgather_cp<N>_ratio`` hp_cp over the same-kernel all-gather.
+Keys ``megatron_<cell>_<measure>_ratio`` are hp_cp over Megatron (lower is better),
+``megatron_<cell>_<measure>_vs_allgather_ratio`` hp_cp over the same-kernel all-gather
+(``<cell>``: ``h<heads>_s<S>_k<topk>_cp<cp>``); ``megatron_worst_<measure>_ratio`` (and
+``_cell``) the worst cell, the headline; ``megatron_<side>_over_24gib_cells`` the cells whose
+busiest rank's peak (Megatron's estimated where it was skipped) exceeds 24 GiB;
+``megatron_bench_wall_s`` the whole run.
 
 Runs from a checkout on a CPU: Megatron's MLA + DSA need three CPU shims and a local-backend
 spec, which are the test harness's (``tests/megatron/megatron_shims.py``,
-``megatron_model.py``), never this library's. ``hp-cp bench --megatron``.
+``megatron_model.py``), never this library's. ``hp-cp bench --megatron`` (``--megatron-kernel
+megatron`` runs hp_cp's sides with Megatron's own sparse attention on hp_cp's exchange).
 
 Note [Megatron's all-gather bytes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,10 +65,22 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MEGATRON_WIDTHS", "megatron_allgather_bytes", "megatron_measures"]
+from hp_cp_core import HpCpError
+
+__all__ = [
+    "GRID",
+    "MEGATRON_WIDTHS",
+    "QUICK",
+    "Cell",
+    "megatron_allgather_bytes",
+    "megatron_grid",
+    "megatron_peak_estimate",
+    "parse_cells",
+]
 
 MEGATRON_WIDTHS: dict[str, Any] = dict(
     num_layers=1,
@@ -77,15 +97,109 @@ MEGATRON_WIDTHS: dict[str, Any] = dict(
     dsa_indexer_topk=2048,
 )
 """The published latent widths (kv_lora 512 + rope 64, heads of 128 + 64 / 128, indexer
-32 x 128, top-k 2048) with 8 attention heads and hidden size 512 (a CPU's scale)."""
+32 x 128) with hidden size 512 (a CPU's scale); a :class:`Cell` sets the attention heads and
+the top-k."""
 
 VOCAB = 1024
 ELEMENT_BYTES = 4  # fp32 on the CPU; bf16 halves both sides alike
+GIB = 1 << 30
+FIT_BYTES = 24 * GIB
+"""The per-rank budget a cell is judged against (a 24 GiB accelerator)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the side by side: attention ``heads``, sequence ``seq``, ``topk``, ``cp``."""
+
+    heads: int
+    seq: int
+    topk: int
+    cp: int
+
+    @property
+    def name(self) -> str:
+        """``h<heads>_s<seq>_k<topk>_cp<cp>``, the cell's part of its keys."""
+        return f"h{self.heads}_s{self.seq}_k{self.topk}_cp{self.cp}"
+
+
+GRID: tuple[Cell, ...] = tuple(
+    Cell(heads, seq, seq // share, cp)
+    for heads in (8, 32, 64)
+    for seq in (2048, 4096)
+    for share in (8, 2)
+    for cp in (2, 4)
+)
+"""The default grid (24 cells): heads {8, 32, 64} x S {2048, 4096} x top-k {S / 8, S / 2} x
+cp {2, 4}."""
+
+QUICK: tuple[Cell, ...] = (Cell(4, 128, 32, 2),)
+"""A smoke run (seconds): one tiny cell at cp 2."""
+
+
+def parse_cells(text: str) -> tuple[Cell, ...]:
+    """``--megatron-cells``: ``grid`` (:data:`GRID`), ``quick`` (:data:`QUICK`) or cells
+    ``heads:S:topk:cp`` separated by commas (``8:2048:256:2,64:4096:2048:4``).
+
+    Raises:
+        HpCpError: a cell that is not four positive integers, or whose top-k is not below S
+            or whose S is not a multiple of cp.
+    """
+    if text in ("grid", "quick"):
+        return GRID if text == "grid" else QUICK
+    cells = []
+    for part in (p for p in text.split(",") if p.strip()):
+        try:
+            heads, seq, topk, cp = (int(v) for v in part.split(":"))
+        except ValueError:
+            heads = seq = topk = cp = 0
+        if min(heads, seq, topk, cp) <= 0 or topk >= seq or seq % cp:
+            raise HpCpError(
+                f"--megatron-cells: {part!r} is not a cell; give heads:S:topk:cp (positive "
+                "integers, top-k below S, S a multiple of cp), e.g. 8:2048:256:2, or 'grid' "
+                "or 'quick'."
+            )
+        cells.append(Cell(heads, seq, topk, cp))
+    if not cells:
+        raise HpCpError("--megatron-cells: no cell given; e.g. 'grid', 'quick' or 8:2048:256:2.")
+    return tuple(cells)
+
+
+def megatron_peak_estimate(cell: Cell) -> int:
+    """Megatron's per-rank peak bytes at ``cell``, estimated: its unfused path and indexer
+    loss hold about ``55 + 7 heads`` dense fp32 ``[S / cp, S]`` planes (fitted to one-process
+    steps of this model, 112, 259 and 512 planes at 8, 32 and 64 heads: 7146 MiB at S 4096,
+    4142 and 8203 MiB at S 2048; 8 heads at cp 2 and 4, S 4096: 112 and 113). Used to skip
+    Megatron's side of a cell whose ranks together would not fit the host."""
+    planes = 55 + 7 * cell.heads
+    return planes * (cell.seq // cell.cp) * cell.seq * ELEMENT_BYTES
+
+
+def host_bytes() -> int:
+    """The memory this host has available now (``MemAvailable``; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def checkout_tests() -> Path:
-    """``tests/megatron`` of this checkout (the CPU harness the bench borrows)."""
-    return Path(__file__).resolve().parents[4] / "tests" / "megatron"
+    """``tests/megatron`` of the checkout (the CPU harness the bench borrows): this source
+    tree's, else the working directory's (an installed hp_cp_torch run from a checkout).
+
+    Raises:
+        HpCpError: neither has ``tests/megatron``.
+    """
+    for root in (Path(__file__).resolve().parents[4], Path.cwd()):
+        if (root / "tests" / "megatron" / "megatron_model.py").is_file():
+            return root / "tests" / "megatron"
+    raise HpCpError(
+        "hp-cp bench --megatron borrows the CPU harness of a checkout's tests/megatron; run "
+        "it from the root of an hp_cp checkout."
+    )
 
 
 def megatron_allgather_bytes(seq: int, batch: int, cp: int, layers: int, loss: bool) -> int:
@@ -99,15 +213,11 @@ def megatron_allgather_bytes(seq: int, batch: int, cp: int, layers: int, loss: b
     return per_layer * layers * ELEMENT_BYTES
 
 
-def _topk(seq: int) -> int:
-    top = MEGATRON_WIDTHS["dsa_indexer_topk"]
-    while top >= seq:
-        top //= 2
-    return top
-
-
-def _worker(rank: int, world: int, seq: int, loss_coeff: float) -> dict[str, Any]:
-    """One rank: Megatron's CP step, hp_cp's, the same-kernel all-gather's."""
+def _worker(
+    rank: int, world: int, cell: Cell, loss_coeff: float, with_megatron: bool, kernel: str | None
+) -> dict[str, Any]:
+    """One rank of ``cell``: Megatron's CP step (unless skipped), hp_cp's, the same-kernel
+    all-gather's."""
     import torch
     import torch.distributed as dist
 
@@ -126,17 +236,21 @@ def _worker(rank: int, world: int, seq: int, loss_coeff: float) -> dict[str, Any
         from megatron.core.utils import get_batch_on_this_cp_rank
 
         init_parallel(world)
-        widths = {**MEGATRON_WIDTHS, "dsa_indexer_topk": _topk(seq)}
+        widths = {
+            **MEGATRON_WIDTHS,
+            "num_attention_heads": cell.heads,
+            "dsa_indexer_topk": cell.topk,
+        }
         config = make_config(
             context_parallel_size=world,
             indexer_loss_coeff=loss_coeff,
             sparse_loss=True,
             **widths,
         )
-        model = build_gpt_model(config, vocab_size=VOCAB, max_seq=seq)
+        model = build_gpt_model(config, vocab_size=VOCAB, max_seq=cell.seq)
         model.train()
         group = parallel_state.get_context_parallel_group()
-        full = make_batch(1, seq, vocab_size=VOCAB)
+        full = make_batch(1, cell.seq, vocab_size=VOCAB)
 
         def measure(name: str, step: Any) -> None:
             model.zero_grad(set_to_none=True)
@@ -149,14 +263,17 @@ def _worker(rank: int, world: int, seq: int, loss_coeff: float) -> dict[str, Any
             out[f"{name}_peak_bytes"] = live_tensor_peak(step)
             model.zero_grad(set_to_none=True)
 
-        local = get_batch_on_this_cp_rank(
-            {k: (None if v is None else v.clone()) for k, v in full.items()},
-            is_hybrid_cp=False,
-            cp_group=group,
-        )
-        measure("megatron", lambda: megatron_step(model, local, config, world))
+        if with_megatron:
+            local = get_batch_on_this_cp_rank(
+                {k: (None if v is None else v.clone()) for k, v in full.items()},
+                is_hybrid_cp=False,
+                cp_group=group,
+            )
+            measure("megatron", lambda: megatron_step(model, local, config, world))
 
         cfg = DeepSeekV4CPConfig(layout="load_balanced")
+        if kernel is not None:
+            cfg = DeepSeekV4CPConfig(layout="load_balanced", attention_kernel=kernel)
         for name, p2p in (("hp_cp", True), ("allgather", False)):
             handle = enable_cp(model, group, cfg)
             handle.group.point_to_point = p2p  # the core's exchange: p2p or all-gather
@@ -179,57 +296,110 @@ def _worker(rank: int, world: int, seq: int, loss_coeff: float) -> dict[str, Any
             finally:
                 disable_cp(handle)
     out["megatron_bytes_recv"] = megatron_allgather_bytes(
-        seq, 1, world, MEGATRON_WIDTHS["num_layers"], loss_coeff > 0
+        cell.seq, 1, world, MEGATRON_WIDTHS["num_layers"], loss_coeff > 0
     )
-    out["topk"] = _topk(seq)
     return out
 
 
-def megatron_measures(seq: int = 2048, cps: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
-    """The side-by-side keys (module docstring) at ``seq`` for each cp in ``cps``."""
+SIDES = ("megatron", "hp_cp", "allgather")
+MEASURES = ("step_s", "peak_bytes", "bytes_recv")
+RATIOS = (("bytes", "bytes_recv"), ("step_time", "step_s"), ("peak_mem", "peak_bytes"))
+
+
+def megatron_grid(
+    cells: tuple[Cell, ...] = GRID,
+    *,
+    kernel: str | None = None,
+    host: int | None = None,
+    timeout: float = 3600,
+) -> dict[str, Any]:
+    """The side-by-side keys (module docstring) of every cell, and the headline: the worst
+    cell of each ratio.
+
+    Args:
+        cells: the cells, run one job each, in order.
+        kernel: hp_cp's ``attention_kernel`` (``None``: hp_cp's default).
+        host: bytes the host may hold for one cell's ranks (default: its available memory);
+            a cell whose Megatron side would not fit (:func:`megatron_peak_estimate` x cp)
+            runs hp_cp's sides only, and says so.
+        timeout: seconds one cell's job may run.
+    """
     import importlib.util
 
     from hp_cp_torch.cli.launch import run_ranks
 
     if importlib.util.find_spec("megatron.core") is None:
-        raise RuntimeError(
+        raise HpCpError(
             "hp-cp bench --megatron needs megatron-core 0.19.2: pip install "
             "--ignore-requires-python megatron-core==0.19.2 (and triton, or the stub in "
             "tests/megatron/megatron_shims.py)"
         )
-    res: dict[str, Any] = {"megatron_seq": seq}
-    for cp in cps:
+    checkout_tests()  # refused here, not in every rank
+    host = host_bytes() if host is None else host
+    res: dict[str, Any] = {"megatron_cells": [c.name for c in cells]}
+    wall = time.perf_counter()
+    for cell in cells:
+        key = f"megatron_{cell.name}"
+        estimate = megatron_peak_estimate(cell)
+        res[f"{key}_megatron_peak_estimate_bytes"] = estimate
+        with_megatron = not host or estimate * cell.cp <= host
         t0 = time.perf_counter()
-        ranks = run_ranks(cp, _worker, seq, 0.1, timeout=1800)
-        res[f"megatron_topk_cp{cp}"] = ranks[0]["topk"]
-        for side in ("megatron", "hp_cp", "allgather"):
-            for measure in ("step_s", "peak_bytes", "bytes_recv"):
+        ranks = run_ranks(cell.cp, _worker, cell, 0.1, with_megatron, kernel, timeout=timeout)
+        res[f"{key}_wall_s"] = time.perf_counter() - t0
+        for side in SIDES:
+            for measure in MEASURES:
                 values = [r.get(f"{side}_{measure}") for r in ranks]
                 if all(v is not None for v in values):
-                    res[f"megatron_{side}_{measure}_cp{cp}"] = max(values)
+                    res[f"{key}_{side}_{measure}"] = max(values)
         for side in ("hp_cp", "allgather"):
-            res[f"megatron_{side}_bytes_sent_cp{cp}"] = max(r[f"{side}_bytes_sent"] for r in ranks)
-        for measure, key in (
-            ("bytes", "bytes_recv"),
-            ("step_time", "step_s"),
-            ("peak_mem", "peak_bytes"),
-        ):
-            res[f"megatron_{measure}_cp{cp}_ratio"] = (
-                res[f"megatron_hp_cp_{key}_cp{cp}"] / res[f"megatron_megatron_{key}_cp{cp}"]
-            )
-        res[f"megatron_peak_mem_vs_allgather_cp{cp}_ratio"] = (
-            res[f"megatron_hp_cp_peak_bytes_cp{cp}"] / res[f"megatron_allgather_peak_bytes_cp{cp}"]
-        )
-        res[f"megatron_wall_cp{cp}_s"] = time.perf_counter() - t0
+            res[f"{key}_{side}_bytes_sent"] = max(r[f"{side}_bytes_sent"] for r in ranks)
+        for measure, field in RATIOS:
+            for base, suffix in (("megatron", "ratio"), ("allgather", "vs_allgather_ratio")):
+                if f"{key}_{base}_{field}" in res:
+                    res[f"{key}_{measure}_{suffix}"] = (
+                        res[f"{key}_hp_cp_{field}"] / res[f"{key}_{base}_{field}"]
+                    )
+        megatron_peak = res.get(f"{key}_megatron_peak_bytes", estimate)
+        res[f"{key}_megatron_fits_24gib"] = megatron_peak <= FIT_BYTES
+        res[f"{key}_hp_cp_fits_24gib"] = res[f"{key}_hp_cp_peak_bytes"] <= FIT_BYTES
+        res[f"{key}_megatron_ran"] = with_megatron
+    res["megatron_bench_wall_s"] = time.perf_counter() - wall
+    res.update(_headline(res, cells))
     return res
+
+
+def _headline(res: dict[str, Any], cells: tuple[Cell, ...]) -> dict[str, Any]:
+    """``megatron_worst_<ratio>`` and ``megatron_worst_<ratio>_cell``: the largest of each
+    ratio over the cells that have it (hp_cp's worst cell), and the cells that do not fit."""
+    out: dict[str, Any] = {}
+    for measure, _ in RATIOS:
+        for suffix in ("ratio", "vs_allgather_ratio"):
+            found = {
+                c.name: res[f"megatron_{c.name}_{measure}_{suffix}"]
+                for c in cells
+                if f"megatron_{c.name}_{measure}_{suffix}" in res
+            }
+            if found:
+                worst = max(found, key=found.get)
+                out[f"megatron_worst_{measure}_{suffix}"] = found[worst]
+                out[f"megatron_worst_{measure}_{suffix}_cell"] = worst
+    for side in ("megatron", "hp_cp"):
+        out[f"megatron_{side}_over_24gib_cells"] = [
+            c.name for c in cells if not res[f"megatron_{c.name}_{side}_fits_24gib"]
+        ]
+    out["megatron_skipped_cells"] = [
+        c.name for c in cells if not res[f"megatron_{c.name}_megatron_ran"]
+    ]
+    return out
 
 
 def main_megatron(args: Any) -> int:
     """``hp-cp bench --megatron``: the side-by-side keys, merged into ``--megatron-out``."""
     import json
 
-    cps = tuple(int(v) for v in args.megatron_cps.split(",") if v)
-    res = megatron_measures(args.megatron_seq, cps)
+    cells = parse_cells(args.megatron_cells)
+    host = None if args.megatron_host_gib is None else int(args.megatron_host_gib * GIB)
+    res = megatron_grid(cells, kernel=args.megatron_kernel, host=host)
     path = os.path.abspath(args.megatron_out)
     old: dict[str, Any] = {}
     if os.path.exists(path):
@@ -240,6 +410,6 @@ def main_megatron(args: Any) -> int:
         json.dump(old, f, indent=1, sort_keys=True)
     for key in sorted(res):
         value = res[key]
-        print(f"{key:<48} {value:>14.6g}" if isinstance(value, float) else f"{key:<48} {value:>14}")
+        print(f"{key:<64} {value:>14.6g}" if isinstance(value, float) else f"{key:<64} {value}")
     print(f"wrote {path}")
     return 0

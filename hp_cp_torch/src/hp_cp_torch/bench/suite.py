@@ -775,8 +775,22 @@ def main(argv: list[str] | None = None) -> int:
         "own all-gather CP and under hp_cp, side by side (hp_cp_torch.bench.megatron; a checkout)",
     )
     mega.add_argument("--megatron", action="store_true", help="run the Megatron bench only")
-    mega.add_argument("--megatron-seq", type=int, default=2048, help="S of the step")
-    mega.add_argument("--megatron-cps", default="2,4", help="cp of the steps")
+    mega.add_argument(
+        "--megatron-cells",
+        default="grid",
+        help="'grid' (heads {8,32,64} x S {2048,4096} x top-k {S/8,S/2} x cp {2,4}), 'quick' "
+        "(one tiny cell) or heads:S:topk:cp,...",
+    )
+    mega.add_argument(
+        "--megatron-kernel", default=None, help="hp_cp's attention_kernel (default: hp_cp's)"
+    )
+    mega.add_argument(
+        "--megatron-host-gib",
+        type=float,
+        default=None,
+        help="memory one cell's ranks may hold together (default: the host's available); "
+        "Megatron's side of a cell estimated above it is skipped",
+    )
     mega.add_argument("--megatron-out", default="bench-megatron.json")
     args = parser.parse_args(argv)
     if args.megatron:

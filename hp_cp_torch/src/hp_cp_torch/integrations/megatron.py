@@ -41,7 +41,8 @@ them (``Traits(sequence_dim=0)``):
   or the whole packed stream: ``packed_topk_row="stream"``);
 * attention on the gathered latents (Note [DSA attention on the latents] in
   :mod:`hp_cp_torch.latent_attention`: the absorbed form Megatron's ``AbsorbedMLA`` computes),
-  then ``linear_proj``;
+  or with ``attention_kernel="megatron"`` Megatron's own sparse attention on them (Note
+  [Megatron's kernel on hp_cp's prefix] in :mod:`.megatron_kernel`), then ``linear_proj``;
 * the indexer loss (Note [The Megatron indexer loss under hp_cp]).
 
 Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every rank, before any
@@ -66,6 +67,8 @@ from torch import nn
 from hp_cp_core import CPHandle, HpCpError, LayerSpec
 from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.integrations.megatron_kernel import megatron_sparse_attention
+from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.model_adapter import (
     AttentionParams,
     ForwardState,
@@ -562,6 +565,13 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
             m.linear_kv_up_proj.weight,
         )
         return AttentionParams(float(m.core_attention.softmax_scale), kind="latent", latent=dims)
+
+    def attention(self, request: AttentionRequest, state: ForwardState) -> torch.Tensor:
+        """Megatron's own sparse attention (its fused backends where ``dsa_kernel_backend``
+        names one, else its unfused path) on the gathered latents: ``attention_kernel=
+        "megatron"`` (or ``"model_ops"``, ``attention_precision="model"``); Note [Megatron's
+        kernel on hp_cp's prefix]."""
+        return megatron_sparse_attention(self.module, request)
 
     def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """``linear_proj`` of the heads' values ``o [B, L, H, v_head_dim]`` (its bias kept for

@@ -58,6 +58,7 @@ SHIPPED: dict[str, str] = {
     "efficient": "hp_cp_torch.kernels.shipped:EFFICIENT",
     "triton": "hp_cp_torch.kernels.shipped:TRITON",
     "model_ops": "hp_cp_torch.kernels.shipped:MODEL_OPS",
+    "megatron": "hp_cp_torch.kernels.megatron:MEGATRON",
 }
 """The kernels hp_cp_torch ships (imported by name on first use): ``banded`` (the default;
 ``dense_picks`` / ``gathered_picks``: the same with the indexer's picks always read as a
