@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPConfig, HpCpError, LayerSpec, enable_cp
+from hp_cp_core import CPConfig, HpCpError, LayerSpec, enable_cp
 from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_torch.backend import TorchBackend
 from hp_cp_torch.model_adapter import (
@@ -298,7 +298,7 @@ def patch_torch_deepseek_v4_csa_forward(
     module: nn.Module,
     *,
     cp_mesh: Any,
-    config: DeepSeekV4CPConfig | None = None,
+    config: CPConfig | None = None,
     compressor: Callable[..., Any] | None = None,
     indexer_compressor: Callable[..., Any] | None = None,
     attention_fn: Callable[..., Any] | None = None,

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import CPBatch, CPHandle, DeepSeekV4CPForward, HpCpError, LayerSpec
+from hp_cp_core import CPBatch, CPForward, CPHandle, HpCpError, LayerSpec
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
 from hp_cp_torch._removed import ENABLE, NEMO_BATCH, removed_names
@@ -432,7 +432,7 @@ class EngramHashCP:
     def __init__(self, module: nn.Module, handle: CPHandle) -> None:
         self.module, self.handle = module, handle
         self.spec = LayerSpec(compress_ratio=0, window_size=int(module.max_ngram_size))
-        self.cp_forward = DeepSeekV4CPForward(
+        self.cp_forward = CPForward(
             module, None, handle.backend, handle.group, self.spec, handle.config,
             handle.cache, None, records=handle.records,
         )  # fmt: skip
