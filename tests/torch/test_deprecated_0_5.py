@@ -37,3 +37,15 @@ def test_is_v41_model_does_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not is_v41_model(torch.nn.Linear(2, 2))
+
+
+def test_the_torch_cpforward_is_installed_forward_under_its_old_name() -> None:
+    import hp_cp_core
+    import hp_cp_torch.adapter as torch_adapter
+
+    with pytest.warns(DeprecationWarning, match=r"CPForward is deprecated.*InstalledForward"):
+        old = torch_adapter.CPForward
+    assert old is torch_adapter.InstalledForward
+    assert old is not hp_cp_core.CPForward  # the core's: another concept, its own name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        torch_adapter.no_such_name  # noqa: B018
