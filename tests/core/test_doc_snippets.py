@@ -134,8 +134,8 @@ def test_the_backend_guides_entry_points_load_through_discovery() -> None:
     }
 
 
-def test_the_backend_guides_adapter_wiring_registers_with_the_core() -> None:
-    """The guide's ``AdapterHooks`` block (the torch plugin, whole) runs without torch and
+def test_the_backend_guides_runner_wiring_registers_with_the_core() -> None:
+    """The guide's ``RunnerHooks`` block (the torch plugin, whole) runs without torch and
     registers with the core as a backend of the current API, every hook known."""
     from hp_cp_core import hookspecs
     from hp_cp_core.plugins import PluginHost
@@ -152,20 +152,20 @@ def test_the_backend_guides_adapter_wiring_registers_with_the_core() -> None:
     }
 
 
-def _adapter_hooks_call(source: str) -> dict[str, str]:
-    """The keyword arguments of the ``AdapterHooks(...)`` call in ``source``, as source text."""
+def _runner_hooks_call(source: str) -> dict[str, str]:
+    """The keyword arguments of the ``RunnerHooks(...)`` call in ``source``, as source text."""
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "AdapterHooks":
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RunnerHooks":
             return {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
-    raise AssertionError("no AdapterHooks(...) call")
+    raise AssertionError("no RunnerHooks(...) call")
 
 
-def test_the_adapter_hooks_docstring_shows_the_real_wiring() -> None:
-    """``hp_cp_core.adapters``' example is the torch plugin's call, argument for argument."""
-    import hp_cp_core.adapters
+def test_the_runner_hooks_docstring_shows_the_real_wiring() -> None:
+    """``hp_cp_core.runners``' example is the torch plugin's call, argument for argument."""
+    import hp_cp_core.runners
 
-    doc = hp_cp_core.adapters.__doc__ or ""
+    doc = hp_cp_core.runners.__doc__ or ""
     example = doc.split("::\n", 1)[1].split("\n\n", 1)[0]
-    shown = _adapter_hooks_call(re.sub(r"^    ", "", example, flags=re.M).replace("...", ""))
-    real = _adapter_hooks_call((ROOT / TORCH_PLUGIN).read_text(encoding="utf-8"))
+    shown = _runner_hooks_call(re.sub(r"^    ", "", example, flags=re.M).replace("...", ""))
+    real = _runner_hooks_call((ROOT / TORCH_PLUGIN).read_text(encoding="utf-8"))
     assert shown == real
