@@ -120,13 +120,14 @@ class AllGatherDSA:
     """The baseline CP: every DSA attention's forward replaced; :meth:`undo` restores."""
 
     def __init__(self, model: Any, group: Any, variant: str) -> None:
-        from hp_cp_torch.integrations.transformers_dsa import dsa_adapter_for
+        from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter
+        from hp_cp_torch.model_registry import registered_adapter
 
         self.group, self.variant, self.kept = group, variant, []
         self.documents: Any = None  # [S] document ids when packed (set by step)
         for layer in model.model.layers:
             attn = layer.self_attn
-            adapter = dsa_adapter_for(attn)
+            adapter = registered_adapter(attn, DSAAttentionAdapter)
             self.kept.append((attn, attn.forward))
             attn.forward = self._forward(attn, adapter)
 

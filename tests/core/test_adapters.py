@@ -103,3 +103,15 @@ def test_nothing_is_claimed_while_the_framework_is_not_imported():
     assert hooks.hp_cp_backend(Layer()) is None
     assert hooks.hp_cp_layer_spec(Layer()) is None
     assert hooks.find_layers(Layer()) == []
+
+
+def test_the_0_4_names_are_the_runner_hooks() -> None:
+    """``hp_cp_core.adapters.AdapterHooks(adapter_for=)`` (0.4) is ``RunnerHooks(runner_for=)``
+    under its old names: a backend on API 0.2 runs unchanged."""
+    from hp_cp_core import runners
+
+    assert issubclass(AdapterHooks, runners.RunnerHooks)
+    assert InstallingBackend is runners.InstallingBackend
+    hooks = make_hooks()
+    layer = Layer()
+    assert hooks.adapter(layer).module is layer and hooks.runner(layer).module is layer

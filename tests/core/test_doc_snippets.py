@@ -3,7 +3,9 @@ run or marked as not run, so a documented example cannot silently go stale:
 
 * between ``<!-- snippet: PATH -->`` and ``<!-- /snippet -->``: the block's contents equal
   the file PATH (relative to the repository root);
-* or on the line right after ``<!-- not run -->``.
+* or on the line right after ``<!-- not run: REASON -->``, the reason saying why it cannot
+  run here (it needs a GPU, starts torchrun or msrun, installs packages, is a fragment of the
+  user's code, a diagram or printed output).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})")
 SNIPPET = re.compile(r"^\s*<!-- snippet: (\S+) -->\s*$")
-NOT_RUN = "<!-- not run -->"
+NOT_RUN = "<!-- not run: REASON -->"
+NOT_RUN_MARK = re.compile(r"^\s*<!-- not run(?::\s*(?P<reason>\S.*?))?\s*-->\s*$")
+BARE_NOT_RUN_PENDING = {"docs/megatron.md", "docs/writing-a-model-adapter.md"}
+"""Pages whose bare ``<!-- not run -->`` markers still wait for a reason (their owners are
+rewriting them, issue 57); every other page gives one."""
 
 
 def code_blocks(text: str) -> list[tuple[int, str, list[str]]]:
@@ -48,7 +54,11 @@ def problems(path: Path, root: Path = ROOT) -> list[str]:
     found = []
     for start, before, body in code_blocks(text):
         where = f"{path.relative_to(root)}:{start + 1}"
-        if before.strip() == NOT_RUN:
+        mark = NOT_RUN_MARK.match(before)
+        if mark is not None:
+            pending = path.relative_to(root).as_posix() in BARE_NOT_RUN_PENDING
+            if mark.group("reason") is None and not pending:
+                found.append(f"{where}: `<!-- not run -->` without a reason; write {NOT_RUN}")
             continue
         m = SNIPPET.match(before)
         if m is None:
@@ -81,6 +91,7 @@ def test_the_check_catches_unmarked_blocks_and_stale_snippets(tmp_path: Path) ->
         f"<!-- snippet: ex.py -->\n```python\n{good}\nextra\n```\n<!-- /snippet -->\n": "differs",
         f"<!-- snippet: ex.py -->\n```python\n{good}\n```\n": "not closed",
         "<!-- snippet: nope.py -->\n```\n```\n<!-- /snippet -->\n": "does not exist",
+        "<!-- not run -->\n```\nanything\n```\n": "without a reason",
     }
     doc = tmp_path / "doc.md"
     for text, expected in cases.items():
@@ -88,7 +99,7 @@ def test_the_check_catches_unmarked_blocks_and_stale_snippets(tmp_path: Path) ->
         got = problems(doc, tmp_path)
         assert len(got) == 1 and expected in got[0], (text, got)
     doc.write_text(
-        "<!-- not run -->\n```\nanything\n```\n"
+        "<!-- not run: needs a GPU -->\n```\nanything\n```\n"
         f"<!-- snippet: ex.py -->\n```python\n{good}\n```\n<!-- /snippet -->\n",
         encoding="utf-8",
     )
@@ -134,8 +145,8 @@ def test_the_backend_guides_entry_points_load_through_discovery() -> None:
     }
 
 
-def test_the_backend_guides_adapter_wiring_registers_with_the_core() -> None:
-    """The guide's ``AdapterHooks`` block (the torch plugin, whole) runs without torch and
+def test_the_backend_guides_runner_wiring_registers_with_the_core() -> None:
+    """The guide's ``RunnerHooks`` block (the torch plugin, whole) runs without torch and
     registers with the core as a backend of the current API, every hook known."""
     from hp_cp_core import hookspecs
     from hp_cp_core.plugins import PluginHost
@@ -152,20 +163,20 @@ def test_the_backend_guides_adapter_wiring_registers_with_the_core() -> None:
     }
 
 
-def _adapter_hooks_call(source: str) -> dict[str, str]:
-    """The keyword arguments of the ``AdapterHooks(...)`` call in ``source``, as source text."""
+def _runner_hooks_call(source: str) -> dict[str, str]:
+    """The keyword arguments of the ``RunnerHooks(...)`` call in ``source``, as source text."""
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "AdapterHooks":
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RunnerHooks":
             return {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
-    raise AssertionError("no AdapterHooks(...) call")
+    raise AssertionError("no RunnerHooks(...) call")
 
 
-def test_the_adapter_hooks_docstring_shows_the_real_wiring() -> None:
-    """``hp_cp_core.adapters``' example is the torch plugin's call, argument for argument."""
-    import hp_cp_core.adapters
+def test_the_runner_hooks_docstring_shows_the_real_wiring() -> None:
+    """``hp_cp_core.runners``' example is the torch plugin's call, argument for argument."""
+    import hp_cp_core.runners
 
-    doc = hp_cp_core.adapters.__doc__ or ""
+    doc = hp_cp_core.runners.__doc__ or ""
     example = doc.split("::\n", 1)[1].split("\n\n", 1)[0]
-    shown = _adapter_hooks_call(re.sub(r"^    ", "", example, flags=re.M).replace("...", ""))
-    real = _adapter_hooks_call((ROOT / TORCH_PLUGIN).read_text(encoding="utf-8"))
+    shown = _runner_hooks_call(re.sub(r"^    ", "", example, flags=re.M).replace("...", ""))
+    real = _runner_hooks_call((ROOT / TORCH_PLUGIN).read_text(encoding="utf-8"))
     assert shown == real

@@ -1,51 +1,21 @@
-"""Hook implementations shared by backends whose modules are driven by *adapter* objects.
-
-A backend that maps each module it knows to an adapter (``layer_spec()``,
-``extract_ori_kv(key)``, ``compress_main(x, halo_x, call)``, ``compress_indexer(...)``,
-``run_attention(query, ori_ext, x, qr, call)``, ``make_forward(cp_forward, group)``) needs
-the same six hooks and the same install rule; :class:`AdapterHooks` is them, once. A plugin
-module exposes its bound methods as module-level hooks (``hp_cp_torch/_plugin.py``, which
-``docs/writing-a-backend.md`` shows whole)::
-
-    _HOOKS = AdapterHooks(
-        framework="torch",
-        adapter_for="hp_cp_torch.adapter:runner_for",
-        make_backend="hp_cp_torch.adapter:make_backend",
-        children=_children,
-        install_forward="hp_cp_torch.adapter:install_forward",
-    )
-    hp_cp_backend = _HOOKS.hp_cp_backend
-    ...
-
-``framework`` is checked in ``sys.modules`` before anything else, so discovery never imports
-a framework, and a module is only claimed when its framework is already loaded.
-"""
+"""0.4's name of :mod:`hp_cp_core.runners`, kept so that backends written against backend
+API 0.2 run unchanged: ``AdapterHooks(adapter_for=...)`` is :class:`~hp_cp_core.runners.RunnerHooks`
+with ``runner_for`` under its old keyword ("adapter" meant the object that runs a module's
+stages, which the core now calls its runner; a model adapter is the framework's model spec).
+New code imports :mod:`hp_cp_core.runners`."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hp_cp_core import hookimpl
-from hp_cp_core.versions import BACKEND_API
+from hp_cp_core.runners import InstallingBackend, RunnerHooks
+
+__all__ = ["AdapterHooks", "InstallingBackend"]
 
 
-class AdapterHooks:
-    """The six hp_cp hooks, delegating every stage to the module's adapter.
-
-    Args:
-        framework: top-level module name of the framework (``"torch"``, ``"mindspore"``).
-        adapter_for: ``module -> adapter`` or ``None`` (imports backend code lazily).
-        make_backend: ``(find_layers, install) -> Backend``.
-        children: ``module -> iterable of sub-modules`` (for a whole model).
-        install_forward: ``(layer, forward) -> undo`` replacing the layer's forward.
-
-    ``adapter_for``, ``make_backend`` and ``install_forward`` may also be given as
-    ``"package.module:name"`` strings, imported on first use (after the framework check), so
-    a plugin module stays free of framework imports.
-    """
+class AdapterHooks(RunnerHooks):
+    """:class:`~hp_cp_core.runners.RunnerHooks` under its 0.4 name and keyword."""
 
     def __init__(
         self,
@@ -56,102 +26,14 @@ class AdapterHooks:
         children: Callable[[Any], Iterable[Any]],
         install_forward: Callable[[Any, Any], Callable[[], None]] | str,
     ) -> None:
-        self.framework = framework
-        self._adapter_for = _lazy(adapter_for)
-        self._make_backend = _lazy(make_backend)
-        self._children = children
-        self._install_forward = _lazy(install_forward)
+        super().__init__(
+            framework=framework,
+            runner_for=adapter_for,
+            make_backend=make_backend,
+            children=children,
+            install_forward=install_forward,
+        )
 
     def adapter(self, module: Any) -> Any:
-        """The module's adapter, or ``None`` when this backend does not own it."""
-        if sys.modules.get(self.framework) is None:
-            return None
-        return self._adapter_for(module)
-
-    def find_layers(self, module: Any) -> list[Any]:
-        """Every sub-module (the module itself included) this backend has an adapter for."""
-        if self.adapter(module) is not None:
-            return [module]
-        if sys.modules.get(self.framework) is None:
-            return []
-        return [m for m in self._children(module) if self.adapter(m) is not None]
-
-    def install(self, layer: Any, cp_forward: Any, group: Any) -> Callable[[], None]:
-        """Route the layer's forward through CP; with a group of one the original path stays
-        unless the config's ``single_rank_bypass`` is off."""
-        config = getattr(cp_forward, "config", None)
-        if group.size == 1 and (config is None or config.single_rank_bypass):
-            return lambda: None
-        return self._install_forward(layer, self.adapter(layer).make_forward(cp_forward, group))
-
-    @hookimpl
-    def hp_cp_backend_api(self) -> str:
-        """The backend API these hooks implement: the core's own (:mod:`hp_cp_core.versions`)."""
-        return BACKEND_API
-
-    @hookimpl
-    def hp_cp_backend(self, module: Any) -> Any:
-        if not self.find_layers(module):
-            return None
-        return self._make_backend(self.find_layers, self.install)
-
-    @hookimpl
-    def hp_cp_layer_spec(self, module: Any) -> Any:
-        adapter = self.adapter(module)
-        return None if adapter is None else adapter.layer_spec()
-
-    @hookimpl
-    def hp_cp_extract_ori_kv(self, module: Any, key: Any) -> Any:
-        adapter = self.adapter(module)
-        return None if adapter is None else adapter.extract_ori_kv(key)
-
-    @hookimpl
-    def hp_cp_compress_main(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
-        adapter = self.adapter(module)
-        return None if adapter is None else adapter.compress_main(x, halo_x, call)
-
-    @hookimpl
-    def hp_cp_compress_indexer(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
-        adapter = self.adapter(module)
-        return None if adapter is None else adapter.compress_indexer(x, halo_x, call)
-
-    @hookimpl
-    def hp_cp_run_attention(
-        self, module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, call: Any
-    ) -> Any:
-        adapter = self.adapter(module)
-        return None if adapter is None else adapter.run_attention(query, ori_ext, x, qr, call)
-
-
-def _lazy(target: Callable[..., Any] | str) -> Callable[..., Any]:
-    """``target`` itself, or a callable importing ``"module:name"`` on its first call."""
-    if not isinstance(target, str):
-        return target
-    module_name, _, attr = target.partition(":")
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(module_name), attr)(*args, **kwargs)
-
-    return call
-
-
-class InstallingBackend:
-    """Base for backends built by :class:`AdapterHooks`: layer finding and forward install.
-
-    Subclasses add the framework's ``group(mesh)`` and tensor ops.
-    """
-
-    name = "?"
-
-    def __init__(self, find: Callable[[Any], list[Any]], install: Callable[..., Any]) -> None:
-        self._find = find
-        self._install = install
-
-    def find_layers(self, module: Any) -> list[Any]:
-        return self._find(module)
-
-    def install(self, layer: Any, cp_forward: Any, group: Any) -> Any:
-        return self._install(layer, cp_forward, group)
-
-    def uninstall(self, layer: Any, token: Any) -> None:
-        token()
+        """:meth:`~hp_cp_core.runners.RunnerHooks.runner` under its 0.4 name."""
+        return self.runner(module)

@@ -6,6 +6,7 @@ importable from here too."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -135,9 +136,11 @@ class CPContext:
         plan: this rank's :class:`~hp_cp_core.plan.RankPlan` (cached index arrays).
         config: the :class:`CPConfig` of the ``enable_cp`` call.
         cu_seqlens: global packed document boundaries (numpy), ``None`` when padded.
-        cmp_kv_global: main compressed KV ``[n, (batch,) D]`` in global slot order, slots
-            ``0 .. plan.n_needed_slots - 1``; ``None`` before the gather or when r = 0.
-        cmp_idx_global: indexer keys, same rows as ``cmp_kv_global``; ``None`` when absent.
+        slots: the gathered main compressed KV ``[n, (batch,) D]`` in global slot order,
+            slots ``0 .. plan.n_needed_slots - 1``; ``None`` before the gather or when r = 0.
+            0.4's name ``cmp_kv_global`` stays as an alias (read, construct, ``replace``).
+        keys: the gathered indexer keys, same rows as ``slots``; ``None`` when absent. 0.4's
+            name ``cmp_idx_global`` stays as an alias.
         ops: the module's :class:`~hp_cp_core.backend.Backend` (tensor ops for core helpers).
         extra: backend-private values the install wrapper passes to its own hooks.
         group: the CP :class:`~hp_cp_core.backend.Group` (for
@@ -153,7 +156,7 @@ class CPContext:
         reused: the artifacts this layer received from the layers that made them (keys of
             :data:`ARTIFACTS` in ``spec.reuses``): ``"selection"`` is the owner's per-query
             top-k (whatever the owner's backend published: global slot ids, ``-1`` = none);
-            the gathered slots are already in ``cmp_kv_global`` / ``cmp_idx_global``.
+            the gathered slots are already in ``slots`` / ``keys``.
         outputs: where ``hp_cp_run_attention`` puts what this layer publishes for later
             layers: ``outputs["selection"]`` when ``roles.publishes("selection")`` (the
             core checks it is there and hands it on, with no collective).
@@ -165,8 +168,8 @@ class CPContext:
     plan: RankPlan
     config: CPConfig
     cu_seqlens: np.ndarray | None = None
-    cmp_kv_global: Any = None
-    cmp_idx_global: Any = None
+    slots: Any = None
+    keys: Any = None
     ops: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     group: Any = None
@@ -175,6 +178,16 @@ class CPContext:
     roles: Any = None
     reused: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cmp_kv_global(self) -> Any:
+        """0.4's name of :attr:`slots` (backend API 0.2), kept as an alias."""
+        return self.slots
+
+    @property
+    def cmp_idx_global(self) -> Any:
+        """0.4's name of :attr:`keys` (backend API 0.2), kept as an alias."""
+        return self.keys
 
     @property
     def pos_offset(self) -> int:
@@ -195,6 +208,23 @@ class CPContext:
         """A copy with some fields changed (the context is frozen)."""
         return dataclasses.replace(self, **changes)
 
+
+CONTEXT_ALIASES = {"cmp_kv_global": "slots", "cmp_idx_global": "keys"}
+"""0.4's :class:`CPContext` field names -> the one word each (docs/api.md, "One word per
+concept"): accepted by the constructor and ``replace``, readable as properties."""
+
+_dataclass_init = CPContext.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_accepting_aliases(self: CPContext, *args: Any, **kwargs: Any) -> None:
+    for old, new in CONTEXT_ALIASES.items():  # 0.4's field names (backend API 0.2)
+        if old in kwargs:
+            kwargs[new] = kwargs.pop(old)
+    _dataclass_init(self, *args, **kwargs)
+
+
+CPContext.__init__ = _init_accepting_aliases  # type: ignore[method-assign]
 
 # The 0.2 names, kept as plain aliases: the config and context serve the whole family (V4,
 # V4.1, V3.2, GLM-5), not only DeepSeek V4.

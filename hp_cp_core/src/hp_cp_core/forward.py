@@ -190,8 +190,8 @@ class CPForward:
                 work()
             ori_ext, halo_x = ori_kv, None
         owned, gathered, made, token = self._slots(x, halo_x, call, token, _run_all(rest))
-        cmp_kv_global, cmp_idx_global = self._slot_buffers(call, made)
-        call = call.replace(cmp_kv_global=cmp_kv_global, cmp_idx_global=cmp_idx_global)
+        slots, keys = self._slot_buffers(call, made)
+        call = call.replace(slots=slots, keys=keys)
         for artifact in PER_QUERY:
             if self.roles.reuses(artifact):
                 call.reused[artifact] = self._take(call, artifact)

@@ -138,7 +138,7 @@ def hp_cp_run_attention(module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, 
     """Run the layer's attention for the local queries and return its output.
 
     Called on every CP forward, last. ``call`` carries the gathered compressed KV
-    (``call.cmp_kv_global``) and indexer keys (``call.cmp_idx_global``) in global slot order,
+    (``call.slots``) and indexer keys (``call.keys``) in global slot order,
     and the plan's local-frame index arrays (window ranges into ``ori_ext``, visible slot
     ranges into the global slots), so the backend only executes.
 

@@ -52,7 +52,7 @@ whose indexer is ``"full"`` or ``"shared"``)::
 * selections and candidate blocks are per local query: they never travel, the owner's
   ``hp_cp_run_attention`` puts them in ``call.outputs`` and the reader finds them in
   ``call.reused``;
-* the gathered slots reach the reader in ``call.cmp_kv_global`` / ``call.cmp_idx_global``,
+* the gathered slots reach the reader in ``call.slots`` / ``call.keys``,
   as if it had gathered them itself.
 
 :func:`plan_sharing` resolves the owners (``share_from``, else the nearest earlier layer

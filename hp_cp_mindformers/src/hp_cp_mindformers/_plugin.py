@@ -2,14 +2,14 @@
 
 No MindSpore import at module level: discovery stays cheap, and a module is only claimed when
 MindSpore is already imported (``sys.modules``), since a MindSpore cell cannot exist otherwise.
-The hooks themselves are the core's :class:`~hp_cp_core.adapters.AdapterHooks`.
+The hooks themselves are the core's :class:`~hp_cp_core.runners.RunnerHooks`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hp_cp_core.adapters import AdapterHooks
+from hp_cp_core.runners import RunnerHooks
 
 
 def _children(cell: Any) -> Any:
@@ -17,9 +17,9 @@ def _children(cell: Any) -> Any:
     return (c for _, c in cells()) if cells is not None else ()
 
 
-_HOOKS = AdapterHooks(
+_HOOKS = RunnerHooks(
     framework="mindspore",
-    adapter_for="hp_cp_mindformers.adapter:adapter_for",
+    runner_for="hp_cp_mindformers.adapter:adapter_for",
     make_backend="hp_cp_mindformers.backend:MindSporeBackend",
     children=_children,
     install_forward="hp_cp_mindformers.adapter:install_construct",

@@ -44,7 +44,7 @@ from mindspore.common._grad_function import _Function
 from mindspore.communication import GlobalComm, get_group_size, get_rank
 
 from hp_cp_core import HpCpError
-from hp_cp_core.adapters import InstallingBackend
+from hp_cp_core.runners import InstallingBackend
 
 __all__ = [
     "Capabilities",

@@ -2,14 +2,14 @@
 
 No torch import at module level: discovery stays cheap, and a module is only claimed when
 torch is already imported (``sys.modules``), since a torch module cannot exist otherwise.
-The hooks themselves are the core's :class:`~hp_cp_core.adapters.AdapterHooks`.
+The hooks themselves are the core's :class:`~hp_cp_core.runners.RunnerHooks`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hp_cp_core.adapters import AdapterHooks
+from hp_cp_core.runners import RunnerHooks
 
 
 def _children(module: Any) -> Any:
@@ -17,9 +17,9 @@ def _children(module: Any) -> Any:
     return modules() if modules is not None else ()
 
 
-_HOOKS = AdapterHooks(
+_HOOKS = RunnerHooks(
     framework="torch",
-    adapter_for="hp_cp_torch.adapter:runner_for",
+    runner_for="hp_cp_torch.adapter:runner_for",
     make_backend="hp_cp_torch.adapter:make_backend",
     children=_children,
     install_forward="hp_cp_torch.adapter:install_forward",

@@ -1,8 +1,11 @@
 """The names 0.4.0 removed: a module's ``__getattr__ = removed_names(__name__, old=new)``
-makes importing one an ``ImportError`` that names its replacement (CHANGELOG, 0.4.0)."""
+makes importing one an ``ImportError`` that names its replacement (CHANGELOG, 0.4.0); and
+the names 0.5.0 deprecates: :func:`deprecated` warns once per call site, naming the
+replacement and the release that removes them (CHANGELOG, 0.5.0)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -10,6 +13,24 @@ ENABLE = "hp_cp_core.enable_cp(model, mesh, config)"
 DISABLE = "hp_cp_core.disable_cp(handle)"
 NEMO_BATCH = "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch"
 ADAPTER_FOR = "hp_cp_torch.adapter.adapter_for(module) (the registry of hp_cp.torch_models)"
+REGISTRY = (
+    "hp_cp_torch.adapter.adapter_for(module) (the hp_cp.torch_models entry points; "
+    "hp_cp_torch.model_registry.register_model_adapter(cls, adapter) for a class of your own)"
+)
+REMOVED_IN = "0.6.0"
+"""The release that removes the names 0.5.0 deprecates."""
+
+
+def deprecated(name: str, replacement: str, *, stacklevel: int = 3) -> None:
+    """Warn that ``name`` (``"module.name"``) is deprecated since 0.5.0 and removed in
+    :data:`REMOVED_IN`, naming ``replacement``; called by the deprecated name itself, so
+    ``stacklevel=3`` points at its caller."""
+    warnings.warn(
+        f"{name} is deprecated since hp_cp 0.5.0 and will be removed in {REMOVED_IN}; use "
+        f"{replacement} instead.",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def removed_names(module: str, **gone: str) -> Callable[[str], NoReturn]:

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPConfig, HpCpError, LayerSpec, enable_cp
+from hp_cp_core import CPConfig, HpCpError, LayerSpec, enable_cp
 from hp_cp_core.api import cp_state_not_copyable
+from hp_cp_torch._removed import deprecated
 from hp_cp_torch.backend import TorchBackend
 from hp_cp_torch.model_adapter import (
     AttentionParams,
@@ -46,8 +47,19 @@ from hp_cp_torch.validation import TensorChecks
 ADAPTER_ATTR = "_hp_cp_adapter"
 
 
-class CPForward:
+def __getattr__(name: str) -> Any:
+    if name == "CPForward":  # 0.4's name, beside the core's CPForward of another concept
+        deprecated(f"{__name__}.CPForward", f"{__name__}.InstalledForward")
+        return InstalledForward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class InstalledForward:
     """The forward ``enable_cp`` sets on a layer: calls ``fn``, refuses to be pickled or copied.
+
+    Not the core's :class:`hp_cp_core.CPForward` (the stage sequence of one layer's CP
+    forward, which ``fn`` calls); ``hp_cp_torch.adapter.CPForward`` is this class's 0.4 name,
+    deprecated.
 
     A plain closure would make ``torch.save(model)`` fail with "Can't pickle local object" and
     ``copy.deepcopy(model)`` hand the copy a forward still bound to the original's weights;
@@ -78,7 +90,7 @@ def install_forward(layer: nn.Module, forward: Callable[..., Any]) -> Callable[[
     """Set ``layer.forward`` to ``forward``; the returned undo restores exactly what was there."""
     had_own = "forward" in layer.__dict__
     previous = layer.__dict__.get("forward")
-    layer.forward = CPForward(forward, layer)
+    layer.forward = InstalledForward(forward, layer)
 
     def undo() -> None:
         if had_own:
@@ -298,7 +310,7 @@ def patch_torch_deepseek_v4_csa_forward(
     module: nn.Module,
     *,
     cp_mesh: Any,
-    config: DeepSeekV4CPConfig | None = None,
+    config: CPConfig | None = None,
     compressor: Callable[..., Any] | None = None,
     indexer_compressor: Callable[..., Any] | None = None,
     attention_fn: Callable[..., Any] | None = None,

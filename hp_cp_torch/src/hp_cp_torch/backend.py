@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import HpCpError
-from hp_cp_core.adapters import InstallingBackend
+from hp_cp_core.runners import InstallingBackend
 from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
 from hp_cp_torch.exit import release_at_exit
 from hp_cp_torch.forward_scope import CallScope, install_forward_scopes, mark_batch

@@ -156,7 +156,7 @@ class InLayer:
 
     The torch backend installs each layer with one, so the collectives of that forward (and
     the backward ones, which the autograd functions record at forward time) carry the layer.
-    Everything else is the wrapped ``DeepSeekV4CPForward``'s.
+    Everything else is the wrapped ``CPForward``'s.
     """
 
     def __init__(self, cp_forward: Any, log: CollectiveLog, index: int) -> None:

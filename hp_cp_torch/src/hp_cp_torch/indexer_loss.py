@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hp_cp_core.columns import PlanColumns
-from hp_cp_core.config import DeepSeekV4CPContext
+from hp_cp_core.config import CPContext
 from hp_cp_core.indexer_loss import indexer_loss_weight
 from hp_cp_torch.attention import chunk_columns
 from hp_cp_torch.kernels.smallop import gather_rows
@@ -141,7 +141,7 @@ def indexer_kl_rows(
 
 
 def indexer_loss_share(
-    call: DeepSeekV4CPContext,
+    call: CPContext,
     q: torch.Tensor,
     ori_ext: torch.Tensor,
     cmp_kv: torch.Tensor,

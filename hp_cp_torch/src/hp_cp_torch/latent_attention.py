@@ -22,7 +22,7 @@ One autograd node for the layer's attention saves only its inputs (the queries, 
 block by block in backward (Note [Picked attention: dense band or gather, per block] in
 :mod:`hp_cp_torch.kernels.picked`). So a rank keeps its own rows' queries, as
 transformers does, plus the gathered latents, and those are saved through autograd's saved
-tensors, where ``DeepSeekV4CPConfig(regather_compressed_kv=True)`` can drop them after the
+tensors, where ``CPConfig(regather_compressed_kv=True)`` can drop them after the
 forward and receive them again in backward (Note [Re-gathered slots] in
 :mod:`hp_cp_core.compression`). Nothing grows as ``S * S / cp`` and nothing is expanded per
 global token. The sums differ from transformers' only in rounding order (fp32: about 1e-6).

@@ -371,7 +371,7 @@ def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> lis
     import torch
     import torch.distributed as dist
 
-    from hp_cp_core import DeepSeekV4CPConfig
+    from hp_cp_core import CPConfig
     from hp_cp_torch.cli import parity as demo
 
     out = []
@@ -385,7 +385,7 @@ def hf_v4_job(rank: int, world: int, seeds: list[int], dtypes: list[str]) -> lis
             ref_log, log = ChoiceLog(), ChoiceLog()
             with recording_hf_v4(model, ref_log):
                 ref = demo.reference_run(model, ids)
-            config = DeepSeekV4CPConfig(layout=layout, single_rank_bypass=False)
+            config = CPConfig(layout=layout, single_rank_bypass=False)
             with recording_hf_v4(model, log):
                 got = demo.cp_parity(model, ids, ref, dist.group.WORLD, layout, config=config)
             logs: list[Any] = [None] * world

@@ -133,7 +133,7 @@ def HostReads() -> Any:  # noqa: N802 - a class made on first use (torch importe
 def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[str, float]:
     import torch
 
-    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_core import CPConfig, disable_cp, enable_cp
     from hp_cp_torch.cli.parity import (
         CSA,
         HCA,
@@ -153,7 +153,7 @@ def _worker(rank: int, world: int, warmup: int, steps: int, seq: int) -> dict[st
     ).train()
     ids = make_inputs(128, 1, seq)
     pos = torch.arange(seq)[None]
-    handle = enable_cp(model, None, DeepSeekV4CPConfig(layout="load_balanced"))
+    handle = enable_cp(model, None, CPConfig(layout="load_balanced"))
     group, memo = handle.group, handle.agreements
     labels = cp_shift_labels(ids)
     n_tok = (labels != -100).sum()

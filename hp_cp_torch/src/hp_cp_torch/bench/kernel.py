@@ -169,10 +169,10 @@ def kernel_measures(
     (default: every :data:`~hp_cp_torch.kernels.banded.PICK_READS` when ``banded`` runs)."""
     import torch
 
-    from hp_cp_core import DeepSeekV4CPConfig
+    from hp_cp_core import CPConfig
     from hp_cp_torch.kernels.banded import PICK_READS
 
-    default = DeepSeekV4CPConfig().attention_kernel
+    default = CPConfig().attention_kernel
     kernels = (default, *[k for k in kernels if k != default])
     if picks is None:
         picks = PICK_READS if "banded" in kernels else ()

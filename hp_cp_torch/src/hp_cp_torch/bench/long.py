@@ -96,12 +96,12 @@ def _step_worker(
     import torch
     import torch.distributed as dist
 
-    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_core import CPConfig, disable_cp, enable_cp
     from hp_cp_torch.bench.memory import reset_peak, status_bytes
 
     torch.set_num_threads(1)
     model = _model(kinds)
-    config = DeepSeekV4CPConfig(
+    config = CPConfig(
         layout="load_balanced", regather_compressed_kv=regather, single_rank_bypass=False
     )
     handle = enable_cp(model, None, config)

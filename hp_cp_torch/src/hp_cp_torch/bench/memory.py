@@ -108,7 +108,7 @@ def _step_peak_worker(rank: int, world: int, seq: int, cp: int) -> int | None:
     eager on the whole sequence; else this rank's shard under CP, load-balanced)."""
     import torch
 
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
     from hp_cp_torch.cli.parity import build_tiny_model, make_inputs
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss, cp_shift_labels
 
@@ -118,7 +118,7 @@ def _step_peak_worker(rank: int, world: int, seq: int, cp: int) -> int | None:
     ids = make_inputs(HF_MEM_CONFIG["vocab_size"], 1, seq)
     pos = torch.arange(seq)[None]
     if cp > 1:
-        handle = enable_cp(model, None, DeepSeekV4CPConfig(layout="load_balanced"))
+        handle = enable_cp(model, None, CPConfig(layout="load_balanced"))
         labels = cp_shift_labels(ids)
         n_tok = (labels != -100).sum()
         ids, pos, labels = (handle.shard(t, 1) for t in (ids, pos, labels))

@@ -3,7 +3,7 @@
 Note [Exposed communication]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The 4-layer HF model of :mod:`hp_cp_torch.bench.hotpath` trains at cp = 4 on gloo, twice:
-``DeepSeekV4CPConfig(overlap_exchanges=True)`` (the default) and ``False`` (the blocking
+``CPConfig(overlap_exchanges=True)`` (the default) and ``False`` (the blocking
 path), two models with the same weights, each under its own handle. A :class:`DelayedLink`
 on a handle's group models a slow inter-node link: every point-to-point batch (one halo or
 slot exchange, forward or backward, :meth:`TorchGroup.start_p2p`) completes only
@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
     import torch
     import torch.distributed as dist
 
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
     from hp_cp_torch.bench.hotpath import N_LAYERS
     from hp_cp_torch.bench.memory import HF_MEM_CONFIG
     from hp_cp_torch.cli.parity import (
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, seq: int, rounds: int, steps: int, delay: flo
             layer_types=[SLIDING, CSA, HCA, CSA],
             mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
         ).train()
-        config = DeepSeekV4CPConfig(layout="load_balanced", overlap_exchanges=overlap)
+        config = CPConfig(layout="load_balanced", overlap_exchanges=overlap)
         handle = enable_cp(model, None, config)
         shard = [handle.shard(t, 1) for t in (ids, torch.arange(seq)[None], labels)]
         runs[overlap] = (model, handle, shard, torch.optim.SGD(model.parameters(), lr=1e-4))

@@ -424,7 +424,7 @@ def _step_cp(
 
     model.train()
     model.zero_grad(set_to_none=True)
-    config = hp_cp_core.DeepSeekV4CPConfig(layout=layout)
+    config = hp_cp_core.CPConfig(layout=layout)
     handle = hp_cp_core.enable_cp(model, group, config)
     store: dict[int, list[Any]] = {}
     try:

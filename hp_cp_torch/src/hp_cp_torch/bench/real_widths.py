@@ -213,7 +213,7 @@ def real_point(
 
     import torch
 
-    from hp_cp_core import DeepSeekV4CPConfig, enable_cp
+    from hp_cp_core import CPConfig, enable_cp
     from hp_cp_torch.bench.memory import reset_peak, status_bytes
     from hp_cp_torch.cli.parity import make_inputs
     from hp_cp_torch.integrations.transformers import cp_causal_lm_loss
@@ -227,7 +227,7 @@ def real_point(
     if side == "allgather":
         step, positions = _allgather_step(model, ids, world)
     elif world > 1:
-        config = DeepSeekV4CPConfig(layout="load_balanced", regather_compressed_kv=regather)
+        config = CPConfig(layout="load_balanced", regather_compressed_kv=regather)
         handle = enable_cp(model, None, config)
         batch = handle.batch(ids)
         positions = batch.position_ids

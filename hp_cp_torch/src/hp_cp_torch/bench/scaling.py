@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from hp_cp_core.config import DeepSeekV4CPConfig
+from hp_cp_core.config import CPConfig
 
 __all__ = ["HEADLINE", "STEP_KERNELS", "STEP_VARIANTS", "scaling_measures"]
 
 STEP_KERNELS = ("banded", "efficient", "smallop")
 STEP_LAYOUTS = ("contiguous", "load_balanced")
 STEP_VARIANTS = tuple((lay, ker) for ker in STEP_KERNELS for lay in STEP_LAYOUTS)
-HEADLINE = ("load_balanced", DeepSeekV4CPConfig().attention_kernel)
+HEADLINE = ("load_balanced", CPConfig().attention_kernel)
 """The variant of the headline ``step_time_cp2_over_cp1``, fixed before any run."""
 
 
@@ -105,7 +105,7 @@ def _scaling_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, A
     solo = solos[0]
     cp2, cp1, handles = {}, {}, []
     for layout, kernel in STEP_VARIANTS:
-        options = DeepSeekV4CPConfig(layout=layout, attention_kernel=kernel)
+        options = CPConfig(layout=layout, attention_kernel=kernel)
         layer = copy.deepcopy(plain["csa"])
         h = enable_cp(layer, None, options)
         handles.append(h)
@@ -117,13 +117,13 @@ def _scaling_worker(rank: int, world: int, seq: int, repeat: int) -> dict[str, A
             cp1[f"cp1_{layout}_{kernel}"] = layer
     if rank == 0:  # the sliding-window twin through the CP path (small-op, like the plain one)
         layer = copy.deepcopy(plain["swa"])
-        one = DeepSeekV4CPConfig(attention_kernel="smallop", single_rank_bypass=False)
+        one = CPConfig(attention_kernel="smallop", single_rank_bypass=False)
         handles.append(enable_cp(layer, solo, one))
         cp1["cp1_swa_smallop"] = layer
     # the machine's share: both ranks step the headline's cp = 1 layer at once, no exchange
     twin = copy.deepcopy(plain["csa"])
     lay, ker = HEADLINE
-    one = DeepSeekV4CPConfig(layout=lay, attention_kernel=ker, single_rank_bypass=False)
+    one = CPConfig(layout=lay, attention_kernel=ker, single_rank_bypass=False)
     handles.append(enable_cp(twin, solos[rank], one))
     times: dict[str, list[tuple[float, float]]] = {}
     recv0: dict[str, int] = {}

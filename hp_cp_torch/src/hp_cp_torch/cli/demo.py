@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+from hp_cp_core import CPConfig, disable_cp, enable_cp
 
 OUT_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -72,7 +72,7 @@ def reference_parity(
     ref_index_loss = float(model.layers[RATIOS.index(4)].indexer_loss)
     model.zero_grad()
 
-    handle = enable_cp(model, None, DeepSeekV4CPConfig(layout=layout))
+    handle = enable_cp(model, None, CPConfig(layout=layout))
     t0 = time.perf_counter()
     xl = handle.shard(x, 1).requires_grad_(True)
     outs = model(xl, handle.shard(pos, 0))

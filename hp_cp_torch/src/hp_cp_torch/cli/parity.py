@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+from hp_cp_core import CPConfig, disable_cp, enable_cp
 from hp_cp_torch.integrations.transformers import (
     cp_causal_lm_loss,
     cp_shift_labels,
@@ -243,7 +243,7 @@ def cp_parity(
     layout: str = "contiguous",
     *,
     hf_loss: bool = False,
-    config: DeepSeekV4CPConfig | None = None,
+    config: CPConfig | None = None,
 ) -> dict[str, Any]:
     """Run ``model`` under CP on ``group`` and compare with ``ref`` (every rank of the group).
 
@@ -251,7 +251,7 @@ def cp_parity(
     ``cp_causal_lm_loss`` per rank (``hf_loss=True``: HF's own loss through
     ``shift_labels=`` and ``num_items_in_batch=``), backward, gradients summed over the group.
     """
-    config = config or DeepSeekV4CPConfig(layout=layout)
+    config = config or CPConfig(layout=layout)
     batch, seq_len = ids.shape
     model.train()
     _zero_grads(model)

@@ -77,10 +77,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import CPBatch, CPHandle, DeepSeekV4CPForward, HpCpError, LayerSpec
+from hp_cp_core import CPBatch, CPForward, CPHandle, HpCpError, LayerSpec
 from hp_cp_core.indices import lookback_index
 from hp_cp_core.layout import Documents
-from hp_cp_torch._removed import ENABLE, NEMO_BATCH, removed_names
+from hp_cp_torch._removed import ENABLE, NEMO_BATCH, REGISTRY, deprecated, removed_names
 from hp_cp_torch.adapter import install_forward
 from hp_cp_torch.model_adapter import (
     RECORDED,
@@ -118,7 +118,14 @@ def _quantize(values: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
 
 
 def nemo_v41_adapter_for(module: Any) -> Any:
-    """The adapter for a NeMo ``DeepseekV41Attention``, else ``None`` (never imports NeMo)."""
+    """The adapter for a NeMo ``DeepseekV41Attention``, else ``None`` (never imports NeMo).
+
+    .. deprecated:: 0.5.0
+        Removed in 0.6.0: use ``hp_cp_torch.adapter.adapter_for(module)``, which reads the
+        ``hp_cp.torch_models`` entry points (``register_model_adapter`` for a class of your
+        own).
+    """
+    deprecated(f"{__name__}.nemo_v41_adapter_for", REGISTRY)
     return registered_adapter(module, NemoDeepseekV41AttentionAdapter)
 
 
@@ -126,7 +133,9 @@ def is_v41_model(model: Any) -> bool:
     """Whether ``model`` is or holds a NeMo DeepSeek V4.1 attention layer."""
     if sys.modules.get(ATTENTION) is None or not isinstance(model, nn.Module):
         return False
-    return any(nemo_v41_adapter_for(m) is not None for m in model.modules())
+    return any(
+        registered_adapter(m, NemoDeepseekV41AttentionAdapter) is not None for m in model.modules()
+    )
 
 
 def layer_role(m: nn.Module) -> str:
@@ -432,7 +441,7 @@ class EngramHashCP:
     def __init__(self, module: nn.Module, handle: CPHandle) -> None:
         self.module, self.handle = module, handle
         self.spec = LayerSpec(compress_ratio=0, window_size=int(module.max_ngram_size))
-        self.cp_forward = DeepSeekV4CPForward(
+        self.cp_forward = CPForward(
             module, None, handle.backend, handle.group, self.spec, handle.config,
             handle.cache, None, records=handle.records,
         )  # fmt: skip

@@ -62,7 +62,7 @@ from torch import nn
 from hp_cp_core import LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_core.columns import PlanColumns
-from hp_cp_torch._removed import removed_names
+from hp_cp_torch._removed import REGISTRY, deprecated, removed_names
 from hp_cp_torch.integrations.transformers import (
     ModelCallInputs,
     TransformersAttention,
@@ -100,7 +100,14 @@ MODELINGS = {
 
 def dsa_adapter_for(module: Any) -> Any:
     """The adapter for a transformers DSA attention layer (V3.2 or GLM-5), else ``None``
-    (never imports a modeling file)."""
+    (never imports a modeling file).
+
+    .. deprecated:: 0.5.0
+        Removed in 0.6.0: use ``hp_cp_torch.adapter.adapter_for(module)``, which reads the
+        ``hp_cp.torch_models`` entry points (``register_model_adapter`` for a class of your
+        own).
+    """
+    deprecated(f"{__name__}.dsa_adapter_for", REGISTRY)
     return registered_adapter(module, DSAAttentionAdapter)
 
 
