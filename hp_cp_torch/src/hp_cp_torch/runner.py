@@ -113,7 +113,7 @@ class LayerRunner:
         """The picks, the attention, ``output``, the indexer loss (``query`` is ``None`` when
         ``project`` left it to its ``local_work``)."""
         state = call.extra["state"]
-        for name, t in (("slots", call.cmp_kv_global), ("keys", call.cmp_idx_global)):
+        for name, t in (("slots", call.slots), ("keys", call.keys)):
             setattr(state, name, None if t is None else t.transpose(0, 1))  # [B, N, D]
         state.candidates = call.reused.get("candidates")
         params = self.adapter.attention_params()

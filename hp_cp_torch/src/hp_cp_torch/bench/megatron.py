@@ -226,7 +226,7 @@ def _worker(
     from megatron_own_cp_check import megatron_step
     from megatron_shims import megatron_cpu_shims
 
-    from hp_cp_core import DeepSeekV4CPConfig, disable_cp, enable_cp
+    from hp_cp_core import CPConfig, disable_cp, enable_cp
     from hp_cp_torch.bench.memory import live_tensor_peak
 
     torch.set_num_threads(1)
@@ -271,9 +271,9 @@ def _worker(
             )
             measure("megatron", lambda: megatron_step(model, local, config, world))
 
-        cfg = DeepSeekV4CPConfig(layout="load_balanced")
+        cfg = CPConfig(layout="load_balanced")
         if kernel is not None:
-            cfg = DeepSeekV4CPConfig(layout="load_balanced", attention_kernel=kernel)
+            cfg = CPConfig(layout="load_balanced", attention_kernel=kernel)
         for name, p2p in (("hp_cp", True), ("allgather", False)):
             handle = enable_cp(model, group, cfg)
             handle.group.point_to_point = p2p  # the core's exchange: p2p or all-gather

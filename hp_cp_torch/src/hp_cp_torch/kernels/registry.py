@@ -15,7 +15,7 @@ plan, the indexer's picks, the sink and the scale) that returns the attention ou
   inputs' dtype, op by op as the model rounds); :func:`kernel_precision` reads it (Note
   [Attention precision] in :mod:`hp_cp_torch.precision`).
 
-``DeepSeekV4CPConfig(attention_kernel=NAME)`` picks one by name. Names resolve, in order,
+``CPConfig(attention_kernel=NAME)`` picks one by name. Names resolve, in order,
 from :func:`register_kernel` (this process), the entry points of group
 ``hp_cp.torch_kernels`` (a third party's package: ``name = "package.module:KERNEL"``, the
 object or a class built without arguments), then the shipped kernels (:data:`SHIPPED`). An
