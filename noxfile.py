@@ -243,6 +243,7 @@ def _install_torch_suites(session: nox.Session) -> None:
         *_wheels(session, "hp-cp-core[testing]", "hp-cp-torch[triton,transformers,train]"),
         "./tests/fakes",
         "./tests/model_example",  # a model adapter found only through its entry points
+        "./tests/dsa_example",  # the guide's DSA example, also by entry point only
         TRANSFORMERS,
         *TEST_DEPS,
     )

@@ -499,6 +499,7 @@ JOINT_SUITES: dict[str, tuple[str, tuple[int, ...] | None]] = {
     "triton_cases:triton_suite": ("test_triton.py", (2,)),
     "foreign_cases:foreign_suite": ("test_foreign_modules.py", (2, 3, 4, 8)),
     "model_example_cases:example_suite": ("test_model_example.py", (1, 2, 3, 4)),
+    "dsa_example_cases:dsa_example_suite": ("test_dsa_example.py", (1, 2, 3, 4)),
     "fuzz_cases:fuzz_suite:0": ("test_fuzz.py", None),  # the world sizes that have cases
     "sink_cases:sink_suite": ("test_sink.py", (2,)),
 }
