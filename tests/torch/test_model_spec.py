@@ -439,7 +439,7 @@ MODEL_FILES = {
     "integrations/megatron.py": {
         "MegatronDSAAttentionAdapter": "claims traits prepare_model layer_spec layer_name "
         "read_inputs check_inputs value_checks project index_scores indexer_params "
-        "attention_params output finish",
+        "attention_params attention output finish",
     },
     "integrations/nemo_automodel.py": {
         "NemoDeepseekV4AttentionAdapter": "prepare_model layer_spec read_inputs check_inputs "

@@ -197,6 +197,15 @@ class LayerRunner:
         kind = a.attention_params().kind
         if isinstance(x, torch.Tensor) and kind != "own":
             checks.kernel(cp_forward.config.attention_kernel, x.device)
+        loss = self.indexer_params(cp_forward.spec)
+        if kind == "own" and loss is not None and loss.loss_coeff is not None:
+            checks.fail(
+                "attention_params(kind='own') with indexer_params().loss_coeff set: hp_cp's "
+                "indexer loss needs the picks and the attention's weights, which a layer that "
+                "runs its own attention keeps to itself; set loss_coeff=None and attach the "
+                "model's own loss in finish(), or declare kind='shared_kv', 'grouped' or "
+                "'latent'."
+            )
         if kind in ("grouped", "latent") and cp_forward.spec.window_size:
             checks.fail(
                 f"attention_params(kind={kind!r}) attends to the indexer's picks only, but "
