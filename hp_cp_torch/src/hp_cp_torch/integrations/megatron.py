@@ -56,17 +56,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hp_cp_core import CPHandle, HpCpError, LayerSpec
 from hp_cp_core.api import cp_state_not_copyable
-from hp_cp_core.columns import PlanColumns
 from hp_cp_torch.integrations.megatron_kernel import megatron_sparse_attention
 from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.model_adapter import (
@@ -76,6 +73,7 @@ from hp_cp_torch.model_adapter import (
     Latent,
     LayerInputs,
     ModelAdapter,
+    PlanView,
     Projection,
     Traits,
 )
@@ -96,7 +94,8 @@ ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
 POSITIONS_ATTR = "_hp_cp_model_positions"
 """Where each layer finds the :class:`_ModelPositions` of its handle (Megatron hands the layers
-no positions: Note [The model's positions per forward])."""
+no positions: they are kept per forward, Note [Model values per forward] in
+:mod:`hp_cp_torch.runner`)."""
 
 POSITIONS_HINT = (
     "got position_ids that are not hp_cp's positions of this rank's rows (the global row, or "
@@ -104,10 +103,6 @@ POSITIONS_HINT = (
     "get_batch_on_this_cp_rank (its zigzag) or not sharded. Under hp_cp build the batch with "
     "handle.batch(tokens, cu_seqlens=...) and pass its input_ids and position_ids."
 )
-
-LOSS_CHUNK_ELEMENTS = 1 << 24
-"""Most elements one query chunk of the indexer loss holds (``(heads + indexer heads) x rows
-x keys``: the teacher's logits and the indexer's per-head scores)."""
 
 # Note [Megatron's CP group under hp_cp]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -149,36 +144,16 @@ x keys``: the teacher's logits and the indexer's per-head scores)."""
 # L1-normalised; the student the log-softmax of the indexer scores; over every visible key
 # (dense, the default) or only the top-k picks (dsa_indexer_use_sparse_loss). Under hp_cp each
 # local query's visible keys are in the gathered latents and indexer keys (the causal prefix),
-# so each rank computes its rows' KL with Megatron's own masked_softmax / masked_log_softmax /
-# normalize_indexer_target / indexer_kl_per_row, in query chunks, and divides the sum by the
-# rows of ALL ranks (batch x real rows; padding never counts), or not at all with
-# calculate_per_token_loss (Megatron's sum). The loss, times dsa_indexer_loss_coeff, is
-# attached with Megatron's own DSAIndexerLossAutoScaler, so the schedule's loss scale applies
-# as on one process. Gradients reach the indexer's queries and weights locally and its keys
-# through the exchange's backward, at the rank that computed them. Each rank's share goes to
-# Megatron's DSAIndexerLossLoggingHelper with the CP group as its reduce group (a sum: the
-# global value, as one process logs it). The runner's own indexer
-# loss is not used (IndexerParams.loss_coeff stays None): it is the sparse variant over a
-# shared-KV head, and Megatron's default is the dense one.
-
-
-# Note [The model's positions per forward]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Megatron gives position_ids to the GPTModel, never to the layers; the adapter reads them only
-# to refuse a batch Megatron sharded itself (get_batch_on_this_cp_rank's zigzag) on every rank
-# before any exchange (value_checks, in the agreement), and ropes at them once they passed.
-# A forward pre-hook on each GPTModel hands them over, but a layer may run after a later
-# forward of the model: Megatron's activation recomputation (recompute_granularity="full",
-# tensor_parallel.checkpoint) re-runs each layer of a forward in its backward, and between the
-# two another forward may run (an evaluation forward, the next micro-batch). So the positions
-# are kept per forward, by hp_cp's record of the forward (Note [Records per forward] in
-# hp_cp_core.records): an original layer call files the model's latest position_ids under its
-# forward's record, a recomputed call (hp_cp's scope finds its forward's record again: Note
-# [Finding a recomputed forward's record]) reads them back. The map holds the records weakly:
-# the positions live as long as the forward's graph.
-#
-#     fwd A (pos A) ──> record A: pos A          fwd B (pos B) ──> record B: pos B
-#     bwd A: recompute layer k ──> record A ──> pos A, checked against A's plan
+# so the adapter's indexer_row_kl computes its rows' KL with Megatron's own masked_softmax /
+# masked_log_softmax / normalize_indexer_target / indexer_kl_per_row, and hp_cp's runner
+# chunks the rows, sums the real ones and divides by the rows of ALL ranks (batch x real rows),
+# or not at all with calculate_per_token_loss (IndexerParams.loss_mean=False: Megatron's sum).
+# The loss, times dsa_indexer_loss_coeff, is attached with Megatron's own
+# DSAIndexerLossAutoScaler (IndexerParams.loss_attach), so the schedule's loss scale applies as
+# on one process, and each rank's share goes to Megatron's DSAIndexerLossLoggingHelper with
+# the CP group as its reduce group (a sum: the global value, as one process logs it).
+# Gradients reach the indexer's queries and weights locally and its keys through the
+# exchange's backward, at the rank that computed them.
 
 
 def _module(name: str) -> Any:
@@ -186,14 +161,11 @@ def _module(name: str) -> Any:
 
 
 class _ModelPositions:
-    """The ``position_ids`` each forward of a handle's ``GPTModel`` was given, by the forward's
-    record (Note [The model's positions per forward])."""
+    """The ``position_ids`` the running ``GPTModel`` forward was given (``None`` outside one);
+    hp_cp keeps each forward's (``traits.per_forward``)."""
 
-    def __init__(self, records: Any) -> None:
-        self.records = records
+    def __init__(self) -> None:
         self.latest: Any = None
-        """The running ``GPTModel`` forward's (its pre-hook's; ``None`` outside one)."""
-        self.by_forward: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """The ``GPTModel`` forward pre-hook: its ``position_ids`` (``None`` when not given:
@@ -205,17 +177,6 @@ class _ModelPositions:
         """The ``GPTModel`` forward hook (always called): a layer run outside the model's
         forward takes no model's positions (hp_cp's plan has them)."""
         self.latest = None
-
-    def of_call(self) -> Any:
-        """The positions of the layer call running now: its forward's (filed by an original
-        call under the forward's record, read back by a recomputed one)."""
-        records = self.records
-        record = records.current
-        if records.recomputing:
-            return None if record is None else self.by_forward.get(record)
-        if record is not None:
-            self.by_forward[record] = self.latest
-        return self.latest
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused, as the installed forward is: it belongs to the CP handle's forwards."""
@@ -295,8 +256,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         state_class=MegatronDSAState,
         sequence_dim=0,
         packed_topk_row="stream",  # Megatron's thd top-k: one row per packed stream
-        indexer_grad="loss",  # the indexer's input detached: its loss only, as Megatron
-        rows_are_slots=True,
+        per_forward=("position_ids",),  # the GPTModel's, from its pre-hook
+        model_group="pg_collection.cp",  # Note [Megatron's CP group under hp_cp]
+        rows_are_slots=True,  # the indexer's input detached: its loss only, as Megatron
     )
 
     @property
@@ -306,43 +268,31 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
-        """Refuse, before any exchange, what hp_cp cannot run: tensor parallelism, a Megatron
-        CP group that is not hp_cp's (Note [Megatron's CP group under hp_cp]); a forward
-        pre-hook on each ``GPTModel`` hands the layers its ``position_ids`` per forward (Note
-        [The model's positions per forward]), so that a batch Megatron sharded is refused, not
-        silently roped at the wrong rows."""
-        want = sorted(int(r) for r in handle.group.global_ranks)
+        """Refuse tensor parallelism before any exchange; a forward pre-hook on each
+        ``GPTModel`` hands the layers its ``position_ids`` (hp_cp keeps them per forward:
+        ``traits.per_forward``), so that a batch Megatron sharded is refused, not silently
+        roped at the wrong rows. (hp_cp refuses a Megatron CP group that is not its own:
+        ``traits.model_group``.)"""
         for layer in layers:
-            config = layer.config
-            name = f"AbsorbedMLASelfAttention layer {getattr(layer, 'layer_number', '?')}"
-            if int(config.tensor_model_parallel_size) != 1:
+            if int(layer.config.tensor_model_parallel_size) != 1:
                 raise HpCpError(
-                    f"{name} under CP: tensor_model_parallel_size="
-                    f"{config.tensor_model_parallel_size}; hp_cp runs Megatron's DSA at tensor "
-                    "parallel size 1 (its heads and indexer are not split). Use "
+                    f"AbsorbedMLASelfAttention layer {getattr(layer, 'layer_number', '?')} "
+                    "under CP: tensor_model_parallel_size="
+                    f"{layer.config.tensor_model_parallel_size}; hp_cp runs Megatron's DSA at "
+                    "tensor parallel size 1 (its heads and indexer are not split). Use "
                     "tensor_model_parallel_size=1 with context, data, pipeline or expert "
                     "parallelism."
                 )
-            cp = getattr(getattr(layer, "pg_collection", None), "cp", None)
-            ranks = [dist.get_rank()] if cp is None else dist.get_process_group_ranks(cp)
-            if sorted(int(r) for r in ranks) != want:
-                raise HpCpError(
-                    f"{name} under CP: Megatron's context-parallel group (global ranks "
-                    f"{sorted(ranks)}, context_parallel_size={len(ranks)}) is not hp_cp's "
-                    f"group (global ranks {want}). Build the model with "
-                    f"context_parallel_size={len(want)} and pass "
-                    "parallel_state.get_context_parallel_group() to enable_cp: hp_cp then owns "
-                    "the attention, and Megatron's data loading, DDP and loss scales stay "
-                    "those of its own CP."
-                )
-        positions = _ModelPositions(handle.records)
+        positions = _ModelPositions()
         gpt = getattr(sys.modules.get(GPT_MODEL), "GPTModel", None)
         for mod in model.modules():
             if gpt is not None and isinstance(mod, gpt):
-                hook = mod.register_forward_pre_hook(positions.hook, with_kwargs=True)
-                handle.on_disable(hook.remove)
-                hook = mod.register_forward_hook(positions.done, always_call=True)
-                handle.on_disable(hook.remove)
+                handle.on_disable(
+                    mod.register_forward_pre_hook(positions.hook, with_kwargs=True).remove
+                )
+                handle.on_disable(
+                    mod.register_forward_hook(positions.done, always_call=True).remove
+                )
         for layer in layers:
             layer.__dict__[POSITIONS_ATTR] = positions
         handle.on_disable(lambda: [layer.__dict__.pop(POSITIONS_ATTR, None) for layer in layers])
@@ -395,7 +345,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         positions = self.module.__dict__.get(POSITIONS_ATTR)
         return MegatronCallInputs(
             hidden_states,
-            None if positions is None else positions.of_call(),  # this forward's, the model's
+            None if positions is None else positions.latest,  # the model's, kept per forward
             cu,
             attention_mask=attention_mask,
             packed_seq_params=packed_seq_params,
@@ -447,7 +397,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         if getattr(psp, "local_cp_size", None) is not None:
             checks.fail(f"packed_seq_params.local_cp_size is set (dynamic CP); {fix}")
 
-    def value_checks(self, inputs: MegatronCallInputs, plan: Any) -> list[tuple[Any, str]]:
+    def value_checks(self, inputs: MegatronCallInputs, plan: PlanView) -> list[tuple[Any, str]]:
         """The model's ``position_ids`` (when it was given any) are hp_cp's positions of the
         local rows."""
         pos = inputs.position_ids
@@ -461,7 +411,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         """The layer's rotary table at the local rows' positions ``[L, 1, 1, D]`` and its
         mscale (Note [Megatron's RoPE is position-blind])."""
         positions = state.positions[0]
-        count = int(state.plan.positions.max()) + 1 if state.plan.positions.size else 1
+        count = int(state.view.positions.max()) + 1 if state.view.positions.size else 1
         table = rope.get_emb(count)
         table, mscale = table if isinstance(table, tuple) else (table, 1.0)
         return table.index_select(0, positions.to(table.device).long()), float(mscale)
@@ -548,12 +498,18 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         return score(q[lo:hi], weights[lo:hi], keys.transpose(0, 1), use_relu=relu)
 
     def indexer_params(self) -> IndexerParams | None:
-        """The indexer's top-k and heads (its loss is :meth:`finish`'s, Note [The Megatron
-        indexer loss under hp_cp]); ``None`` on a layer IndexShare skips."""
-        ix = self._indexer
+        """The indexer's top-k, heads and Megatron's loss (Note [The Megatron indexer loss
+        under hp_cp]); ``None`` on a layer IndexShare skips."""
+        ix, config = self._indexer, self.module.config
         if ix is None:
             return None
-        return IndexerParams(topk=int(ix.index_topk), heads=int(ix.index_n_heads))
+        return IndexerParams(
+            topk=int(ix.index_topk),
+            heads=int(ix.index_n_heads),
+            loss_coeff=float(config.dsa_indexer_loss_coeff) if self._loss_on() else None,
+            loss_mean=not config.calculate_per_token_loss,
+            loss_attach=self._attach_loss,
+        )
 
     def attention_params(self) -> AttentionParams:
         m, config = self.module, self.module.config
@@ -580,74 +536,53 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         return out
 
     def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
-        """``(output, bias)`` as Megatron's attention returns them, the indexer loss attached
-        with Megatron's ``DSAIndexerLossAutoScaler``."""
-        if self._loss_on():
-            m, dsa = self.module, _module(DSA)
-            loss = self._indexer_loss_share(state) * float(m.config.dsa_indexer_loss_coeff)
-            # Megatron's logging: this rank's share, summed over the CP group when reduced
-            cp = getattr(getattr(m, "pg_collection", None), "cp", None)
-            dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=loss,
-                layer_number=m.layer_number,
-                num_layers=m.config.num_layers,
-                reduce_group=cp if cp is not None and cp.size() > 1 else None,
-            )
-            out = dsa.DSAIndexerLossAutoScaler.apply(out, loss)
+        """``(output, bias)`` as Megatron's attention returns them."""
         return out, state.bias
 
     # ------------------------------------------------------------------ the indexer loss
-    def _indexer_loss_share(self, state: ForwardState) -> torch.Tensor:
-        """This rank's rows' KL sum (Megatron's dense or sparse variant), over the rows of
-        all ranks unless ``calculate_per_token_loss`` (Note [The Megatron indexer loss under
-        hp_cp])."""
-        m, config, plan = self.module, self.module.config, state.plan
+    def _attach_loss(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (this rank's share, times the coefficient) to Megatron's logging (summed
+        over the CP group when reduced) and attached with its ``DSAIndexerLossAutoScaler``."""
+        m, dsa = self.module, _module(DSA)
+        cp = getattr(getattr(m, "pg_collection", None), "cp", None)
+        dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+            loss=loss,
+            layer_number=m.layer_number,
+            num_layers=m.config.num_layers,
+            reduce_group=cp if cp is not None and cp.size() > 1 else None,
+        )
+        return dsa.DSAIndexerLossAutoScaler.apply(out, loss)
+
+    def indexer_row_kl(self, state: ForwardState, lo: int, hi: int) -> torch.Tensor:
+        """Megatron's KL of the local queries ``lo:hi`` ``[B, hi - lo]``, dense (every slot
+        a row sees) or sparse (its picks): Note [The Megatron indexer loss under hp_cp]."""
+        m, config = self.module, self.module.config
         masking, kl = _module(DSA_MASKING), _module(DSA_LOSS)
-        relu, sparse = bool(config.dsa_indexer_scoring_relu), config.dsa_indexer_use_sparse_loss
         q_idx, weights = state.index_queries
         keys = state.keys  # [B, N, d], with autograd back to each key's owner
-        latents = state.slots.detach().float()  # [B, N, c + r]
-        query = state.projection.query.detach()
+        batch, device = keys.shape[0], keys.device
+        start = torch.as_tensor(state.view.slot_start[lo:hi], device=device).long()
+        stop = start + torch.as_tensor(state.view.slot_count[lo:hi], device=device).long()
+        n = int(stop.max())
+        cols = torch.arange(n, device=device)
+        valid = ((cols >= start[:, None]) & (cols < stop[:, None])).expand(batch, -1, -1)
+        if config.dsa_indexer_use_sparse_loss:
+            picks = state.selected[:, lo:hi].to(device).long()
+            picked = torch.zeros(batch, hi - lo, n + 1, dtype=torch.bool, device=device)
+            picked.scatter_(-1, torch.where((picks >= 0) & (picks < n), picks, n), True)
+            valid = valid & picked[..., :n]
+        query = state.projection.query[:, lo:hi].detach()
         q_no_pe, q_pe = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], -1)
         k_up, _ = m._get_kv_up_weights()
         q_abs = torch.einsum("...nd,ndk->...nk", q_no_pe, k_up.detach())
-        q_abs = torch.cat([q_abs, q_pe], dim=-1).float()  # [B, L, H, c + r]
-        batch, _, heads = q_abs.shape[:3]
-        device = q_abs.device
-        total_rows = (
-            plan.n_slots_total if state.inputs.real_rows is None else state.inputs.real_rows
-        )
-        real = torch.as_tensor(plan.local_rows < total_rows, device=device)  # [L]
-        start = torch.as_tensor(plan.cmp_start, device=device).long()
-        stop = start + torch.as_tensor(plan.cmp_count, device=device).long()
+        q_abs = torch.cat([q_abs, q_pe], dim=-1).float()  # [B, l, H, c + r]
+        latents = state.slots[:, :n].detach().float()  # [B, n, c + r]
         scale = float(m.core_attention.softmax_scale)
-        longest = int(stop.max()) if stop.numel() else 0
-        per_row = (heads + q_idx.shape[2]) * longest * batch  # the teacher's, the student's
-        rows = max(1, LOSS_CHUNK_ELEMENTS // max(1, per_row))
-        # every rank's loss reaches its indexer queries, weights and gathered keys (the keys'
-        # exchange runs its backward on every rank), whatever its rows
-        total = (keys.sum() + q_idx.sum() + weights.sum()).float() * 0.0
-        for lo, hi in PlanColumns(plan, 0).chunks(rows):
-            n = int(stop[lo:hi].max()) if hi > lo else 0
-            if n == 0:
-                continue
-            cols = torch.arange(n, device=device)
-            valid = (cols >= start[lo:hi, None]) & (cols < stop[lo:hi, None])  # [l, n]
-            valid = valid.expand(batch, -1, -1)
-            if sparse:
-                picks = state.selected[:, lo:hi].to(device).long()
-                picked = torch.zeros(batch, hi - lo, n + 1, dtype=torch.bool, device=device)
-                picked.scatter_(-1, torch.where((picks >= 0) & (picks < n), picks, n), True)
-                valid = valid & picked[..., :n]
-            logits = torch.einsum("blhd,bnd->bhln", q_abs[:, lo:hi], latents[:, :n]) * scale
-            target = masking.masked_softmax(logits, valid.unsqueeze(1).expand_as(logits))
-            target = kl.normalize_indexer_target(target.sum(dim=1))  # [B, l, n]
-            scores = _module(DSA)._compute_index_scores(
-                q_idx[lo:hi], weights[lo:hi], keys[:, :n].transpose(0, 1), use_relu=relu
-            )
-            log_student = masking.masked_log_softmax(scores.float(), valid)
-            per_row = kl.indexer_kl_per_row(target, log_student)  # [B, l]
-            total = total + (per_row * real[lo:hi].to(per_row.dtype)).sum()
-        if config.calculate_per_token_loss:
-            return total
-        return total / max(1, batch * int(total_rows))
+        logits = torch.einsum("blhd,bnd->bhln", q_abs, latents) * scale
+        target = masking.masked_softmax(logits, valid.unsqueeze(1).expand_as(logits))
+        target = kl.normalize_indexer_target(target.sum(dim=1))  # [B, l, n]
+        relu = bool(config.dsa_indexer_scoring_relu)
+        scores = _module(DSA)._compute_index_scores(
+            q_idx[lo:hi], weights[lo:hi], keys[:, :n].transpose(0, 1), use_relu=relu
+        )
+        return kl.indexer_kl_per_row(target, masking.masked_log_softmax(scores.float(), valid))
