@@ -159,7 +159,8 @@ class PlanView:
             raise AttributeError(name)
         warnings.warn(
             f"reading {name} of the plan handed to a hook is deprecated since 0.5.0 and "
-            f"removed in 0.6.0: read the fields of hp_cp_torch.PlanView ({_view_fields()}).",
+            "removed in 0.6.0: read the fields of hp_cp_torch.model_adapter.PlanView "
+            f"({_view_fields()}).",
             DeprecationWarning,
             stacklevel=2,
         )

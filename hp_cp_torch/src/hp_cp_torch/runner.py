@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import CPContext, HpCpError, stage1_compress_with_halo
+from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indexer_loss import indexer_loss_weight
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
@@ -56,7 +57,17 @@ from hp_cp_torch.model_adapter import (
 from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
-__all__ = ["LayerRunner", "agree_values", "check_model_group", "runner_of"]
+__all__ = [
+    "LayerRunner",
+    "agree_values",
+    "check_model_group",
+    "model_argument",
+    "runner_of",
+    "watch_model_argument",
+]
+
+MODEL_ARGUMENT_ATTR = "_hp_cp_model_arguments"
+"""Where a layer finds the :class:`_ModelArgument` values :func:`watch_model_argument` hands it."""
 
 LOSS_CHUNK_ELEMENTS = 1 << 24
 """Most elements one query chunk of a model's own indexer loss holds (``(heads + indexer
@@ -114,6 +125,48 @@ def check_model_group(adapter: ModelAdapter, handle: Any) -> None:
             "enable_cp: hp_cp then owns the attention, and the model's data loading, gradient "
             "reduction and loss scales stay those of its own CP."
         )
+
+
+class _ModelArgument:
+    """One argument of a model-level module's forward while that forward runs (``None``
+    outside one)."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name, self.index, self.latest = name, index, None
+
+    def hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        given = args[self.index : self.index + 1] or (None,)
+        self.latest = kwargs[self.name] if self.name in kwargs else given[0]
+
+    def done(self, *_: Any) -> None:
+        self.latest = None  # always called: a layer run outside the forward takes none
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise cp_state_not_copyable("a layer hp_cp runs")
+
+
+def watch_model_argument(
+    model: Any, owner: type, name: str, index: int, layers: list[Any], handle: Any
+) -> None:
+    """Hand ``layers`` the argument ``name`` (positional ``index``) of the forward of each
+    ``owner`` module of ``model`` while it runs (:func:`model_argument` reads it, say in
+    ``read_inputs``); name the field it fills in ``traits.per_forward`` so that a recomputed
+    call gets its own forward's (Note [Model values per forward]). Undone by ``disable_cp``."""
+    arg = _ModelArgument(name, index)
+    for mod in model.modules():
+        if isinstance(mod, owner):
+            handle.on_disable(mod.register_forward_pre_hook(arg.hook, with_kwargs=True).remove)
+            handle.on_disable(mod.register_forward_hook(arg.done, always_call=True).remove)
+    for layer in layers:
+        layer.__dict__.setdefault(MODEL_ARGUMENT_ATTR, {})[name] = arg
+    handle.on_disable(lambda: [layer.__dict__.pop(MODEL_ARGUMENT_ATTR, None) for layer in layers])
+
+
+def model_argument(layer: Any, name: str) -> Any:
+    """The running model forward's argument ``name`` that :func:`watch_model_argument` hands
+    ``layer``, or ``None`` (outside such a forward, or not watched)."""
+    arg = layer.__dict__.get(MODEL_ARGUMENT_ATTR, {}).get(name)
+    return None if arg is None else arg.latest
 
 
 def _first_failed(flags: list[Any], device: Any) -> Any:

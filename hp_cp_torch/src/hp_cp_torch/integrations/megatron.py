@@ -1,55 +1,15 @@
 """megatron-core 0.19.2's DeepSeek sparse attention (V3.2, GLM-5) under CP.
 
-``enable_cp(model, cp_group, config)`` on a Megatron ``GPTModel`` built from Megatron's own spec
-(``get_transformer_layer_with_experimental_attention_variant_spec``: ``TransformerLayer`` ->
-``AbsorbedMLASelfAttention`` -> ``DSAttention`` -> ``DSAIndexer``) replaces the forward of every
-``AbsorbedMLASelfAttention``; embeddings, MLP / MoE, norms and the output layer are token-local
-and run unchanged on each rank's rows. Each rank::
-
-    cp_group = parallel_state.get_context_parallel_group()   # Megatron's own CP group
-    handle = enable_cp(model, cp_group, DeepSeekV4CPConfig(layout="load_balanced"))
-    batch = handle.batch(tokens, cu_seqlens=cu)      # in place of get_batch_on_this_cp_rank
-    out = model(batch.input_ids, batch.position_ids, None, labels=megatron_labels(batch),
-                packed_seq_params=packed_seq_params(batch))
-
-The mapping (Note [Megatron's CP group under hp_cp]): Megatron keeps its
-``context_parallel_size`` and CP group, so its data loading, DDP reduction over data x context
-parallel ranks and its schedule's loss scales are unchanged; hp_cp owns the attention layers,
-so Megatron's all-gather DSA CP, its zigzag RoPE slicing and its per-rank indexer loss never run.
-
-The layer is DSA, the core's ``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)``:
-every token is its own slot, the slot of token ``j`` is its MLA latent ``[kv_layernorm(c_kv)
-(kv_lora_rank) ; roped k_pos_emb (qk_pos_emb_head_dim)]`` and its indexer key, so one exchange
-per layer moves each rank the latents and indexer keys of the causal prefix its queries read,
-never per-head keys and values. A layer Megatron's IndexShare skips
-(``dsa_indexer_topk_freq``) has no indexer: it reuses the picks of the last layer that
-computed them through the core's sharing plan and moves no indexer keys.
-
-The stages are Megatron's ops on the module's own parameters, sequence-major as Megatron runs
-them (``Traits(sequence_dim=0)``):
-
-* RoPE at global positions: the layer's own ``RotaryEmbedding.get_emb`` (Yarn's too) table,
-  read at hp_cp's positions of the local rows (the global row, or the position within the
-  document when packed), applied by ``apply_rotary_pos_emb``; Megatron's own forward counts
-  the local rows from 0 and slices by its own zigzag (Note [Megatron's RoPE is
-  position-blind]);
-* the indexer (``linear_wq_b``, ``linear_wk``, ``k_norm``, ``linear_weights_proj``, the
-  Hadamard ``rotate_activation``) on the detached layer input, as Megatron; its keys are
-  computed by the rank that owns the token and moved with the latents; scores by Megatron's
-  ``_compute_index_scores`` (ReLU as ``dsa_indexer_scoring_relu`` says);
-* top-k as Megatron's ``torch.topk`` picks it on one process (its row is the whole sequence,
-  or the whole packed stream: ``packed_topk_row="stream"``);
-* attention on the gathered latents (Note [DSA attention on the latents] in
-  :mod:`hp_cp_torch.latent_attention`: the absorbed form Megatron's ``AbsorbedMLA`` computes),
-  or with ``attention_kernel="megatron"`` Megatron's own sparse attention on them (Note
-  [Megatron's kernel on hp_cp's prefix] in :mod:`.megatron_kernel`), then ``linear_proj``;
-* the indexer loss (Note [The Megatron indexer loss under hp_cp]).
-
-Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every rank, before any
-exchange): tensor parallelism (``tensor_model_parallel_size > 1``), a Megatron CP group that
-is not hp_cp's group, an ``attention_mask`` (hp_cp's causal masks are the plan's), packed
-batches with Megatron's per-document padding (``cu_seqlens_q_padded``) or a
-``real_token_mask_q``, inference contexts.
+``enable_cp(model, parallel_state.get_context_parallel_group(), config)`` on a ``GPTModel``
+built from Megatron's own DSA spec replaces the forward of every ``AbsorbedMLASelfAttention``
+(the rest is token-local); the batch comes from ``handle.batch`` with :func:`megatron_labels`
+and :func:`packed_seq_params` in place of ``get_batch_on_this_cp_rank``.
+Megatron keeps its ``context_parallel_size`` and CP group (Note [Megatron's CP group under
+hp_cp] in :mod:`.megatron_batch`); hp_cp owns the attention layers, DSA's
+``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)``: the slot of token ``j`` is
+its MLA latent ``[kv_layernorm(c_kv) ; roped k_pos_emb]`` with its indexer key. The stages are
+Megatron's ops on the module's own parameters, sequence-major (docs/megatron.md walks through
+them and lists what is refused: tensor parallelism, attention masks, inference contexts).
 """
 
 from __future__ import annotations
@@ -63,7 +23,12 @@ import torch
 from torch import nn
 
 from hp_cp_core import CPHandle, HpCpError, LayerSpec
-from hp_cp_core.api import cp_state_not_copyable
+from hp_cp_torch.integrations.megatron_batch import (
+    check_packed,
+    megatron_labels,
+    megatron_loss,
+    packed_seq_params,
+)
 from hp_cp_torch.integrations.megatron_kernel import megatron_sparse_attention
 from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.model_adapter import (
@@ -77,14 +42,10 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
+from hp_cp_torch.runner import model_argument, watch_model_argument
 from hp_cp_torch.validation import TensorChecks
 
-__all__ = [
-    "MegatronDSAAttentionAdapter",
-    "megatron_labels",
-    "megatron_loss",
-    "packed_seq_params",
-]
+__all__ = ["MegatronDSAAttentionAdapter", "megatron_labels", "megatron_loss", "packed_seq_params"]
 
 ABSORBED_MLA = "megatron.core.transformer.experimental_attention_variant.absorbed_mla"
 DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
@@ -92,11 +53,11 @@ DSA_MASKING = "megatron.core.transformer.experimental_attention_variant.dsa_mask
 DSA_LOSS = "megatron.core.transformer.experimental_attention_variant.dsa_indexer_loss"
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
-POSITIONS_ATTR = "_hp_cp_model_positions"
-"""Where each layer finds the :class:`_ModelPositions` of its handle (Megatron hands the layers
-no positions: they are kept per forward, Note [Model values per forward] in
-:mod:`hp_cp_torch.runner`)."""
-
+MEGATRON_ARGS = (
+    "key_value_states inference_context rotary_pos_emb rotary_pos_cos rotary_pos_sin "
+    "rotary_pos_cos_sin attention_bias packed_seq_params position_ids sequence_len_offset"
+).split()
+"""``AbsorbedMLASelfAttention.forward``'s arguments after ``attention_mask``, in order."""
 POSITIONS_HINT = (
     "got position_ids that are not hp_cp's positions of this rank's rows (the global row, or "
     "the position within the document when packed): a batch sharded by Megatron's "
@@ -104,83 +65,29 @@ POSITIONS_HINT = (
     "handle.batch(tokens, cu_seqlens=...) and pass its input_ids and position_ids."
 )
 
-# Note [Megatron's CP group under hp_cp]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Two mappings were possible: Megatron at context_parallel_size 1 with hp_cp's group beside it,
-# or Megatron's own CP group and size reused as hp_cp's group. hp_cp takes the second:
-#
-# * Megatron's data loading gives every rank of a CP group the same micro-batch only when it
-#   knows they are CP ranks; at context_parallel_size 1 they would be data-parallel ranks and
-#   read different batches.
-# * DDP reduces gradients over data x context parallel ranks scaled by 1 / (dp x cp), and the
-#   schedule scales the indexer loss by cp (``forward_step_calc_loss``, schedules.py:386-392).
-#   hp_cp's indexer loss on each rank is its rows' KL sum over the rows of ALL ranks (a share
-#   of the global mean, not a local mean), so cp x (1 / cp) applies exactly the one-process
-#   gradient. At context_parallel_size 1 the same shares would be averaged over the CP ranks
-#   as data-parallel ranks: the indexer gradient 1 / cp of the one-process one.
-# * Megatron's own CP code in the attention (the all-gather of keys, values and indexer keys,
-#   the zigzag RoPE slice, the per-rank indexer loss) lives in the layer hp_cp replaces; the
-#   batch is sharded by handle.batch in place of get_batch_on_this_cp_rank.
-#
-# With calculate_per_token_loss the loss function returns this rank's token count and
-# finalize_model_grads sums it over dp x cp; without it the schedule divides each rank's loss
-# by the count the loss function returns, so megatron_loss returns sum x cp / (the batch's
-# count) and a count of 1: the global mean after DDP's average, whatever each rank's count.
-
 # Note [Megatron's RoPE is position-blind]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Megatron's MLA and indexer compute their rotary table for positions 0 .. S-1 of the local
-# rows (RotaryEmbedding.forward) and, at context_parallel_size > 1, cut it with their own
-# zigzag (get_pos_emb_on_this_cp_rank); position_ids never reach the layers. Under hp_cp a
-# rank's rows are any of the layout's, so the adapter reads the layer's own table
-# (RotaryEmbedding.get_emb / YarnRotaryEmbedding.get_emb, before any CP cut) at hp_cp's
-# positions of the local rows: row p of the table is the same numbers whatever its length, so
-# each row is roped exactly as on one process (packed: per document, as Megatron's thd RoPE).
+# Megatron's MLA and indexer rope positions 0 .. S-1 of the local rows and cut the table by
+# their own zigzag at context_parallel_size > 1; position_ids never reach the layers. Under
+# hp_cp the adapter reads the layer's own table (RotaryEmbedding.get_emb, Yarn's too, before
+# any CP cut) at hp_cp's positions of the local rows: row p of the table is the same whatever
+# its length, so each row is roped as on one process (packed: per document, as thd RoPE).
 
 # Note [The Megatron indexer loss under hp_cp]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Megatron's KL (compute_dsa_indexer_loss): per query row, the teacher is the absorbed
 # attention's softmax per head (query and latents detached), summed over heads and
 # L1-normalised; the student the log-softmax of the indexer scores; over every visible key
-# (dense, the default) or only the top-k picks (dsa_indexer_use_sparse_loss). Under hp_cp each
-# local query's visible keys are in the gathered latents and indexer keys (the causal prefix),
-# so the adapter's indexer_row_kl computes its rows' KL with Megatron's own masked_softmax /
-# masked_log_softmax / normalize_indexer_target / indexer_kl_per_row, and hp_cp's runner
-# chunks the rows, sums the real ones and divides by the rows of ALL ranks (batch x real rows),
-# or not at all with calculate_per_token_loss (IndexerParams.loss_mean=False: Megatron's sum).
-# The loss, times dsa_indexer_loss_coeff, is attached with Megatron's own
-# DSAIndexerLossAutoScaler (IndexerParams.loss_attach), so the schedule's loss scale applies as
-# on one process, and each rank's share goes to Megatron's DSAIndexerLossLoggingHelper with
-# the CP group as its reduce group (a sum: the global value, as one process logs it).
-# Gradients reach the indexer's queries and weights locally and its keys through the
-# exchange's backward, at the rank that computed them.
+# (dense, the default) or only the top-k picks (dsa_indexer_use_sparse_loss). Each local
+# query's visible keys are in the gathered latents and indexer keys, so indexer_row_kl is
+# Megatron's own masked_softmax / normalize_indexer_target / indexer_kl_per_row on them; the
+# runner sums the real rows over all ranks' count, or not with calculate_per_token_loss
+# (loss_mean=False), and loss_attach hands the loss x coeff to Megatron's logging (summed over
+# the CP group) and DSAIndexerLossAutoScaler (the schedule's loss scale, as on one process).
 
 
 def _module(name: str) -> Any:
     return importlib.import_module(name)
-
-
-class _ModelPositions:
-    """The ``position_ids`` the running ``GPTModel`` forward was given (``None`` outside one);
-    hp_cp keeps each forward's (``traits.per_forward``)."""
-
-    def __init__(self) -> None:
-        self.latest: Any = None
-
-    def hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        """The ``GPTModel`` forward pre-hook: its ``position_ids`` (``None`` when not given:
-        Megatron's RoPE needs none, hp_cp's plan has them)."""
-        pos = kwargs["position_ids"] if "position_ids" in kwargs else (args[1:2] or (None,))[0]
-        self.latest = pos
-
-    def done(self, *_: Any) -> None:
-        """The ``GPTModel`` forward hook (always called): a layer run outside the model's
-        forward takes no model's positions (hp_cp's plan has them)."""
-        self.latest = None
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused, as the installed forward is: it belongs to the CP handle's forwards."""
-        raise cp_state_not_copyable("AbsorbedMLASelfAttention")
 
 
 @dataclass
@@ -199,53 +106,6 @@ class MegatronDSAState(ForwardState):
     bias: Any = None
 
 
-def packed_seq_params(batch: Any) -> Any:
-    """Megatron's ``PackedSeqParams`` (``qkv_format="thd"``) of a packed ``handle.batch``: the
-    global boundaries of the padded stream, or ``None`` for a padded (unpacked) batch."""
-    cu = getattr(batch, "cu_seqlens", None)
-    if cu is None:
-        return None
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.as_tensor(cu, dtype=torch.int32, device=batch.input_ids.device)
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-
-
-def megatron_labels(batch: Any, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels, loss_mask)`` for Megatron's ``GPTModel(..., labels=labels)`` from a
-    ``handle.batch``: its shifted labels with ``ignore_index`` (padding, document ends) set to
-    0 and masked out, as Megatron's cross entropy takes only vocabulary ids."""
-    labels = batch.labels
-    mask = labels != ignore_index
-    return torch.where(mask, labels, torch.zeros_like(labels)), mask.to(torch.float32)
-
-
-def megatron_loss(
-    losses: torch.Tensor, loss_mask: torch.Tensor, batch: Any, cp_size: int, per_token: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, num_tokens)``, the first two values a Megatron ``loss_func`` returns under
-    hp_cp (Note [Megatron's CP group under hp_cp]), from ``GPTModel``'s per-token losses and
-    :func:`megatron_labels`' mask. With ``calculate_per_token_loss``: this rank's loss sum and
-    target count (Megatron sums the counts over data x context parallel ranks). Without it:
-    the sum times ``cp_size`` over the batch's targets (``batch.n_tokens``, all ranks) and a
-    count of 1, so that DDP's average over the CP ranks gives the global mean whatever each
-    rank's own count (Megatron's per-rank mean is exact only for equal counts)."""
-    mask = loss_mask.reshape(-1).to(torch.float32)
-    total = torch.sum(losses.reshape(-1).float() * mask)
-    if per_token:
-        return total, mask.sum().to(torch.int)
-    n_tokens = torch.as_tensor(batch.n_tokens, device=total.device).to(torch.float32)
-    one = torch.ones((), dtype=torch.int, device=total.device)
-    return total * (cp_size / n_tokens.clamp(min=1)), one
-
-
 class MegatronDSAAttentionAdapter(ModelAdapter):
     """Hooks for megatron-core's ``AbsorbedMLASelfAttention`` with ``DSAttention`` (sequence-
     major ``[S, B, hidden]``, packed ``[T, 1, hidden]``): Megatron's MLA projections and
@@ -257,7 +117,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         sequence_dim=0,
         packed_topk_row="stream",  # Megatron's thd top-k: one row per packed stream
         per_forward=("position_ids",),  # the GPTModel's, from its pre-hook
-        model_group="pg_collection.cp",  # Note [Megatron's CP group under hp_cp]
+        model_group="pg_collection.cp",  # Megatron's CP group must be hp_cp's
         rows_are_slots=True,  # the indexer's input detached: its loss only, as Megatron
     )
 
@@ -283,19 +143,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
                     "tensor_model_parallel_size=1 with context, data, pipeline or expert "
                     "parallelism."
                 )
-        positions = _ModelPositions()
         gpt = getattr(sys.modules.get(GPT_MODEL), "GPTModel", None)
-        for mod in model.modules():
-            if gpt is not None and isinstance(mod, gpt):
-                handle.on_disable(
-                    mod.register_forward_pre_hook(positions.hook, with_kwargs=True).remove
-                )
-                handle.on_disable(
-                    mod.register_forward_hook(positions.done, always_call=True).remove
-                )
-        for layer in layers:
-            layer.__dict__[POSITIONS_ATTR] = positions
-        handle.on_disable(lambda: [layer.__dict__.pop(POSITIONS_ATTR, None) for layer in layers])
+        if gpt is not None:  # GPTModel.forward(input_ids, position_ids, ...)
+            watch_model_argument(model, gpt, "position_ids", 1, layers, handle)
 
     def layer_spec(self) -> LayerSpec:
         return LayerSpec(
@@ -315,41 +165,24 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         self,
         hidden_states: Any,
         attention_mask: Any = None,
-        key_value_states: Any = None,
-        inference_context: Any = None,
-        rotary_pos_emb: Any = None,
-        rotary_pos_cos: Any = None,
-        rotary_pos_sin: Any = None,
-        rotary_pos_cos_sin: Any = None,
-        attention_bias: Any = None,
+        *args: Any,
         packed_seq_params: Any = None,
-        position_ids: Any = None,
-        sequence_len_offset: Any = None,
-        *,
-        inference_params: Any = None,
+        **kwargs: Any,
     ) -> MegatronCallInputs:
-        given = {
-            "key_value_states": key_value_states,
-            "inference_context": inference_context,
-            "inference_params": inference_params,
-            "rotary_pos_emb": rotary_pos_emb,
-            "rotary_pos_cos": rotary_pos_cos,
-            "rotary_pos_sin": rotary_pos_sin,
-            "rotary_pos_cos_sin": rotary_pos_cos_sin,
-            "attention_bias": attention_bias,
-            "sequence_len_offset": sequence_len_offset,
-        }
-        cu = None
-        if packed_seq_params is not None:
-            cu = getattr(packed_seq_params, "cu_seqlens_q", None)
-        positions = self.module.__dict__.get(POSITIONS_ATTR)
+        """``AbsorbedMLASelfAttention.forward``'s call; the model's ``position_ids`` are the
+        ``GPTModel``'s (hp_cp keeps each forward's: ``traits.per_forward``)."""
+        given = {**dict(zip(MEGATRON_ARGS, args)), **kwargs}
+        psp = given.pop("packed_seq_params", packed_seq_params)  # 8th positional
+        cu = None if psp is None else getattr(psp, "cu_seqlens_q", None)
         return MegatronCallInputs(
             hidden_states,
-            None if positions is None else positions.latest,  # the model's, kept per forward
+            model_argument(self.module, "position_ids"),
             cu,
             attention_mask=attention_mask,
-            packed_seq_params=packed_seq_params,
-            unsupported=tuple(k for k, v in given.items() if v is not None and v is not False),
+            packed_seq_params=psp,
+            unsupported=tuple(
+                k for k, v in given.items() if k != "position_ids" and v not in (None, False)
+            ),
         )
 
     def check_inputs(self, inputs: MegatronCallInputs, checks: TensorChecks) -> None:
@@ -371,31 +204,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
             )
         psp = inputs.packed_seq_params
         if psp is not None:
-            self._check_packed(psp, checks)
+            check_packed(psp, checks)
         if self.module.attn_mask_type.name != "causal":
             checks.fail(f"attn_mask_type={self.module.attn_mask_type.name}; CP runs causal DSA.")
-
-    def _check_packed(self, psp: Any, checks: TensorChecks) -> None:
-        fix = (
-            "pass packed_seq_params(batch) of handle.batch(tokens, cu_seqlens=cu): the global "
-            "boundaries of the stream, padded at its end by hp_cp."
-        )
-        if psp.qkv_format != "thd":
-            checks.fail(f"got packed_seq_params with qkv_format={psp.qkv_format!r}; {fix}")
-        pairs = (
-            ("cu_seqlens_kv", psp.cu_seqlens_kv),
-            ("cu_seqlens_q_padded", psp.cu_seqlens_q_padded),
-            ("cu_seqlens_kv_padded", psp.cu_seqlens_kv_padded),
-        )
-        for name, other in pairs:
-            if other is not None and not torch.equal(
-                torch.as_tensor(other).cpu().long(), torch.as_tensor(psp.cu_seqlens_q).cpu().long()
-            ):
-                checks.fail(f"packed_seq_params.{name} differs from cu_seqlens_q; {fix}")
-        if getattr(psp, "real_token_mask_q", None) is not None:
-            checks.fail(f"packed_seq_params carries real_token_mask_q; {fix}")
-        if getattr(psp, "local_cp_size", None) is not None:
-            checks.fail(f"packed_seq_params.local_cp_size is set (dynamic CP); {fix}")
 
     def value_checks(self, inputs: MegatronCallInputs, plan: PlanView) -> list[tuple[Any, str]]:
         """The model's ``position_ids`` (when it was given any) are hp_cp's positions of the
