@@ -86,6 +86,10 @@ class ForwardRecord:
         self.agreed: dict[int, Agreed] = {}
         """Layer index -> how that layer's call agreed in this forward: a recomputation of
         the layer agrees the same way (Note [A recomputation replays the agreement])."""
+        self.filed: dict[tuple[int, str], object] = {}
+        """``(layer index, name)`` -> a value the model filed in this forward's call of that
+        layer, handed back to its recomputation (Note [Model values per forward] in
+        :mod:`hp_cp_torch.runner`)."""
 
     def __repr__(self) -> str:
         pad = self.sequence.padding

@@ -41,7 +41,7 @@ from hp_cp_torch.model_adapter import (
     check_layer_hooks,
 )
 from hp_cp_torch.model_registry import adapter_class_for
-from hp_cp_torch.runner import LayerRunner, runner_of
+from hp_cp_torch.runner import LayerRunner, check_model_group, runner_of
 from hp_cp_torch.validation import TensorChecks
 
 ADAPTER_ATTR = "_hp_cp_adapter"
@@ -365,7 +365,8 @@ def patch_torch_deepseek_v4_csa_forward(
 
 
 def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> None:
-    """Refuse a layer whose adapter lacks a hook it needs (:func:`check_layer_hooks`) and
+    """Refuse a layer whose adapter lacks a hook it needs (:func:`check_layer_hooks`), a
+    model whose own CP group is not the handle's (:func:`check_model_group`) and
     ``attention_precision="model"`` where an adapter has no ``attention`` of its own, then
     run each adapter class's ``prepare_model(module, layers, handle)`` once, with its own
     layers: the model-level pieces an integration needs under CP (NeMo's guards, V4.1's
@@ -375,6 +376,7 @@ def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> N
         adapter = adapter_for(layer)
         if adapter is not None:
             check_layer_hooks(adapter)
+            check_model_group(adapter, handle)
             by_class.setdefault(type(adapter), []).append(layer)
     if handle.config.attention_precision == "model":
         lacking = {

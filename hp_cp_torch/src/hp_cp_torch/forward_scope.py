@@ -72,16 +72,16 @@ class _Tags:
         return {r for r in (*self.strong, *self.weak) if records.owns(r)}
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``value`` (nested tuples, lists and dicts; a model output's fields)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, list | tuple):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -106,7 +106,7 @@ def mark_batch(tensor: Any, records: ForwardRecords, sequence: ShardedSequence) 
 
 def batch_of(args: Any, records: ForwardRecords) -> ShardedSequence | None:
     """The padding record of the batch one of ``args``' tensors was cut from, if any."""
-    for t in _tensors(args):
+    for t in tensors_in(args):
         marks = getattr(_storage(t), BATCH_ATTR, None)
         if marks is not None and records in marks:
             return marks[records]
@@ -116,7 +116,7 @@ def batch_of(args: Any, records: ForwardRecords) -> ShardedSequence | None:
 def tag(args: Any, record: ForwardRecord) -> None:
     """Tag the storages of ``args``' tensors with ``record`` (kept by those needing a
     gradient: Note [Finding a recomputed forward's record])."""
-    for t in _tensors(args):
+    for t in tensors_in(args):
         storage = _storage(t)
         if storage is None:
             continue
@@ -132,7 +132,7 @@ def find(args: Any, records: ForwardRecords) -> ForwardRecord | None:
     the only live record; else ``None`` (arguments naming different records, or several
     live forwards and nothing to tell them apart)."""
     named: set[ForwardRecord] = set()
-    for t in _tensors(args):
+    for t in tensors_in(args):
         tags = getattr(_storage(t), FORWARDS_ATTR, None)
         if tags is None:
             continue
@@ -150,7 +150,7 @@ def find(args: Any, records: ForwardRecords) -> ForwardRecord | None:
 def keep_with_graph(out: Any, record: ForwardRecord) -> None:
     """Keep ``record`` alive as long as the graph of ``out``'s tensors (on their autograd
     nodes): a forward whose backward is still to come always has its record."""
-    for t in _tensors(out):
+    for t in tensors_in(out):
         if t.grad_fn is not None:
             t.grad_fn.metadata[FORWARDS_ATTR] = record
 

@@ -152,8 +152,10 @@ def indexer_loss_share(
     loss_mask: torch.Tensor | None = None,
     latent: Any = None,
     kv_heads: int | None = None,
+    mean: bool = True,
 ) -> torch.Tensor:
-    """This rank's share of the global loss: its rows' KL sum over ``N`` (all ranks' rows).
+    """This rank's share of the global loss: its rows' KL sum over ``N`` (all ranks' rows),
+    or the sum itself (``mean=False``).
 
     The columns are the attention's own (:class:`~hp_cp_core.columns.PlanColumns`), chunk
     by chunk, so the teacher's window + sink mass is exactly the attention's. For latent
@@ -199,7 +201,7 @@ def indexer_loss_share(
     kl = torch.cat(kls, dim=1)
     if loss_mask is not None:
         kl = kl * (loss_mask.reshape(kl.shape) != 0).to(kl.dtype)
-    return kl.sum() * indexer_loss_weight(call)
+    return kl.sum() * indexer_loss_weight(call) if mean else kl.sum()
 
 
 def latent_queries(q: torch.Tensor, latent: Any) -> torch.Tensor:

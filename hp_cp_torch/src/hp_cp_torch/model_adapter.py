@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -51,6 +52,7 @@ __all__ = [
     "LayerInputs",
     "LayerKind",
     "ModelAdapter",
+    "PlanView",
     "Projection",
     "Traits",
     "check_layer_hooks",
@@ -104,6 +106,71 @@ class Projection:
     local_work: tuple[Callable[[], None], ...] = ()
 
 
+@dataclass(frozen=True)
+class PlanView:
+    """What a hook may read of this rank's plan, read-only (``state.view``; ``value_checks``'s
+    ``plan``): one entry per local row unless said otherwise.
+
+    Attributes:
+        positions: ``[L]`` the rows' positions (the global row, or the position within the
+            document when packed).
+        rows: ``[L]`` the rows' global row numbers.
+        total_rows: the sequence's rows, the layout's padding included.
+        real_rows: the rows before the layout's padding, or ``None``: no padding.
+        cu_seqlens: the global document boundaries ``[0, ..., S]`` (packed), or ``None``.
+        slot_start: ``[L]`` the first slot each row sees (global slot id).
+        slot_count: ``[L]`` how many slots it sees from there (causal; its document's).
+    """
+
+    positions: np.ndarray
+    rows: np.ndarray
+    total_rows: int
+    real_rows: int | None
+    cu_seqlens: np.ndarray | None
+    slot_start: np.ndarray
+    slot_count: np.ndarray
+    _plan: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, plan: Any, real_rows: int | None = None, cu_seqlens: Any = None) -> PlanView:
+        """The view of a core ``RankPlan`` (its arrays read-only)."""
+
+        def frozen(a: Any) -> np.ndarray:
+            out = np.asarray(a).view()
+            out.flags.writeable = False
+            return out
+
+        cu = None if cu_seqlens is None else frozen(cu_seqlens)
+        return cls(
+            frozen(plan.positions),
+            frozen(plan.local_rows),
+            int(plan.layout.total_rows),
+            real_rows,
+            cu,
+            frozen(plan.cmp_start),
+            frozen(plan.cmp_count),
+            plan,
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        """A ``RankPlan`` field an adapter written against 0.4 reads (deprecated)."""
+        plan = self.__dict__.get("_plan")
+        if name.startswith("__") or plan is None or not hasattr(plan, name):
+            raise AttributeError(name)
+        warnings.warn(
+            f"reading {name} of the plan handed to a hook is deprecated since 0.5.0 and "
+            "removed in 0.6.0: read the fields of hp_cp_torch.model_adapter.PlanView "
+            f"({_view_fields()}).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(plan, name)
+
+
+def _view_fields() -> str:
+    return ", ".join(f.name for f in dataclasses.fields(PlanView) if not f.name.startswith("_"))
+
+
 @dataclass
 class ForwardState:
     """One layer's CP forward, handed to the hooks; a model adds fields in a subclass
@@ -112,7 +179,9 @@ class ForwardState:
     Attributes:
         inputs: the forward's :class:`LayerInputs`; hidden: its rows ``[B, L, hidden]``.
         positions: ``[B, L]`` positions of the local rows (packed: per document).
-        projection: the layer's :class:`Projection`; plan: this rank's ``RankPlan``.
+        projection: the layer's :class:`Projection`.
+        view: what the hooks may read of this rank's plan (:class:`PlanView`); ``plan``,
+            the core's ``RankPlan`` itself, is deprecated since 0.5.0 (read ``view``).
         loss_mask: ``[B, L]`` bool rows that count in the indexer loss, or ``None`` (all).
         index_queries: what :meth:`ModelAdapter.index_queries` returned.
         slots: the gathered compressed slots ``[B, N, D]`` in global slot order, or ``None``.
@@ -130,6 +199,7 @@ class ForwardState:
     loss_mask: torch.Tensor | None = None
     index_queries: Any = None
     plan: Any = None
+    view: PlanView | None = None
     slots: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     selected: torch.Tensor | None = None
@@ -155,6 +225,15 @@ class Traits:
             it to :meth:`ModelAdapter.compress_index_keys`; with ``rows_are_slots`` there is
             none (``project`` makes the keys with the autograd it wants) and another value
             than the default is refused when the class is defined.
+        per_forward: fields of the model's :class:`LayerInputs` that ``read_inputs`` takes
+            from outside the layer's call (a model-level forward pre-hook's value: Megatron's
+            ``position_ids``): hp_cp files each under this forward's record and hands a
+            recomputed call (activation checkpointing) what its forward filed (Note [Model
+            values per forward] in :mod:`hp_cp_torch.runner`).
+        model_group: where a layer keeps its model's own context-parallel process group
+            (an attribute path: Megatron's ``"pg_collection.cp"``; a layer without it is a
+            group of its rank alone), or ``None``: hp_cp refuses, when ``enable_cp``
+            installs the layer, a group whose ranks are not the handle's.
         rows_are_slots: the projection's rows are the slots (DSA): ``Projection.kv`` and
             ``Projection.index_keys``, no compressor (defining ``compress`` or
             ``compress_index_keys`` too is refused when the class is defined).
@@ -165,6 +244,8 @@ class Traits:
     packed_topk_row: str | None = None
     ascending_picks: bool = False
     indexer_grad: str = "loss"
+    per_forward: tuple[str, ...] = ()
+    model_group: str | None = None
     rows_are_slots: bool = False
 
 
@@ -178,11 +259,20 @@ class IndexerParams:
         loss_coeff: the indexer loss's weight, or ``None``: no loss. The loss (a mean over
             the rows that count on all ranks) is attached to the layer output; its value,
             ``module.indexer_loss``, is for logging (adding it to a loss counts it twice).
+        loss_mean: the loss is the mean over the rows that count on all ranks (``True``) or
+            their sum (``False``: Megatron's ``calculate_per_token_loss``).
+        loss_attach: ``attach(out, loss) -> out``: how the weighted loss (``loss_coeff`` x
+            this rank's share) joins the output's backward, the model's way (Megatron's
+            ``DSAIndexerLossAutoScaler``, which applies its schedule's loss scale) and its
+            logging; hp_cp then sets no ``module.indexer_loss``. ``None``: hp_cp's
+            (``loss_coeff`` seeds the share's gradient).
     """
 
     topk: int
     heads: int = 1
     loss_coeff: float | None = None
+    loss_mean: bool = True
+    loss_attach: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -313,10 +403,12 @@ class ModelAdapter:
         claims: the modeling classes it runs (``"package.module.Class"``), read when the entry
             point's name is not a class name.
         traits: the model's :class:`Traits`.
+        module: the layer this adapter runs (each hook reads its parameters and config).
     """
 
     claims: ClassVar[tuple[str, ...]] = ()
     traits: ClassVar[Traits] = Traits()
+    module: nn.Module
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -383,9 +475,10 @@ class ModelAdapter:
         """
         checks.layer_input(self.module, inputs)
 
-    def value_checks(self, inputs: LayerInputs, plan: Any) -> list[tuple[Any, str]]:
+    def value_checks(self, inputs: LayerInputs, plan: PlanView) -> list[tuple[Any, str]]:
         """Checks that read tensor values, as ``(flag, message)`` (a 0-dim bool tensor or a
-        bool; ``True`` fails), e.g. position ids against ``plan.positions``; the flags ride on
+        bool; ``True`` fails), e.g. position ids against ``plan.positions`` (the
+        :class:`PlanView`); the flags ride on
         the agreement's one gather. A later layer handed the same tensors skips them.
 
         Called: every forward, once the plan exists.
@@ -473,6 +566,20 @@ class ModelAdapter:
             )
         return indexer_scores_at(q, w, keys, selected)
 
+    def indexer_row_kl(self, state: ForwardState, lo: int, hi: int) -> torch.Tensor | None:
+        """The model's own indexer loss: per-row ``KL(teacher || student)`` ``[B, hi - lo]``
+        of the local queries ``lo:hi``, with autograd to the indexer (its queries, weights
+        and ``state.keys``), from ``state`` (``slots``, ``keys``, ``selected``, ``view``);
+        hp_cp sums the rows that count (``loss_mask``, real rows), normalises over all
+        ranks, attaches and logs it (Note [Indexer loss under CP]).
+
+        Called: chunk by chunk, once per forward with an indexer loss
+        (``IndexerParams.loss_coeff``).
+        Default: ``None``: hp_cp's (the attention's softmax over the picks, the student
+        :meth:`indexer_loss_scores`).
+        """
+        return None
+
     def block_candidates(
         self, state: ForwardState, scores: torch.Tensor, lo: int, hi: int, row: Any
     ) -> torch.Tensor:
@@ -548,7 +655,7 @@ def refuse(message: str) -> type[ModelAdapter]:
 MACHINERY = (
     "make_forward begin agree_inputs read_objects selection select attend compress_main "
     "compress_indexer run_attention extract_ori_kv indexer_loss record_indexer_loss "
-    "check_student_once expect state"
+    "check_student_once expect state per_forward model_indexer_loss"
 ).split()
 """hp_cp's machinery: :class:`hp_cp_torch.runner.LayerRunner`'s steps (and 0.3's ``state``),
 which no model adapter defines (``tests/torch/test_model_spec.py`` keeps it the runner's)."""

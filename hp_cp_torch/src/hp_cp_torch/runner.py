@@ -5,6 +5,23 @@ torch plugin's stage hooks; no model overrides it. One forward: ``read_inputs``,
 one agreement on every rank, ``project``, the core's exchanges (``compress``), the picks
 (``index_scores``), the attention, ``output``, the indexer loss, ``finish``.
 :func:`agree_values` is "inspect, then agree" once, for the runner and V4.1's Engram hash.
+
+Note [Model values per forward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A model may hand its layers a value from outside their call: Megatron gives position_ids to
+the GPTModel, never to the layers, and its adapter takes them from a forward pre-hook. A layer
+may run again after a later forward of the model began: activation recomputation re-runs each
+layer of a forward in its backward, and between the two another forward may run (an
+evaluation forward, the next micro-batch). So such a value is kept per forward, by hp_cp's
+record of the forward (Note [Records per forward] in :mod:`hp_cp_core.records`): the model
+names the :class:`~hp_cp_torch.model_adapter.LayerInputs` fields in ``traits.per_forward``;
+an original call files them under its forward's record (per layer), a recomputed call (hp_cp's
+scope finds its forward's record again: Note [Finding a recomputed forward's record]) gets
+back what its forward filed, whatever ``read_inputs`` read now. The values live as long as the
+forward's record, so as long as its graph::
+
+    fwd A (pos A) ──> record A: pos A          fwd B (pos B) ──> record B: pos B
+    bwd A: recompute layer k ──> record A ──> pos A, checked against A's plan
 """
 
 from __future__ import annotations
@@ -18,18 +35,43 @@ from dataclasses import fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hp_cp_core import CPContext, HpCpError, stage1_compress_with_halo
+from hp_cp_core.api import cp_state_not_copyable
+from hp_cp_core.columns import PlanColumns
+from hp_cp_core.indexer_loss import indexer_loss_weight
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
+from hp_cp_torch.forward_scope import tensors_in
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
 from hp_cp_torch.kernels.picked import HeadLayout
 from hp_cp_torch.kernels.registry import kernel_named
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import RECORDED, ForwardState, LayerInputs, ModelAdapter
+from hp_cp_torch.model_adapter import (
+    RECORDED,
+    ForwardState,
+    LayerInputs,
+    ModelAdapter,
+    PlanView,
+)
 from hp_cp_torch.precision import uses_model_precision
 from hp_cp_torch.validation import TensorChecks, rows_hint
 
-__all__ = ["LayerRunner", "agree_values", "runner_of"]
+__all__ = [
+    "LayerRunner",
+    "agree_values",
+    "check_model_group",
+    "model_argument",
+    "runner_of",
+    "watch_model_argument",
+]
+
+MODEL_ARGUMENT_ATTR = "_hp_cp_model_arguments"
+"""Where a layer finds the :class:`_ModelArgument` values :func:`watch_model_argument` hands it."""
+
+LOSS_CHUNK_ELEMENTS = 1 << 24
+"""Most elements one query chunk of a model's own indexer loss holds (``(heads + indexer
+heads) x batch x rows x slots``: the teacher's logits and the indexer's per-head scores)."""
 
 
 def runner_of(adapter: Any) -> LayerRunner | None:
@@ -59,6 +101,72 @@ def agree_values(
             if bad:
                 check.fail(message)
     return cp_forward.agree(check, extra)
+
+
+def check_model_group(adapter: ModelAdapter, handle: Any) -> None:
+    """Refuse, when ``enable_cp`` installs the layer, a model whose own context-parallel
+    group (``traits.model_group``) is not ``handle``'s: its data loading, gradient reduction
+    and loss scales would be those of other ranks."""
+    path = adapter.traits.model_group
+    if path is None:
+        return
+    group = functools.reduce(lambda o, a: getattr(o, a, None), path.split("."), adapter.module)
+    ranks = sorted(
+        int(r)
+        for r in ([dist.get_rank()] if group is None else dist.get_process_group_ranks(group))
+    )
+    want = sorted(int(r) for r in handle.group.global_ranks)
+    if ranks != want:
+        raise HpCpError(
+            f"{adapter.layer_name()} under CP: the model's own context-parallel group "
+            f"({path}: global ranks {ranks}, context_parallel_size={len(ranks)}) is not "
+            f"hp_cp's group (global ranks {want}). Build the model with "
+            f"context_parallel_size={len(want)} and pass its context-parallel group to "
+            "enable_cp: hp_cp then owns the attention, and the model's data loading, gradient "
+            "reduction and loss scales stay those of its own CP."
+        )
+
+
+class _ModelArgument:
+    """One argument of a model-level module's forward while that forward runs (``None``
+    outside one)."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name, self.index, self.latest = name, index, None
+
+    def hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        given = args[self.index : self.index + 1] or (None,)
+        self.latest = kwargs[self.name] if self.name in kwargs else given[0]
+
+    def done(self, *_: Any) -> None:
+        self.latest = None  # always called: a layer run outside the forward takes none
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise cp_state_not_copyable("a layer hp_cp runs")
+
+
+def watch_model_argument(
+    model: Any, owner: type, name: str, index: int, layers: list[Any], handle: Any
+) -> None:
+    """Hand ``layers`` the argument ``name`` (positional ``index``) of the forward of each
+    ``owner`` module of ``model`` while it runs (:func:`model_argument` reads it, say in
+    ``read_inputs``); name the field it fills in ``traits.per_forward`` so that a recomputed
+    call gets its own forward's (Note [Model values per forward]). Undone by ``disable_cp``."""
+    arg = _ModelArgument(name, index)
+    for mod in model.modules():
+        if isinstance(mod, owner):
+            handle.on_disable(mod.register_forward_pre_hook(arg.hook, with_kwargs=True).remove)
+            handle.on_disable(mod.register_forward_hook(arg.done, always_call=True).remove)
+    for layer in layers:
+        layer.__dict__.setdefault(MODEL_ARGUMENT_ATTR, {})[name] = arg
+    handle.on_disable(lambda: [layer.__dict__.pop(MODEL_ARGUMENT_ATTR, None) for layer in layers])
+
+
+def model_argument(layer: Any, name: str) -> Any:
+    """The running model forward's argument ``name`` that :func:`watch_model_argument` hands
+    ``layer``, or ``None`` (outside such a forward, or not watched)."""
+    arg = layer.__dict__.get(MODEL_ARGUMENT_ATTR, {}).get(name)
+    return None if arg is None else arg.latest
 
 
 def _first_failed(flags: list[Any], device: Any) -> Any:
@@ -135,6 +243,7 @@ class LayerRunner:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             inputs = adapter.read_inputs(*args, **kwargs)
+            runner.per_forward(cp_forward, inputs)
             hidden = inputs.hidden
             seq_major = runner.traits.sequence_dim == 0 and getattr(hidden, "ndim", 0) == 3
             if seq_major:  # the hooks see batch-major rows
@@ -162,6 +271,21 @@ class LayerRunner:
         return forward
 
     # -------------------------------------------------------------- one forward's steps
+    def per_forward(self, cp_forward: Any, inputs: LayerInputs) -> None:
+        """File ``traits.per_forward``'s fields of ``inputs`` under this forward's record, or
+        in a recomputed call put back what its forward filed (Note [Model values per
+        forward])."""
+        records = getattr(cp_forward, "records", None)
+        record = None if records is None else records.current
+        if not self.traits.per_forward or record is None:
+            return
+        index = getattr(cp_forward, "index", 0)
+        for name in self.traits.per_forward:
+            if records.recomputing:
+                setattr(inputs, name, record.filed.get((index, name)))
+            else:
+                record.filed[index, name] = getattr(inputs, name)
+
     def begin(
         self, cp_forward: Any, group: Any, inputs: LayerInputs
     ) -> tuple[CPContext, ForwardState]:
@@ -181,6 +305,7 @@ class LayerRunner:
         positions = positions.reshape(-1, xb.shape[1]).expand(xb.shape[0], -1)
         state = self.traits.state_class(inputs, xb, positions, loss_mask=mask)
         state.plan = call.plan
+        state.view = PlanView.of(call.plan, inputs.real_rows, call.cu_seqlens)
         return call, state
 
     def agree_inputs(
@@ -240,7 +365,8 @@ class LayerRunner:
             if replay is None:
                 cp_forward.skip_checks()
             return cp_forward.agree(check, extra), mask  # checked by this forward's first layer
-        flags = [(bad, f"{checks.where}: {m}") for bad, m in a.value_checks(inputs, check.plan)]
+        view = PlanView.of(check.plan, inputs.real_rows, cu)
+        flags = [(bad, f"{checks.where}: {m}") for bad, m in a.value_checks(inputs, view)]
         if memo is not None and replay is None:
             memo.checked = None
         call = agree_values(cp_forward, check, flags, across, x.device, extra)
@@ -350,15 +476,48 @@ class LayerRunner:
         if params is None or params.loss_coeff is None or r.selected is None or state.keys is None:
             self.record_indexer_loss(None)
             return out
-        student = self.adapter.indexer_loss_scores(state, state.keys, r.selected)
-        self.check_student_once(state, student)
-        args = (r.q, r.ori_ext, r.cmp_kv, r.selected, student, r.sink, r.scale, state.loss_mask)
-        kind = getattr(attention, "kind", "shared_kv")
-        latent = attention.latent if kind == "latent" else None
-        kv_heads = attention.kv_heads if kind == "grouped" else None
-        share = indexer_loss_share(call, *args, latent=latent, kv_heads=kv_heads)
+        if type(self.adapter).indexer_row_kl is not ModelAdapter.indexer_row_kl:
+            share = self.model_indexer_loss(state, call)
+            if params.loss_mean:
+                share = share * indexer_loss_weight(call)
+        else:
+            student = self.adapter.indexer_loss_scores(state, state.keys, r.selected)
+            self.check_student_once(state, student)
+            args = (r.q, r.ori_ext, r.cmp_kv, r.selected, student, r.sink, r.scale)
+            kind = getattr(attention, "kind", "shared_kv")
+            latent = attention.latent if kind == "latent" else None
+            kv_heads = attention.kv_heads if kind == "grouped" else None
+            share = indexer_loss_share(
+                call, *args, state.loss_mask, latent, kv_heads, mean=params.loss_mean
+            )
+        if params.loss_attach is not None:  # the model's own attach (and logging)
+            return params.loss_attach(out, share * params.loss_coeff)
         self.record_indexer_loss(call.group.sum_detached(share))  # no host sync
         return attach_indexer_loss(out, share, params.loss_coeff)
+
+    def model_indexer_loss(self, state: ForwardState, call: CPContext) -> torch.Tensor:
+        """This rank's sum of the model's per-row KL (``indexer_row_kl``) over the rows
+        that count (``state.loss_mask``), in query chunks of at most
+        :data:`LOSS_CHUNK_ELEMENTS`; a chunk whose rows see no slot has none. Every rank's sum
+        reaches its indexer queries and gathered keys (the keys' exchange runs its backward
+        on every rank), whatever its rows."""
+        a, plan, batch = self.adapter, call.plan, state.hidden.shape[0]
+        grads = [t for t in tensors_in((state.index_queries, state.keys)) if t.requires_grad]
+        total = sum((t.sum() for t in grads), torch.zeros((), device=state.hidden.device))
+        total = total.float() * 0.0
+        stop = plan.cmp_start + plan.cmp_count
+        heads = state.projection.query.shape[2] if state.projection.query is not None else 1
+        per_row = (heads + self.indexer_params(call.spec).heads) * int(stop.max(initial=0))
+        rows = max(1, LOSS_CHUNK_ELEMENTS // max(1, per_row * batch))
+        for lo, hi in PlanColumns(plan, 0).chunks(rows):
+            if hi == lo or int(stop[lo:hi].max()) == 0:
+                continue
+            kl = a.indexer_row_kl(state, lo, hi)
+            kl = self.expect("indexer_row_kl(state, lo, hi)", kl, (batch, hi - lo), "[B, l]")
+            if state.loss_mask is not None:
+                kl = kl * state.loss_mask[:, lo:hi].to(kl.dtype)
+            total = total + kl.sum()
+        return total
 
     def record_indexer_loss(self, loss: torch.Tensor | None) -> None:
         """``module.indexer_loss = loss`` (``None`` only on a module that has the attribute;

@@ -1,72 +1,34 @@
 """megatron-core 0.19.2's DeepSeek sparse attention (V3.2, GLM-5) under CP.
 
-``enable_cp(model, cp_group, config)`` on a Megatron ``GPTModel`` built from Megatron's own spec
-(``get_transformer_layer_with_experimental_attention_variant_spec``: ``TransformerLayer`` ->
-``AbsorbedMLASelfAttention`` -> ``DSAttention`` -> ``DSAIndexer``) replaces the forward of every
-``AbsorbedMLASelfAttention``; embeddings, MLP / MoE, norms and the output layer are token-local
-and run unchanged on each rank's rows. Each rank::
-
-    cp_group = parallel_state.get_context_parallel_group()   # Megatron's own CP group
-    handle = enable_cp(model, cp_group, DeepSeekV4CPConfig(layout="load_balanced"))
-    batch = handle.batch(tokens, cu_seqlens=cu)      # in place of get_batch_on_this_cp_rank
-    out = model(batch.input_ids, batch.position_ids, None, labels=megatron_labels(batch),
-                packed_seq_params=packed_seq_params(batch))
-
-The mapping (Note [Megatron's CP group under hp_cp]): Megatron keeps its
-``context_parallel_size`` and CP group, so its data loading, DDP reduction over data x context
-parallel ranks and its schedule's loss scales are unchanged; hp_cp owns the attention layers,
-so Megatron's all-gather DSA CP, its zigzag RoPE slicing and its per-rank indexer loss never run.
-
-The layer is DSA, the core's ``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)``:
-every token is its own slot, the slot of token ``j`` is its MLA latent ``[kv_layernorm(c_kv)
-(kv_lora_rank) ; roped k_pos_emb (qk_pos_emb_head_dim)]`` and its indexer key, so one exchange
-per layer moves each rank the latents and indexer keys of the causal prefix its queries read,
-never per-head keys and values. A layer Megatron's IndexShare skips
-(``dsa_indexer_topk_freq``) has no indexer: it reuses the picks of the last layer that
-computed them through the core's sharing plan and moves no indexer keys.
-
-The stages are Megatron's ops on the module's own parameters, sequence-major as Megatron runs
-them (``Traits(sequence_dim=0)``):
-
-* RoPE at global positions: the layer's own ``RotaryEmbedding.get_emb`` (Yarn's too) table,
-  read at hp_cp's positions of the local rows (the global row, or the position within the
-  document when packed), applied by ``apply_rotary_pos_emb``; Megatron's own forward counts
-  the local rows from 0 and slices by its own zigzag (Note [Megatron's RoPE is
-  position-blind]);
-* the indexer (``linear_wq_b``, ``linear_wk``, ``k_norm``, ``linear_weights_proj``, the
-  Hadamard ``rotate_activation``) on the detached layer input, as Megatron; its keys are
-  computed by the rank that owns the token and moved with the latents; scores by Megatron's
-  ``_compute_index_scores`` (ReLU as ``dsa_indexer_scoring_relu`` says);
-* top-k as Megatron's ``torch.topk`` picks it on one process (its row is the whole sequence,
-  or the whole packed stream: ``packed_topk_row="stream"``);
-* attention on the gathered latents (Note [DSA attention on the latents] in
-  :mod:`hp_cp_torch.latent_attention`: the absorbed form Megatron's ``AbsorbedMLA`` computes),
-  or with ``attention_kernel="megatron"`` Megatron's own sparse attention on them (Note
-  [Megatron's kernel on hp_cp's prefix] in :mod:`.megatron_kernel`), then ``linear_proj``;
-* the indexer loss (Note [The Megatron indexer loss under hp_cp]).
-
-Not supported under CP (an :class:`~hp_cp_core.HpCpError` on every rank, before any
-exchange): tensor parallelism (``tensor_model_parallel_size > 1``), a Megatron CP group that
-is not hp_cp's group, an ``attention_mask`` (hp_cp's causal masks are the plan's), packed
-batches with Megatron's per-document padding (``cu_seqlens_q_padded``) or a
-``real_token_mask_q``, inference contexts.
+``enable_cp(model, parallel_state.get_context_parallel_group(), config)`` on a ``GPTModel``
+built from Megatron's own DSA spec replaces the forward of every ``AbsorbedMLASelfAttention``
+(the rest is token-local); the batch comes from ``handle.batch`` with :func:`megatron_labels`
+and :func:`packed_seq_params` in place of ``get_batch_on_this_cp_rank``.
+Megatron keeps its ``context_parallel_size`` and CP group (Note [Megatron's CP group under
+hp_cp] in :mod:`.megatron_batch`); hp_cp owns the attention layers, DSA's
+``LayerSpec(compress_ratio=1, window_size=0, has_indexer=True)``: the slot of token ``j`` is
+its MLA latent ``[kv_layernorm(c_kv) ; roped k_pos_emb]`` with its indexer key. The stages are
+Megatron's ops on the module's own parameters, sequence-major (docs/megatron.md walks through
+them and lists what is refused: tensor parallelism, attention masks, inference contexts).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hp_cp_core import CPHandle, HpCpError, LayerSpec
-from hp_cp_core.api import cp_state_not_copyable
-from hp_cp_core.columns import PlanColumns
+from hp_cp_torch.integrations.megatron_batch import (
+    check_packed,
+    megatron_labels,
+    megatron_loss,
+    packed_seq_params,
+)
 from hp_cp_torch.integrations.megatron_kernel import megatron_sparse_attention
 from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.model_adapter import (
@@ -76,17 +38,14 @@ from hp_cp_torch.model_adapter import (
     Latent,
     LayerInputs,
     ModelAdapter,
+    PlanView,
     Projection,
     Traits,
 )
+from hp_cp_torch.runner import model_argument, watch_model_argument
 from hp_cp_torch.validation import TensorChecks
 
-__all__ = [
-    "MegatronDSAAttentionAdapter",
-    "megatron_labels",
-    "megatron_loss",
-    "packed_seq_params",
-]
+__all__ = ["MegatronDSAAttentionAdapter", "megatron_labels", "megatron_loss", "packed_seq_params"]
 
 ABSORBED_MLA = "megatron.core.transformer.experimental_attention_variant.absorbed_mla"
 DSA = "megatron.core.transformer.experimental_attention_variant.dsa"
@@ -94,10 +53,11 @@ DSA_MASKING = "megatron.core.transformer.experimental_attention_variant.dsa_mask
 DSA_LOSS = "megatron.core.transformer.experimental_attention_variant.dsa_indexer_loss"
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 GPT_MODEL = "megatron.core.models.gpt.gpt_model"
-POSITIONS_ATTR = "_hp_cp_model_positions"
-"""Where each layer finds the :class:`_ModelPositions` of its handle (Megatron hands the layers
-no positions: Note [The model's positions per forward])."""
-
+MEGATRON_ARGS = (
+    "key_value_states inference_context rotary_pos_emb rotary_pos_cos rotary_pos_sin "
+    "rotary_pos_cos_sin attention_bias packed_seq_params position_ids sequence_len_offset"
+).split()
+"""``AbsorbedMLASelfAttention.forward``'s arguments after ``attention_mask``, in order."""
 POSITIONS_HINT = (
     "got position_ids that are not hp_cp's positions of this rank's rows (the global row, or "
     "the position within the document when packed): a batch sharded by Megatron's "
@@ -105,121 +65,29 @@ POSITIONS_HINT = (
     "handle.batch(tokens, cu_seqlens=...) and pass its input_ids and position_ids."
 )
 
-LOSS_CHUNK_ELEMENTS = 1 << 24
-"""Most elements one query chunk of the indexer loss holds (``(heads + indexer heads) x rows
-x keys``: the teacher's logits and the indexer's per-head scores)."""
-
-# Note [Megatron's CP group under hp_cp]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Two mappings were possible: Megatron at context_parallel_size 1 with hp_cp's group beside it,
-# or Megatron's own CP group and size reused as hp_cp's group. hp_cp takes the second:
-#
-# * Megatron's data loading gives every rank of a CP group the same micro-batch only when it
-#   knows they are CP ranks; at context_parallel_size 1 they would be data-parallel ranks and
-#   read different batches.
-# * DDP reduces gradients over data x context parallel ranks scaled by 1 / (dp x cp), and the
-#   schedule scales the indexer loss by cp (``forward_step_calc_loss``, schedules.py:386-392).
-#   hp_cp's indexer loss on each rank is its rows' KL sum over the rows of ALL ranks (a share
-#   of the global mean, not a local mean), so cp x (1 / cp) applies exactly the one-process
-#   gradient. At context_parallel_size 1 the same shares would be averaged over the CP ranks
-#   as data-parallel ranks: the indexer gradient 1 / cp of the one-process one.
-# * Megatron's own CP code in the attention (the all-gather of keys, values and indexer keys,
-#   the zigzag RoPE slice, the per-rank indexer loss) lives in the layer hp_cp replaces; the
-#   batch is sharded by handle.batch in place of get_batch_on_this_cp_rank.
-#
-# With calculate_per_token_loss the loss function returns this rank's token count and
-# finalize_model_grads sums it over dp x cp; without it the schedule divides each rank's loss
-# by the count the loss function returns, so megatron_loss returns sum x cp / (the batch's
-# count) and a count of 1: the global mean after DDP's average, whatever each rank's count.
-
 # Note [Megatron's RoPE is position-blind]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Megatron's MLA and indexer compute their rotary table for positions 0 .. S-1 of the local
-# rows (RotaryEmbedding.forward) and, at context_parallel_size > 1, cut it with their own
-# zigzag (get_pos_emb_on_this_cp_rank); position_ids never reach the layers. Under hp_cp a
-# rank's rows are any of the layout's, so the adapter reads the layer's own table
-# (RotaryEmbedding.get_emb / YarnRotaryEmbedding.get_emb, before any CP cut) at hp_cp's
-# positions of the local rows: row p of the table is the same numbers whatever its length, so
-# each row is roped exactly as on one process (packed: per document, as Megatron's thd RoPE).
+# Megatron's MLA and indexer rope positions 0 .. S-1 of the local rows and cut the table by
+# their own zigzag at context_parallel_size > 1; position_ids never reach the layers. Under
+# hp_cp the adapter reads the layer's own table (RotaryEmbedding.get_emb, Yarn's too, before
+# any CP cut) at hp_cp's positions of the local rows: row p of the table is the same whatever
+# its length, so each row is roped as on one process (packed: per document, as thd RoPE).
 
 # Note [The Megatron indexer loss under hp_cp]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Megatron's KL (compute_dsa_indexer_loss): per query row, the teacher is the absorbed
 # attention's softmax per head (query and latents detached), summed over heads and
 # L1-normalised; the student the log-softmax of the indexer scores; over every visible key
-# (dense, the default) or only the top-k picks (dsa_indexer_use_sparse_loss). Under hp_cp each
-# local query's visible keys are in the gathered latents and indexer keys (the causal prefix),
-# so each rank computes its rows' KL with Megatron's own masked_softmax / masked_log_softmax /
-# normalize_indexer_target / indexer_kl_per_row, in query chunks, and divides the sum by the
-# rows of ALL ranks (batch x real rows; padding never counts), or not at all with
-# calculate_per_token_loss (Megatron's sum). The loss, times dsa_indexer_loss_coeff, is
-# attached with Megatron's own DSAIndexerLossAutoScaler, so the schedule's loss scale applies
-# as on one process. Gradients reach the indexer's queries and weights locally and its keys
-# through the exchange's backward, at the rank that computed them. Each rank's share goes to
-# Megatron's DSAIndexerLossLoggingHelper with the CP group as its reduce group (a sum: the
-# global value, as one process logs it). The runner's own indexer
-# loss is not used (IndexerParams.loss_coeff stays None): it is the sparse variant over a
-# shared-KV head, and Megatron's default is the dense one.
-
-
-# Note [The model's positions per forward]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Megatron gives position_ids to the GPTModel, never to the layers; the adapter reads them only
-# to refuse a batch Megatron sharded itself (get_batch_on_this_cp_rank's zigzag) on every rank
-# before any exchange (value_checks, in the agreement), and ropes at them once they passed.
-# A forward pre-hook on each GPTModel hands them over, but a layer may run after a later
-# forward of the model: Megatron's activation recomputation (recompute_granularity="full",
-# tensor_parallel.checkpoint) re-runs each layer of a forward in its backward, and between the
-# two another forward may run (an evaluation forward, the next micro-batch). So the positions
-# are kept per forward, by hp_cp's record of the forward (Note [Records per forward] in
-# hp_cp_core.records): an original layer call files the model's latest position_ids under its
-# forward's record, a recomputed call (hp_cp's scope finds its forward's record again: Note
-# [Finding a recomputed forward's record]) reads them back. The map holds the records weakly:
-# the positions live as long as the forward's graph.
-#
-#     fwd A (pos A) ──> record A: pos A          fwd B (pos B) ──> record B: pos B
-#     bwd A: recompute layer k ──> record A ──> pos A, checked against A's plan
+# (dense, the default) or only the top-k picks (dsa_indexer_use_sparse_loss). Each local
+# query's visible keys are in the gathered latents and indexer keys, so indexer_row_kl is
+# Megatron's own masked_softmax / normalize_indexer_target / indexer_kl_per_row on them; the
+# runner sums the real rows over all ranks' count, or not with calculate_per_token_loss
+# (loss_mean=False), and loss_attach hands the loss x coeff to Megatron's logging (summed over
+# the CP group) and DSAIndexerLossAutoScaler (the schedule's loss scale, as on one process).
 
 
 def _module(name: str) -> Any:
     return importlib.import_module(name)
-
-
-class _ModelPositions:
-    """The ``position_ids`` each forward of a handle's ``GPTModel`` was given, by the forward's
-    record (Note [The model's positions per forward])."""
-
-    def __init__(self, records: Any) -> None:
-        self.records = records
-        self.latest: Any = None
-        """The running ``GPTModel`` forward's (its pre-hook's; ``None`` outside one)."""
-        self.by_forward: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-    def hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        """The ``GPTModel`` forward pre-hook: its ``position_ids`` (``None`` when not given:
-        Megatron's RoPE needs none, hp_cp's plan has them)."""
-        pos = kwargs["position_ids"] if "position_ids" in kwargs else (args[1:2] or (None,))[0]
-        self.latest = pos
-
-    def done(self, *_: Any) -> None:
-        """The ``GPTModel`` forward hook (always called): a layer run outside the model's
-        forward takes no model's positions (hp_cp's plan has them)."""
-        self.latest = None
-
-    def of_call(self) -> Any:
-        """The positions of the layer call running now: its forward's (filed by an original
-        call under the forward's record, read back by a recomputed one)."""
-        records = self.records
-        record = records.current
-        if records.recomputing:
-            return None if record is None else self.by_forward.get(record)
-        if record is not None:
-            self.by_forward[record] = self.latest
-        return self.latest
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused, as the installed forward is: it belongs to the CP handle's forwards."""
-        raise cp_state_not_copyable("AbsorbedMLASelfAttention")
 
 
 @dataclass
@@ -238,53 +106,6 @@ class MegatronDSAState(ForwardState):
     bias: Any = None
 
 
-def packed_seq_params(batch: Any) -> Any:
-    """Megatron's ``PackedSeqParams`` (``qkv_format="thd"``) of a packed ``handle.batch``: the
-    global boundaries of the padded stream, or ``None`` for a padded (unpacked) batch."""
-    cu = getattr(batch, "cu_seqlens", None)
-    if cu is None:
-        return None
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.as_tensor(cu, dtype=torch.int32, device=batch.input_ids.device)
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-
-
-def megatron_labels(batch: Any, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels, loss_mask)`` for Megatron's ``GPTModel(..., labels=labels)`` from a
-    ``handle.batch``: its shifted labels with ``ignore_index`` (padding, document ends) set to
-    0 and masked out, as Megatron's cross entropy takes only vocabulary ids."""
-    labels = batch.labels
-    mask = labels != ignore_index
-    return torch.where(mask, labels, torch.zeros_like(labels)), mask.to(torch.float32)
-
-
-def megatron_loss(
-    losses: torch.Tensor, loss_mask: torch.Tensor, batch: Any, cp_size: int, per_token: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, num_tokens)``, the first two values a Megatron ``loss_func`` returns under
-    hp_cp (Note [Megatron's CP group under hp_cp]), from ``GPTModel``'s per-token losses and
-    :func:`megatron_labels`' mask. With ``calculate_per_token_loss``: this rank's loss sum and
-    target count (Megatron sums the counts over data x context parallel ranks). Without it:
-    the sum times ``cp_size`` over the batch's targets (``batch.n_tokens``, all ranks) and a
-    count of 1, so that DDP's average over the CP ranks gives the global mean whatever each
-    rank's own count (Megatron's per-rank mean is exact only for equal counts)."""
-    mask = loss_mask.reshape(-1).to(torch.float32)
-    total = torch.sum(losses.reshape(-1).float() * mask)
-    if per_token:
-        return total, mask.sum().to(torch.int)
-    n_tokens = torch.as_tensor(batch.n_tokens, device=total.device).to(torch.float32)
-    one = torch.ones((), dtype=torch.int, device=total.device)
-    return total * (cp_size / n_tokens.clamp(min=1)), one
-
-
 class MegatronDSAAttentionAdapter(ModelAdapter):
     """Hooks for megatron-core's ``AbsorbedMLASelfAttention`` with ``DSAttention`` (sequence-
     major ``[S, B, hidden]``, packed ``[T, 1, hidden]``): Megatron's MLA projections and
@@ -295,8 +116,9 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         state_class=MegatronDSAState,
         sequence_dim=0,
         packed_topk_row="stream",  # Megatron's thd top-k: one row per packed stream
-        indexer_grad="loss",  # the indexer's input detached: its loss only, as Megatron
-        rows_are_slots=True,
+        per_forward=("position_ids",),  # the GPTModel's, from its pre-hook
+        model_group="pg_collection.cp",  # Megatron's CP group must be hp_cp's
+        rows_are_slots=True,  # the indexer's input detached: its loss only, as Megatron
     )
 
     @property
@@ -306,46 +128,24 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
 
     @classmethod
     def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
-        """Refuse, before any exchange, what hp_cp cannot run: tensor parallelism, a Megatron
-        CP group that is not hp_cp's (Note [Megatron's CP group under hp_cp]); a forward
-        pre-hook on each ``GPTModel`` hands the layers its ``position_ids`` per forward (Note
-        [The model's positions per forward]), so that a batch Megatron sharded is refused, not
-        silently roped at the wrong rows."""
-        want = sorted(int(r) for r in handle.group.global_ranks)
+        """Refuse tensor parallelism before any exchange; a forward pre-hook on each
+        ``GPTModel`` hands the layers its ``position_ids`` (hp_cp keeps them per forward:
+        ``traits.per_forward``), so that a batch Megatron sharded is refused, not silently
+        roped at the wrong rows. (hp_cp refuses a Megatron CP group that is not its own:
+        ``traits.model_group``.)"""
         for layer in layers:
-            config = layer.config
-            name = f"AbsorbedMLASelfAttention layer {getattr(layer, 'layer_number', '?')}"
-            if int(config.tensor_model_parallel_size) != 1:
+            if int(layer.config.tensor_model_parallel_size) != 1:
                 raise HpCpError(
-                    f"{name} under CP: tensor_model_parallel_size="
-                    f"{config.tensor_model_parallel_size}; hp_cp runs Megatron's DSA at tensor "
-                    "parallel size 1 (its heads and indexer are not split). Use "
+                    f"AbsorbedMLASelfAttention layer {getattr(layer, 'layer_number', '?')} "
+                    "under CP: tensor_model_parallel_size="
+                    f"{layer.config.tensor_model_parallel_size}; hp_cp runs Megatron's DSA at "
+                    "tensor parallel size 1 (its heads and indexer are not split). Use "
                     "tensor_model_parallel_size=1 with context, data, pipeline or expert "
                     "parallelism."
                 )
-            cp = getattr(getattr(layer, "pg_collection", None), "cp", None)
-            ranks = [dist.get_rank()] if cp is None else dist.get_process_group_ranks(cp)
-            if sorted(int(r) for r in ranks) != want:
-                raise HpCpError(
-                    f"{name} under CP: Megatron's context-parallel group (global ranks "
-                    f"{sorted(ranks)}, context_parallel_size={len(ranks)}) is not hp_cp's "
-                    f"group (global ranks {want}). Build the model with "
-                    f"context_parallel_size={len(want)} and pass "
-                    "parallel_state.get_context_parallel_group() to enable_cp: hp_cp then owns "
-                    "the attention, and Megatron's data loading, DDP and loss scales stay "
-                    "those of its own CP."
-                )
-        positions = _ModelPositions(handle.records)
         gpt = getattr(sys.modules.get(GPT_MODEL), "GPTModel", None)
-        for mod in model.modules():
-            if gpt is not None and isinstance(mod, gpt):
-                hook = mod.register_forward_pre_hook(positions.hook, with_kwargs=True)
-                handle.on_disable(hook.remove)
-                hook = mod.register_forward_hook(positions.done, always_call=True)
-                handle.on_disable(hook.remove)
-        for layer in layers:
-            layer.__dict__[POSITIONS_ATTR] = positions
-        handle.on_disable(lambda: [layer.__dict__.pop(POSITIONS_ATTR, None) for layer in layers])
+        if gpt is not None:  # GPTModel.forward(input_ids, position_ids, ...)
+            watch_model_argument(model, gpt, "position_ids", 1, layers, handle)
 
     def layer_spec(self) -> LayerSpec:
         return LayerSpec(
@@ -365,41 +165,24 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         self,
         hidden_states: Any,
         attention_mask: Any = None,
-        key_value_states: Any = None,
-        inference_context: Any = None,
-        rotary_pos_emb: Any = None,
-        rotary_pos_cos: Any = None,
-        rotary_pos_sin: Any = None,
-        rotary_pos_cos_sin: Any = None,
-        attention_bias: Any = None,
+        *args: Any,
         packed_seq_params: Any = None,
-        position_ids: Any = None,
-        sequence_len_offset: Any = None,
-        *,
-        inference_params: Any = None,
+        **kwargs: Any,
     ) -> MegatronCallInputs:
-        given = {
-            "key_value_states": key_value_states,
-            "inference_context": inference_context,
-            "inference_params": inference_params,
-            "rotary_pos_emb": rotary_pos_emb,
-            "rotary_pos_cos": rotary_pos_cos,
-            "rotary_pos_sin": rotary_pos_sin,
-            "rotary_pos_cos_sin": rotary_pos_cos_sin,
-            "attention_bias": attention_bias,
-            "sequence_len_offset": sequence_len_offset,
-        }
-        cu = None
-        if packed_seq_params is not None:
-            cu = getattr(packed_seq_params, "cu_seqlens_q", None)
-        positions = self.module.__dict__.get(POSITIONS_ATTR)
+        """``AbsorbedMLASelfAttention.forward``'s call; the model's ``position_ids`` are the
+        ``GPTModel``'s (hp_cp keeps each forward's: ``traits.per_forward``)."""
+        given = {**dict(zip(MEGATRON_ARGS, args)), **kwargs}
+        psp = given.pop("packed_seq_params", packed_seq_params)  # 8th positional
+        cu = None if psp is None else getattr(psp, "cu_seqlens_q", None)
         return MegatronCallInputs(
             hidden_states,
-            None if positions is None else positions.of_call(),  # this forward's, the model's
+            model_argument(self.module, "position_ids"),
             cu,
             attention_mask=attention_mask,
-            packed_seq_params=packed_seq_params,
-            unsupported=tuple(k for k, v in given.items() if v is not None and v is not False),
+            packed_seq_params=psp,
+            unsupported=tuple(
+                k for k, v in given.items() if k != "position_ids" and v not in (None, False)
+            ),
         )
 
     def check_inputs(self, inputs: MegatronCallInputs, checks: TensorChecks) -> None:
@@ -421,33 +204,11 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
             )
         psp = inputs.packed_seq_params
         if psp is not None:
-            self._check_packed(psp, checks)
+            check_packed(psp, checks)
         if self.module.attn_mask_type.name != "causal":
             checks.fail(f"attn_mask_type={self.module.attn_mask_type.name}; CP runs causal DSA.")
 
-    def _check_packed(self, psp: Any, checks: TensorChecks) -> None:
-        fix = (
-            "pass packed_seq_params(batch) of handle.batch(tokens, cu_seqlens=cu): the global "
-            "boundaries of the stream, padded at its end by hp_cp."
-        )
-        if psp.qkv_format != "thd":
-            checks.fail(f"got packed_seq_params with qkv_format={psp.qkv_format!r}; {fix}")
-        pairs = (
-            ("cu_seqlens_kv", psp.cu_seqlens_kv),
-            ("cu_seqlens_q_padded", psp.cu_seqlens_q_padded),
-            ("cu_seqlens_kv_padded", psp.cu_seqlens_kv_padded),
-        )
-        for name, other in pairs:
-            if other is not None and not torch.equal(
-                torch.as_tensor(other).cpu().long(), torch.as_tensor(psp.cu_seqlens_q).cpu().long()
-            ):
-                checks.fail(f"packed_seq_params.{name} differs from cu_seqlens_q; {fix}")
-        if getattr(psp, "real_token_mask_q", None) is not None:
-            checks.fail(f"packed_seq_params carries real_token_mask_q; {fix}")
-        if getattr(psp, "local_cp_size", None) is not None:
-            checks.fail(f"packed_seq_params.local_cp_size is set (dynamic CP); {fix}")
-
-    def value_checks(self, inputs: MegatronCallInputs, plan: Any) -> list[tuple[Any, str]]:
+    def value_checks(self, inputs: MegatronCallInputs, plan: PlanView) -> list[tuple[Any, str]]:
         """The model's ``position_ids`` (when it was given any) are hp_cp's positions of the
         local rows."""
         pos = inputs.position_ids
@@ -461,7 +222,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         """The layer's rotary table at the local rows' positions ``[L, 1, 1, D]`` and its
         mscale (Note [Megatron's RoPE is position-blind])."""
         positions = state.positions[0]
-        count = int(state.plan.positions.max()) + 1 if state.plan.positions.size else 1
+        count = int(state.view.positions.max()) + 1 if state.view.positions.size else 1
         table = rope.get_emb(count)
         table, mscale = table if isinstance(table, tuple) else (table, 1.0)
         return table.index_select(0, positions.to(table.device).long()), float(mscale)
@@ -548,12 +309,18 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         return score(q[lo:hi], weights[lo:hi], keys.transpose(0, 1), use_relu=relu)
 
     def indexer_params(self) -> IndexerParams | None:
-        """The indexer's top-k and heads (its loss is :meth:`finish`'s, Note [The Megatron
-        indexer loss under hp_cp]); ``None`` on a layer IndexShare skips."""
-        ix = self._indexer
+        """The indexer's top-k, heads and Megatron's loss (Note [The Megatron indexer loss
+        under hp_cp]); ``None`` on a layer IndexShare skips."""
+        ix, config = self._indexer, self.module.config
         if ix is None:
             return None
-        return IndexerParams(topk=int(ix.index_topk), heads=int(ix.index_n_heads))
+        return IndexerParams(
+            topk=int(ix.index_topk),
+            heads=int(ix.index_n_heads),
+            loss_coeff=float(config.dsa_indexer_loss_coeff) if self._loss_on() else None,
+            loss_mean=not config.calculate_per_token_loss,
+            loss_attach=self._attach_loss,
+        )
 
     def attention_params(self) -> AttentionParams:
         m, config = self.module, self.module.config
@@ -580,74 +347,53 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         return out
 
     def finish(self, out: torch.Tensor, state: ForwardState) -> Any:
-        """``(output, bias)`` as Megatron's attention returns them, the indexer loss attached
-        with Megatron's ``DSAIndexerLossAutoScaler``."""
-        if self._loss_on():
-            m, dsa = self.module, _module(DSA)
-            loss = self._indexer_loss_share(state) * float(m.config.dsa_indexer_loss_coeff)
-            # Megatron's logging: this rank's share, summed over the CP group when reduced
-            cp = getattr(getattr(m, "pg_collection", None), "cp", None)
-            dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
-                loss=loss,
-                layer_number=m.layer_number,
-                num_layers=m.config.num_layers,
-                reduce_group=cp if cp is not None and cp.size() > 1 else None,
-            )
-            out = dsa.DSAIndexerLossAutoScaler.apply(out, loss)
+        """``(output, bias)`` as Megatron's attention returns them."""
         return out, state.bias
 
     # ------------------------------------------------------------------ the indexer loss
-    def _indexer_loss_share(self, state: ForwardState) -> torch.Tensor:
-        """This rank's rows' KL sum (Megatron's dense or sparse variant), over the rows of
-        all ranks unless ``calculate_per_token_loss`` (Note [The Megatron indexer loss under
-        hp_cp])."""
-        m, config, plan = self.module, self.module.config, state.plan
+    def _attach_loss(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (this rank's share, times the coefficient) to Megatron's logging (summed
+        over the CP group when reduced) and attached with its ``DSAIndexerLossAutoScaler``."""
+        m, dsa = self.module, _module(DSA)
+        cp = getattr(getattr(m, "pg_collection", None), "cp", None)
+        dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+            loss=loss,
+            layer_number=m.layer_number,
+            num_layers=m.config.num_layers,
+            reduce_group=cp if cp is not None and cp.size() > 1 else None,
+        )
+        return dsa.DSAIndexerLossAutoScaler.apply(out, loss)
+
+    def indexer_row_kl(self, state: ForwardState, lo: int, hi: int) -> torch.Tensor:
+        """Megatron's KL of the local queries ``lo:hi`` ``[B, hi - lo]``, dense (every slot
+        a row sees) or sparse (its picks): Note [The Megatron indexer loss under hp_cp]."""
+        m, config = self.module, self.module.config
         masking, kl = _module(DSA_MASKING), _module(DSA_LOSS)
-        relu, sparse = bool(config.dsa_indexer_scoring_relu), config.dsa_indexer_use_sparse_loss
         q_idx, weights = state.index_queries
         keys = state.keys  # [B, N, d], with autograd back to each key's owner
-        latents = state.slots.detach().float()  # [B, N, c + r]
-        query = state.projection.query.detach()
+        batch, device = keys.shape[0], keys.device
+        start = torch.as_tensor(state.view.slot_start[lo:hi], device=device).long()
+        stop = start + torch.as_tensor(state.view.slot_count[lo:hi], device=device).long()
+        n = int(stop.max())
+        cols = torch.arange(n, device=device)
+        valid = ((cols >= start[:, None]) & (cols < stop[:, None])).expand(batch, -1, -1)
+        if config.dsa_indexer_use_sparse_loss:
+            picks = state.selected[:, lo:hi].to(device).long()
+            picked = torch.zeros(batch, hi - lo, n + 1, dtype=torch.bool, device=device)
+            picked.scatter_(-1, torch.where((picks >= 0) & (picks < n), picks, n), True)
+            valid = valid & picked[..., :n]
+        query = state.projection.query[:, lo:hi].detach()
         q_no_pe, q_pe = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], -1)
         k_up, _ = m._get_kv_up_weights()
         q_abs = torch.einsum("...nd,ndk->...nk", q_no_pe, k_up.detach())
-        q_abs = torch.cat([q_abs, q_pe], dim=-1).float()  # [B, L, H, c + r]
-        batch, _, heads = q_abs.shape[:3]
-        device = q_abs.device
-        total_rows = (
-            plan.n_slots_total if state.inputs.real_rows is None else state.inputs.real_rows
-        )
-        real = torch.as_tensor(plan.local_rows < total_rows, device=device)  # [L]
-        start = torch.as_tensor(plan.cmp_start, device=device).long()
-        stop = start + torch.as_tensor(plan.cmp_count, device=device).long()
+        q_abs = torch.cat([q_abs, q_pe], dim=-1).float()  # [B, l, H, c + r]
+        latents = state.slots[:, :n].detach().float()  # [B, n, c + r]
         scale = float(m.core_attention.softmax_scale)
-        longest = int(stop.max()) if stop.numel() else 0
-        per_row = (heads + q_idx.shape[2]) * longest * batch  # the teacher's, the student's
-        rows = max(1, LOSS_CHUNK_ELEMENTS // max(1, per_row))
-        # every rank's loss reaches its indexer queries, weights and gathered keys (the keys'
-        # exchange runs its backward on every rank), whatever its rows
-        total = (keys.sum() + q_idx.sum() + weights.sum()).float() * 0.0
-        for lo, hi in PlanColumns(plan, 0).chunks(rows):
-            n = int(stop[lo:hi].max()) if hi > lo else 0
-            if n == 0:
-                continue
-            cols = torch.arange(n, device=device)
-            valid = (cols >= start[lo:hi, None]) & (cols < stop[lo:hi, None])  # [l, n]
-            valid = valid.expand(batch, -1, -1)
-            if sparse:
-                picks = state.selected[:, lo:hi].to(device).long()
-                picked = torch.zeros(batch, hi - lo, n + 1, dtype=torch.bool, device=device)
-                picked.scatter_(-1, torch.where((picks >= 0) & (picks < n), picks, n), True)
-                valid = valid & picked[..., :n]
-            logits = torch.einsum("blhd,bnd->bhln", q_abs[:, lo:hi], latents[:, :n]) * scale
-            target = masking.masked_softmax(logits, valid.unsqueeze(1).expand_as(logits))
-            target = kl.normalize_indexer_target(target.sum(dim=1))  # [B, l, n]
-            scores = _module(DSA)._compute_index_scores(
-                q_idx[lo:hi], weights[lo:hi], keys[:, :n].transpose(0, 1), use_relu=relu
-            )
-            log_student = masking.masked_log_softmax(scores.float(), valid)
-            per_row = kl.indexer_kl_per_row(target, log_student)  # [B, l]
-            total = total + (per_row * real[lo:hi].to(per_row.dtype)).sum()
-        if config.calculate_per_token_loss:
-            return total
-        return total / max(1, batch * int(total_rows))
+        logits = torch.einsum("blhd,bnd->bhln", q_abs, latents) * scale
+        target = masking.masked_softmax(logits, valid.unsqueeze(1).expand_as(logits))
+        target = kl.normalize_indexer_target(target.sum(dim=1))  # [B, l, n]
+        relu = bool(config.dsa_indexer_scoring_relu)
+        scores = _module(DSA)._compute_index_scores(
+            q_idx[lo:hi], weights[lo:hi], keys[:, :n].transpose(0, 1), use_relu=relu
+        )
+        return kl.indexer_kl_per_row(target, masking.masked_log_softmax(scores.float(), valid))

@@ -57,7 +57,7 @@ from hp_cp_torch.integrations.transformers_dsa import (
     latent_params,
 )
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import AttentionParams, ForwardState, Projection, refuse
+from hp_cp_torch.model_adapter import AttentionParams, ForwardState, PlanView, Projection, refuse
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
@@ -227,7 +227,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         for problem in problems:
             checks.fail(problem)
 
-    def value_checks(self, inputs: NemoDSACallInputs, plan: Any) -> list[tuple[Any, str]]:
+    def value_checks(self, inputs: NemoDSACallInputs, plan: PlanView) -> list[tuple[Any, str]]:
         return call_value_checks(inputs, plan, MASK_HINT, POSITIONS_HINT)
 
     def read_inputs(

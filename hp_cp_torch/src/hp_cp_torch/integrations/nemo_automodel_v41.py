@@ -89,6 +89,7 @@ from hp_cp_torch.model_adapter import (
     IndexerParams,
     LayerInputs,
     ModelAdapter,
+    PlanView,
     Projection,
     Traits,
 )
@@ -275,7 +276,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             q = _quantize(nemo._apply_rope(q, state.angles), "mxfp4", 32)
             w = ix.weights_proj(xb) * (ix.head_dim**-0.5 * ix.num_heads**-0.5)
         if ix.is_candidate_source:
-            shape = (xb.shape[0], state.plan.n_local, state.keys.shape[1])
+            shape = (xb.shape[0], len(state.view.rows), state.keys.shape[1])
             state.candidates = torch.zeros(shape, dtype=torch.bool, device=xb.device)
         return q, w
 
@@ -299,8 +300,8 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
             return scores.masked_fill(~allowed, float("-inf"))
         if not ix.is_candidate_source:
             return scores
-        plan, n_buf = state.plan, state.candidates.shape[-1]
-        vis = torch.as_tensor(np.minimum(plan.cmp_count[lo:hi], width), device=scores.device)
+        plan, n_buf = state.view, state.candidates.shape[-1]
+        vis = torch.as_tensor(np.minimum(plan.slot_count[lo:hi], width), device=scores.device)
         keep = _attn_mod()._select_candidate_blocks(
             scores,
             vis.view(1, -1, 1).expand(scores.shape[0], -1, 1),
@@ -390,18 +391,18 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
                 "CP; set attention_dropout=0.0 or call model.eval()."
             )
 
-    def value_checks(self, inputs: V41CallInputs, plan: Any) -> list[tuple[Any, str]]:
+    def value_checks(self, inputs: V41CallInputs, plan: PlanView) -> list[tuple[Any, str]]:
         """The position ids, the mask and the document ids against the plan, on the device."""
-        n_local, dev, position_ids = plan.n_local, inputs.hidden.device, inputs.position_ids
+        n_local, dev, position_ids = len(plan.rows), inputs.hidden.device, inputs.position_ids
         want = torch.as_tensor(plan.positions, device=dev)
         got = position_ids.reshape(-1, position_ids.shape[-1])
         bad = [got.shape[-1] != n_local or (got != want).any(), False, False]
         doc_ids = None
         if inputs.cu_seqlens is not None:
-            docs = Documents.packed(inputs.cu_seqlens, plan.layout.total_rows)
-            ids = docs.doc_of(plan.local_rows) + 1
+            docs = Documents.packed(inputs.cu_seqlens, plan.total_rows)
+            ids = docs.doc_of(plan.rows) + 1
             if inputs.real_rows is not None:
-                ids = np.where(plan.local_rows >= inputs.real_rows, 0, ids)
+                ids = np.where(plan.rows >= inputs.real_rows, 0, ids)
             doc_ids = torch.as_tensor(ids, device=dev)
             pid = inputs.packed_seq_ids.reshape(-1, inputs.packed_seq_ids.shape[-1])
             bad[2] = pid.shape[-1] != n_local or (pid != doc_ids).any()

@@ -60,6 +60,7 @@ from hp_cp_torch.model_adapter import (
     IndexerParams,
     LayerInputs,
     ModelAdapter,
+    PlanView,
     Projection,
     Traits,
 )
@@ -235,7 +236,7 @@ def call_problems(
 
 
 def call_value_checks(
-    inputs: ModelCallInputs, plan: Any, mask: str = MASK_HINT, positions: str = POSITIONS_HINT
+    inputs: ModelCallInputs, plan: PlanView, mask: str = MASK_HINT, positions: str = POSITIONS_HINT
 ) -> list[tuple[Any, str]]:
     """A mask that hides a token; position ids that are not the plan's (``mask`` /
     ``positions``: the errors, with the fix)."""
@@ -243,7 +244,7 @@ def call_value_checks(
     if position_ids is not None:
         want = torch.as_tensor(plan.positions, device=position_ids.device)
         got = position_ids.reshape(-1, position_ids.shape[-1])
-        bad_positions = got.shape[-1] != plan.n_local or (got != want).any()
+        bad_positions = got.shape[-1] != len(plan.rows) or (got != want).any()
     return [(_mask_is_unsupported(inputs.attention_mask), mask), (bad_positions, positions)]
 
 
@@ -279,7 +280,7 @@ class TransformersAttention(ModelAdapter, abstract=True):
         for problem in call_problems(inputs, m.training, float(m.attention_dropout)):
             checks.fail(problem)
 
-    def value_checks(self, inputs: ModelCallInputs, plan: Any) -> list[tuple[Any, str]]:
+    def value_checks(self, inputs: ModelCallInputs, plan: PlanView) -> list[tuple[Any, str]]:
         return call_value_checks(inputs, plan)
 
 
