@@ -31,15 +31,27 @@ one of two strategies, chosen from the block's shape:
   scatters only the block's ``[l, k, C]`` gradient (``index_add_``), never a gradient of the
   whole buffer per block.
 
-``F(heads)`` (:func:`band_factor`) is where the two cost the same, measured on a 2-core CPU
-at the published latent width (C = 576, fp32, forward + backward of one block of 64 rows):
+``F(heads)`` (:func:`band_factor`) is where the two cost the same, measured on this 2-core CPU
+(``python -m hp_cp_torch.bench.picked``, nothing else running): one block of 64 queries at the
+published latent width (C = 576, ``kv_b_proj`` folded in, fp32), forward + backward, seconds,
+dense band / gather, at ``n = 1, 2, 4, 8`` times the top-k::
 
-    heads        8      16      32      64     128
-    F            4       4       2       2       2
+    heads  top-k   n = k          2k             4k             8k          F
+      8     256   0.015/0.106   0.023/0.106   0.039/0.096   0.074/0.101     8
+      8    1024   0.039/0.353   0.077/0.392   0.172/0.360   0.311/0.356
+     16     256   0.026/0.104   0.040/0.099   0.070/0.106   0.137/0.085     4
+     16    1024   0.071/0.366   0.127/0.365   0.261/0.360   0.544/0.370
+     32     256   0.047/0.126   0.077/0.109   0.141/0.118   0.256/0.131     2
+     32    1024   0.138/0.444   0.261/0.457   0.639/0.457   1.239/0.458
+     64     256   0.128/0.175   0.182/0.181   0.321/0.206   0.702/0.174     2
+     64    1024   0.279/0.622   0.622/0.602   1.288/0.614   2.513/0.560
+    128     256   0.238/0.331   0.346/0.267   0.603/0.280   1.291/0.349     1
+    128    1024   0.681/0.918   1.273/0.875   2.474/1.003   4.901/0.907
 
-(a dense product costs ``heads * n`` per row at ~10-20x the gather's FLOP rate; the gather's
-cost is its ``k * C`` copy plus ``heads * k``, so the more heads, the sooner dense wins per
-pick and the smaller F). A pinned strategy (``"dense"`` / ``"gather"``) overrides it.
+The gather costs about the same at any head count (its ``[64, k, C]`` copy, index work and
+``64`` small products dominate), the band grows with ``heads * n``: so the fewer the heads,
+the wider the band that still wins. A pinned strategy (``"dense"`` / ``"gather"``) overrides
+it.
 
 Both strategies share the softmax (fp32, with an optional per-head sink in the max and the
 denominator) and keep only ``lse = m + log(denom)`` per (head, row); the backward recomputes
@@ -77,9 +89,9 @@ BLOCK_ELEMENTS = 1 << 24
 """Most elements one block's scores, picked rows and per-head query / output tensors hold
 together (~64 MiB in fp32) at any top-k, width and head count."""
 
-_BAND_FACTORS = ((8, 4), (16, 4), (32, 2))
+_BAND_FACTORS = ((8, 8), (16, 4), (64, 2))
 """``(most heads, F)``: :func:`band_factor`'s measured table (Note [Picked attention: dense
-band or gather, per block]); more heads than the last entry: 2."""
+band or gather, per block]); more heads than the last entry: 1."""
 
 
 def band_factor(heads: int) -> int:
@@ -88,7 +100,7 @@ def band_factor(heads: int) -> int:
     for most, factor in _BAND_FACTORS:
         if heads <= most:
             return factor
-    return 2
+    return 1
 
 
 @dataclass(frozen=True)
