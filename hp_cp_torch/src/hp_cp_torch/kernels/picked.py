@@ -50,7 +50,10 @@ dense band / gather, at ``n = 1, 2, 4, 8`` times the top-k::
 
 The gather costs about the same at any head count (its ``[64, k, C]`` copy, index work and
 ``64`` small products dominate), the band grows with ``heads * n``: so the fewer the heads,
-the wider the band that still wins. A pinned strategy (``"dense"`` / ``"gather"``) overrides
+the wider the band that still wins. With ``G`` KV heads the gather's copy and its small
+products grow ``G`` times (each row holds every group's keys and values, and each group's
+heads are their own products) while the band's work stays ``heads * n``: F is read at the
+query heads per KV head, ``H / G``. A pinned strategy (``"dense"`` / ``"gather"``) overrides
 it.
 
 Both strategies share the softmax (fp32, with an optional per-head sink in the max and the
@@ -96,7 +99,8 @@ band or gather, per block]); more heads than the last entry: 1."""
 
 def band_factor(heads: int) -> int:
     """``F``: a block reads its picks as a dense band when its visible rows are at most
-    ``F * k`` (Note [Picked attention: dense band or gather, per block])."""
+    ``F * k``, for ``heads`` query heads per KV head (Note [Picked attention: dense band or
+    gather, per block])."""
     for most, factor in _BAND_FACTORS:
         if heads <= most:
             return factor
@@ -160,7 +164,8 @@ def block_rows(query_chunk: int, picks: int, layout: HeadLayout, heads: int, bat
     width = layout.key_width + layout.value_width
     if layout.latent is not None:
         width += layout.latent[0] + layout.latent[2]
-    per_row = batch * (2 * heads * band_factor(heads) * k + k * layout.row_width + heads * width)
+    factor = band_factor(heads // layout.groups)
+    per_row = batch * (2 * heads * factor * k + k * layout.row_width + heads * width)
     return max(1, min(int(query_chunk), BLOCK_ELEMENTS // max(per_row, 1)))
 
 
@@ -209,7 +214,8 @@ def picked_attention(
         raise HpCpError("picked attention: up_proj is given exactly for the latent layout.")
     k = selected.shape[-1]
     rows_per_block = block_rows(query_chunk, k, layout, heads, q.shape[0])
-    band = {"auto": band_factor(heads) * k, "dense": 1 << 62, "gather": 0}[strategy]
+    factor = band_factor(heads // layout.groups)
+    band = {"auto": factor * k, "dense": 1 << 62, "gather": 0}[strategy]
     blocks = PlanColumns(plan, 0).dense_blocks(rows_per_block, picks_band_max=band)
     return attend_blocks(q, rows, selected, blocks, layout, scale, sink, up_proj)
 
