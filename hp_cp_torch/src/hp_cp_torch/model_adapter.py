@@ -108,8 +108,8 @@ class Projection:
 
 @dataclass(frozen=True)
 class PlanView:
-    """What a hook may read of this rank's plan, read-only (``state.view``; ``value_checks``'s
-    ``plan``): one entry per local row unless said otherwise.
+    """What a hook may read of this rank's plan (``state.view``; ``value_checks``'s ``plan``),
+    a frozen record of copies: one entry per local row unless said otherwise.
 
     Attributes:
         positions: ``[L]`` the rows' positions (the global row, or the position within the
@@ -133,12 +133,12 @@ class PlanView:
 
     @classmethod
     def of(cls, plan: Any, real_rows: int | None = None, cu_seqlens: Any = None) -> PlanView:
-        """The view of a core ``RankPlan`` (its arrays read-only)."""
+        """The view of a core ``RankPlan``: copies of its arrays, so a hook that writes into
+        one (or hands it to ``torch.as_tensor``, which warns on a read-only array) never
+        changes the plan."""
 
         def frozen(a: Any) -> np.ndarray:
-            out = np.asarray(a).view()
-            out.flags.writeable = False
-            return out
+            return np.array(a)
 
         cu = None if cu_seqlens is None else frozen(cu_seqlens)
         return cls(
