@@ -46,8 +46,9 @@ def dense_reference(q, rows, selected, layout: HeadLayout, sink, up_proj):
         k_nope, values = torch.split(kv, [nope, value], dim=-1)
         keys = torch.cat([k_nope, rows[:, :, None, rank:].expand(-1, -1, heads, -1)], -1)
     else:
-        keys = layout.keys(rows).transpose(1, 2).repeat_interleave(heads // g, dim=2)
-        values = layout.values(rows).transpose(1, 2).repeat_interleave(heads // g, dim=2)
+        k_g, v_g = layout.split(layout.by_group(rows))  # [B, G, N, d]
+        keys = k_g.transpose(1, 2).repeat_interleave(heads // g, dim=2)
+        values = v_g.transpose(1, 2).repeat_interleave(heads // g, dim=2)
     keep = torch.zeros(b, length, n + 1)
     keep.scatter_add_(-1, torch.where(selected >= 0, selected, n), torch.ones(selected.shape))
     bias = keep[..., :n].log()  # [B, L, N]

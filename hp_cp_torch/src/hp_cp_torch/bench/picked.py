@@ -8,9 +8,9 @@ head: ``python -m hp_cp_torch.bench.picked`` (``--out bench-picked.json``).
   ``picked_<heads>h_k<k>_crossover``: the largest ``n / k`` measured at which the band is
   no slower (the kernel's :func:`~hp_cp_torch.kernels.picked.band_factor` is written from
   these, Note [Picked attention: dense band or gather, per block]).
-* ``grouped_kv<G>_over_kv1``: a whole DSA layer's attention (S = ``--seq`` on one rank,
-  top-k ``--topk``, 8 query heads of 128, keys apart from values) with ``G`` KV heads over
-  the same model with one KV head, forward + backward (issue target: at most 1.3).
+* ``grouped_kv<G>_over_kv1_s<S>``: a whole DSA layer's attention (S on one rank, top-k 256,
+  8 query heads of 128, keys apart from values) with ``G`` KV heads over the same model with
+  one KV head, forward + backward, at ``--seq`` and 4 times it (the longer S gathers more).
 
 Run it alone on the machine: its numbers are ratios within one run.
 """
@@ -100,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factors", default="1,2,4,8")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", choices=("all", "blocks", "grouped"), default="all")
     args = parser.parse_args(argv)
     res: dict[str, Any] = {"threads": torch.get_num_threads()}
     factors = [int(f) for f in args.factors.split(",")]
-    for heads in (int(h) for h in args.heads.split(",")):
+    heads_list = [] if args.only == "grouped" else [int(h) for h in args.heads.split(",")]
+    for heads in heads_list:
         for k in (int(t) for t in args.topk.split(",")):
             cross = 0
             for f in factors:
@@ -118,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             res[f"picked_{heads}h_k{k}_crossover"] = cross
-    for groups in (2, 4, 8):
-        res[f"grouped_kv{groups}_over_kv1"] = ratio = grouped_ratio(
-            groups, args.seq, 256, args.repeat
-        )
-        print(f"grouped {groups} KV heads over 1: {ratio:.2f}", flush=True)
+    for seq in () if args.only == "blocks" else (args.seq, 4 * args.seq):
+        for groups in (2, 4, 8):
+            ratio = grouped_ratio(groups, seq, 256, args.repeat)
+            res[f"grouped_kv{groups}_over_kv1_s{seq}"] = ratio
+            print(f"S {seq}: {groups} KV heads over 1: {ratio:.2f}", flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
     return 0

@@ -51,9 +51,17 @@ dense band / gather, at ``n = 1, 2, 4, 8`` times the top-k::
 The gather costs about the same at any head count (its ``[64, k, C]`` copy, index work and
 ``64`` small products dominate), the band grows with ``heads * n``: so the fewer the heads,
 the wider the band that still wins. With ``G`` KV heads the gather's copy and its small
-products grow ``G`` times (each row holds every group's keys and values, and each group's
-heads are their own products) while the band's work stays ``heads * n``: F is read at the
-query heads per KV head, ``H / G``. A pinned strategy (``"dense"`` / ``"gather"``) overrides
+products grow ``G`` times (each row holds every group's key and value, and each group's
+heads are their own products) while the band's work stays ``heads * n``; measured the same
+way for grouped heads of 128 (8 query heads, top-k 256, one block; dense / gather, s)::
+
+    n / k      G = 1           G = 2           G = 8
+      8     0.027/0.026     0.024/0.067     0.040/0.258
+     16     0.044/0.014     0.049/0.041     0.118/0.304
+     32     0.089/0.015     0.121/0.060     0.320/0.407
+
+so the band is taken up to ``G * F(H / G)`` times the top-k (``F`` read at the query heads
+per KV head). A pinned strategy (``"dense"`` / ``"gather"``) overrides
 it.
 
 Both strategies share the softmax (fp32, with an optional per-head sink in the max and the
@@ -98,9 +106,9 @@ band or gather, per block]); more heads than the last entry: 1."""
 
 
 def band_factor(heads: int) -> int:
-    """``F``: a block reads its picks as a dense band when its visible rows are at most
-    ``F * k``, for ``heads`` query heads per KV head (Note [Picked attention: dense band or
-    gather, per block])."""
+    """``F``: a block of ``G`` KV heads, each read by ``heads`` query heads, reads its picks as
+    a dense band when its visible rows are at most ``G * F * k`` (Note [Picked attention:
+    dense band or gather, per block])."""
     for most, factor in _BAND_FACTORS:
         if heads <= most:
             return factor
@@ -145,15 +153,39 @@ class HeadLayout:
             return self.key_width
         return self.groups * (self.key_width + self.value_width)
 
-    def keys(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[..., n, C]`` -> ``[..., G, n, d_k]`` (a view)."""
-        g, d = self.groups, self.key_width
-        return rows[..., : g * d].unflatten(-1, (g, d)).transpose(-2, -3)
+    @property
+    def group_width(self) -> int:
+        """Columns of one group's row in :meth:`by_group`: its key, then (grouped) its value."""
+        return self.key_width if self.values_at == 0 else self.key_width + self.value_width
 
-    def values(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[..., n, C]`` -> ``[..., G, n, d_v]`` (a view)."""
-        g, d, at = self.groups, self.value_width, self.values_at
-        return rows[..., at : at + g * d].unflatten(-1, (g, d)).transpose(-2, -3)
+    @property
+    def value_offset(self) -> int:
+        """Where a group's value starts in its :meth:`by_group` row."""
+        return 0 if self.values_at == 0 else self.key_width
+
+    def by_group(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, N, C]`` -> ``[B, G, N, w]``: each group's key and value side by side, group
+        by group (latent: a view; grouped: one copy, so a gather reads each group's picks as
+        contiguous rows and its products need no copies)."""
+        if self.values_at == 0:
+            return rows.unsqueeze(1)
+        g, dk, dv = self.groups, self.key_width, self.value_width
+        keys = rows[..., : g * dk].unflatten(-1, (g, dk))
+        values = rows[..., g * dk :].unflatten(-1, (g, dv))
+        return torch.cat([keys, values], dim=-1).transpose(1, 2).contiguous()
+
+    def rows_of(self, grouped: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`by_group`: ``[B, G, N, w]`` -> ``[B, N, C]``."""
+        if self.values_at == 0:
+            return grouped[:, 0]
+        dk = self.key_width
+        keys, values = grouped[..., :dk].transpose(1, 2), grouped[..., dk:].transpose(1, 2)
+        return torch.cat([keys.flatten(2), values.flatten(2)], dim=-1)
+
+    def split(self, grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values (views) of rows laid out by :meth:`by_group`."""
+        at = self.value_offset
+        return grouped[..., : self.key_width], grouped[..., at : at + self.value_width]
 
 
 def block_rows(query_chunk: int, picks: int, layout: HeadLayout, heads: int, batch: int) -> int:
@@ -164,7 +196,7 @@ def block_rows(query_chunk: int, picks: int, layout: HeadLayout, heads: int, bat
     width = layout.key_width + layout.value_width
     if layout.latent is not None:
         width += layout.latent[0] + layout.latent[2]
-    factor = band_factor(heads // layout.groups)
+    factor = band_factor(heads // layout.groups) * layout.groups
     per_row = batch * (2 * heads * factor * k + k * layout.row_width + heads * width)
     return max(1, min(int(query_chunk), BLOCK_ELEMENTS // max(per_row, 1)))
 
@@ -214,7 +246,7 @@ def picked_attention(
         raise HpCpError("picked attention: up_proj is given exactly for the latent layout.")
     k = selected.shape[-1]
     rows_per_block = block_rows(query_chunk, k, layout, heads, q.shape[0])
-    factor = band_factor(heads // layout.groups)
+    factor = band_factor(heads // layout.groups) * layout.groups
     band = {"auto": factor * k, "dense": 1 << 62, "gather": 0}[strategy]
     blocks = PlanColumns(plan, 0).dense_blocks(rows_per_block, picks_band_max=band)
     return attend_blocks(q, rows, selected, blocks, layout, scale, sink, up_proj)
@@ -253,7 +285,7 @@ class _Block:
     values: torch.Tensor
     bias: torch.Tensor
     dense: bool
-    ids: torch.Tensor | None = None  # gathered: [B * l * k] flat row ids
+    ids: torch.Tensor | None = None  # gathered: [B * G * l * k] rows of the grouped buffer
 
 
 def _bias_dense(sel: torch.Tensor, s0: int, n: int) -> torch.Tensor:
@@ -268,23 +300,20 @@ def _bias_dense(sel: torch.Tensor, s0: int, n: int) -> torch.Tensor:
 def _load_block(
     q: torch.Tensor, rows: torch.Tensor, sel: torch.Tensor, block: DenseBlock, layout: HeadLayout
 ) -> _Block:
-    """The block's queries (``[B, G, h, l, d]``), keys, values and bias, in fp32."""
+    """The block's queries, keys, values and bias in fp32, from ``rows`` laid out by group
+    (:meth:`HeadLayout.by_group`, ``[B, G, N, w]``)."""
     batch, length = q.shape[0], q.shape[1]
-    g = layout.groups
+    g, n_rows = layout.groups, rows.shape[2]
     qb = _up(q).unflatten(2, (g, -1)).permute(0, 2, 3, 1, 4)  # [B, G, h, l, d]
     if block.picks_in_band:
         s0, s1 = block.slot_start, block.slot_stop
-        band = _up(rows[:, s0:s1])
+        keys, values = layout.split(_up(rows[:, :, s0:s1])[:, :, None])  # [B, G, 1, n, d]
         bias = _bias_dense(sel, s0, s1 - s0)[:, None, None]  # [B, 1, 1, l, n]
-        keys, values = layout.keys(band)[:, :, None], layout.values(band)[:, :, None]
-        return _Block(qb, keys, values, bias, True)  # keys [B, G, 1, n, d_k]
-    n = rows.shape[1]
-    base = torch.arange(batch, device=sel.device).view(-1, 1, 1) * n
-    ids = (sel.clamp(min=0) + base).reshape(-1)
-    picked = _up(rows.reshape(batch * n, -1).index_select(0, ids))
-    picked = picked.view(batch, length, sel.shape[-1], -1)  # [B, l, k, C]
-    keys = layout.keys(picked).transpose(1, 2)  # [B, G, l, k, d_k]
-    values = layout.values(picked).transpose(1, 2)
+        return _Block(qb, keys, values, bias, True)
+    base = torch.arange(batch * g, device=sel.device).view(batch, g, 1, 1) * n_rows
+    ids = (sel.clamp(min=0)[:, None] + base).reshape(-1)  # [B, G, l, k] flat
+    picked = _up(rows.reshape(-1, rows.shape[-1]).index_select(0, ids))
+    keys, values = layout.split(picked.view(batch, g, length, sel.shape[-1], -1))
     bias = torch.zeros(sel.shape, dtype=torch.float32, device=sel.device)
     bias = bias.masked_fill(sel < 0, -math.inf)[:, None, :, None]  # [B, 1, l, 1, k]
     return _Block(qb.transpose(2, 3), keys, values, bias, False, ids)  # q [B, G, l, h, d]
@@ -375,10 +404,11 @@ class _PickedAttention(torch.autograd.Function):
         out = q.new_empty((*q.shape[:3], out_width))
         lse = torch.empty(q.shape[:3], dtype=_up(q).dtype, device=q.device)
         with torch.no_grad():
+            by_group = layout.by_group(rows)  # [B, G, N, w]
             for block in blocks:
                 lo, hi = block.lo, block.hi
                 qb = q[:, lo:hi] if w is None else _fold_queries(q[:, lo:hi], w[0], lat)
-                b = _load_block(qb, rows, selected[:, lo:hi], block, layout)
+                b = _load_block(qb, by_group, selected[:, lo:hi], block, layout)
                 p, lse_b = _softmax(_logits(b, scale), _sink_view(sink, b, g))
                 o = _to_heads(_weighted(p, b), b.dense)  # [B, l, H, d_v]
                 if w is not None:
@@ -397,16 +427,17 @@ class _PickedAttention(torch.autograd.Function):
         need_q, need_rows, need_sink, need_w = ctx.needs_input_grad[:4]
         w = None if lat is None else _latent_weights(up_proj, heads, lat)
         dq = torch.zeros(q.shape, dtype=_up(q).dtype, device=q.device) if need_q else None
-        drows = torch.zeros(rows.shape, dtype=_up(rows).dtype, device=rows.device)
+        by_group = layout.by_group(rows.detach())  # [B, G, N, w]
+        d_group = torch.zeros(by_group.shape, dtype=_up(rows).dtype, device=rows.device)
         dsink = torch.zeros(heads, dtype=_up(q).dtype, device=q.device) if need_sink else None
         dw_k = dw_v = None
         if w is not None and need_w:
             dw_k, dw_v = torch.zeros_like(w[0]), torch.zeros_like(w[1])
-        flat_rows = drows.view(-1, drows.shape[-1])
+        flat_rows = d_group.view(-1, d_group.shape[-1])
         for block in ctx.blocks:
             lo, hi = block.lo, block.hi
             qb = q[:, lo:hi] if w is None else _fold_queries(q[:, lo:hi], w[0], lat)
-            b = _load_block(qb, rows, selected[:, lo:hi], block, layout)
+            b = _load_block(qb, by_group, selected[:, lo:hi], block, layout)
             lse_b = _from_heads(lse[:, lo:hi, :, None], g, b.dense)[..., 0]
             p = torch.exp(_logits(b, scale) - lse_b[..., None])
             o = _weighted(p, b)
@@ -440,23 +471,25 @@ class _PickedAttention(torch.autograd.Function):
             # key and value gradients, summed over the group's heads
             if b.dense:  # [B, G, h, l, n]
                 dk, dv = _mm_heads(ds, b.q), _mm_heads(p, do)  # [B, G, n, d]
-                band = drows[:, block.slot_start : block.slot_stop]
-                layout.keys(band).add_(dk)
-                layout.values(band).add_(dv)
+                band_keys, band_values = layout.split(
+                    d_group[:, :, block.slot_start : block.slot_stop]
+                )
             else:  # [B, G, l, h, k]
                 dk = torch.matmul(ds.transpose(-1, -2), b.q)  # [B, G, l, k, d_k]
                 dv = torch.matmul(p.transpose(-1, -2), do)
-                shape = (*selected[:, lo:hi].shape, rows.shape[-1])  # [B, l, k, C]
-                picked = torch.zeros(shape, dtype=drows.dtype, device=rows.device)
-                layout.keys(picked).transpose(1, 2).add_(dk)
-                layout.values(picked).transpose(1, 2).add_(dv)
+                shape = (*dk.shape[:-1], d_group.shape[-1])  # [B, G, l, k, w]
+                picked = torch.zeros(shape, dtype=d_group.dtype, device=d_group.device)
+                band_keys, band_values = layout.split(picked)
+            band_keys.add_(dk)
+            band_values.add_(dv)
+            if not b.dense:
                 flat_rows.index_add_(0, b.ids, picked.view(-1, picked.shape[-1]))
         dw = None
         if dw_k is not None:
             dw = torch.cat([dw_k, dw_v], 1).view(up_proj.shape).to(up_proj.dtype)
         return (
             None if dq is None else dq.to(q.dtype),
-            drows.to(rows.dtype) if need_rows else None,
+            layout.rows_of(d_group).to(rows.dtype) if need_rows else None,
             None if dsink is None else dsink.to(sink.dtype),
             dw,
             None,
