@@ -195,3 +195,12 @@ def test_bad_layouts_are_refused() -> None:
         picked_attention(q, rows, selected, plan, layout, SCALE)
     with pytest.raises(HpCpError, match="strategy"):
         picked_attention(q, rows, selected, plan, layout, SCALE, strategy="fast")
+
+
+def test_the_bench_measures_both_strategies() -> None:
+    """``python -m hp_cp_torch.bench.picked``'s measures run (tiny: the numbers are the bench's)."""
+    from hp_cp_torch.bench.picked import block_seconds, grouped_ratio
+
+    t = block_seconds(heads=2, k=4, n=8, repeat=1)
+    assert set(t) == {"dense", "gather"} and all(v > 0 for v in t.values())
+    assert grouped_ratio(2, seq=32, topk=4, repeat=1) > 0

@@ -82,9 +82,11 @@ import torch
 
 from hp_cp_core import HpCpError
 from hp_cp_core.columns import DenseBlock, PlanColumns
+from hp_cp_torch.kernels.softmax import finite_max, row_lse, safe_denominator
 
 __all__ = [
     "BLOCK_ELEMENTS",
+    "FOLD_ELEMENTS",
     "STRATEGIES",
     "HeadLayout",
     "attend_blocks",
@@ -347,18 +349,17 @@ def _sink_view(sink: torch.Tensor | None, b: _Block, groups: int) -> torch.Tenso
 
 def _softmax(s: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(p, lse)``: the weights with the sink in the max and denominator, and ``lse``, ``+inf``
-    where the row sees nothing (then ``p = 0`` here and in backward)."""
+    where the row sees nothing (then ``p = 0`` here and in backward: Note [Rows that see
+    nothing] in :mod:`hp_cp_torch.kernels.softmax`)."""
     m = s.amax(-1)
     if sink is not None:
         m = torch.maximum(m, sink)
-    m = torch.where(torch.isneginf(m), 0.0, m)
+    m = finite_max(m)
     p = torch.exp(s - m[..., None])
     denom = p.sum(-1)
     if sink is not None:
         denom = denom + torch.exp(sink - m)
-    p = p / torch.where(denom > 0, denom, 1.0)[..., None]
-    lse = torch.where(denom > 0, m + denom.log(), math.inf)
-    return p, lse
+    return p / safe_denominator(denom)[..., None], row_lse(m, denom)
 
 
 def _weighted(p: torch.Tensor, b: _Block) -> torch.Tensor:
@@ -392,9 +393,29 @@ def _fold_queries(q: torch.Tensor, w_k: torch.Tensor, lat: tuple[int, ...]) -> t
     return torch.cat([torch.einsum("blhd,hdr->blhr", q[..., :nope], w_k), q[..., nope:]], -1)
 
 
+FOLD_ELEMENTS = 1 << 22
+"""Most elements of one fold group's per-head latent tensors (``[rows, H, rank + rope]``,
+fp32: 16 MiB each): ``kv_b_proj`` is folded in for a group of consecutive blocks at once, so
+its ``H`` per-head products have many rows even where the attention's blocks are a few rows
+(many heads, a large top-k)."""
+
+
+def _fold_groups(blocks: Sequence[DenseBlock], rows: int) -> list[list[DenseBlock]]:
+    """Consecutive blocks in groups of about ``rows`` local queries (contiguous ranges)."""
+    groups: list[list[DenseBlock]] = []
+    for block in blocks:
+        last = groups[-1] if groups else None
+        if last and last[-1].hi == block.lo and block.hi - last[0].lo <= rows:
+            last.append(block)
+        else:
+            groups.append([block])
+    return groups
+
+
 class _PickedAttention(torch.autograd.Function):
     """Forward block by block without a graph, keeping ``lse [B, L, H]``; backward recomputes
-    each block and writes the gradients by hand."""
+    each block and writes the gradients by hand. MLA's ``kv_b_proj`` is folded in per group of
+    blocks (:data:`FOLD_ELEMENTS`)."""
 
     @staticmethod
     def forward(ctx: Any, q, rows, sink, up_proj, selected, blocks, layout, scale):  # noqa: ANN001
@@ -403,20 +424,27 @@ class _PickedAttention(torch.autograd.Function):
         out_width = layout.value_width if lat is None else lat[2]
         out = q.new_empty((*q.shape[:3], out_width))
         lse = torch.empty(q.shape[:3], dtype=_up(q).dtype, device=q.device)
+        fold_rows = max(1, FOLD_ELEMENTS // max(1, q.shape[0] * heads * layout.key_width))
         with torch.no_grad():
             by_group = layout.by_group(rows)  # [B, G, N, w]
-            for block in blocks:
-                lo, hi = block.lo, block.hi
-                qb = q[:, lo:hi] if w is None else _fold_queries(q[:, lo:hi], w[0], lat)
-                b = _load_block(qb, by_group, selected[:, lo:hi], block, layout)
-                p, lse_b = _softmax(_logits(b, scale), _sink_view(sink, b, g))
-                o = _to_heads(_weighted(p, b), b.dense)  # [B, l, H, d_v]
+            for group in _fold_groups(blocks, fold_rows):
+                g_lo, g_hi = group[0].lo, group[-1].hi
+                qg = q[:, g_lo:g_hi] if w is None else _fold_queries(q[:, g_lo:g_hi], w[0], lat)
+                og = []
+                for block in group:
+                    lo, hi = block.lo, block.hi
+                    b = _load_block(
+                        qg[:, lo - g_lo : hi - g_lo], by_group, selected[:, lo:hi], block, layout
+                    )
+                    p, lse_b = _softmax(_logits(b, scale), _sink_view(sink, b, g))
+                    og.append(_to_heads(_weighted(p, b), b.dense))  # [B, l, H, d_v]
+                    lse[:, lo:hi] = _to_heads(lse_b[..., None], b.dense)[..., 0]
+                o = torch.cat(og, dim=1)
                 if w is not None:
                     o = torch.einsum("blhr,hvr->blhv", o, w[1])
-                out[:, lo:hi] = o.to(out.dtype)
-                lse[:, lo:hi] = _to_heads(lse_b[..., None], b.dense)[..., 0]
+                out[:, g_lo:g_hi] = o.to(out.dtype)
         ctx.save_for_backward(q, rows, sink, up_proj, selected, lse)
-        ctx.blocks, ctx.layout, ctx.scale = blocks, layout, scale
+        ctx.blocks, ctx.layout, ctx.scale, ctx.fold_rows = blocks, layout, scale, fold_rows
         return out
 
     @staticmethod
@@ -426,69 +454,63 @@ class _PickedAttention(torch.autograd.Function):
         heads, g = q.shape[2], layout.groups
         need_q, need_rows, need_sink, need_w = ctx.needs_input_grad[:4]
         w = None if lat is None else _latent_weights(up_proj, heads, lat)
-        dq = torch.zeros(q.shape, dtype=_up(q).dtype, device=q.device) if need_q else None
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if need_q else None
         by_group = layout.by_group(rows.detach())  # [B, G, N, w]
         d_group = torch.zeros(by_group.shape, dtype=_up(rows).dtype, device=rows.device)
         dsink = torch.zeros(heads, dtype=_up(q).dtype, device=q.device) if need_sink else None
         dw_k = dw_v = None
         if w is not None and need_w:
             dw_k, dw_v = torch.zeros_like(w[0]), torch.zeros_like(w[1])
+        want_dq = dq is not None or dw_k is not None
         flat_rows = d_group.view(-1, d_group.shape[-1])
-        for block in ctx.blocks:
-            lo, hi = block.lo, block.hi
-            qb = q[:, lo:hi] if w is None else _fold_queries(q[:, lo:hi], w[0], lat)
-            b = _load_block(qb, by_group, selected[:, lo:hi], block, layout)
-            lse_b = _from_heads(lse[:, lo:hi, :, None], g, b.dense)[..., 0]
-            p = torch.exp(_logits(b, scale) - lse_b[..., None])
-            o = _weighted(p, b)
-            go = _up(grad[:, lo:hi])  # [B, l, H, d_out]
-            if w is not None:  # out = o W_v^T: d o and d W_v
-                if dw_v is not None:
-                    dw_v += torch.einsum("blhv,blhr->hvr", go, _to_heads(o, b.dense))
-                go = torch.einsum("blhv,hvr->blhr", go, w[1])
-            do = _from_heads(go, g, b.dense)
-            delta = (do * o).sum(-1)  # [.., rows]
-            if dsink is not None:
-                ps = torch.exp(_sink_view(sink, b, g) - lse_b)
-                dsink -= _to_heads((ps * delta)[..., None], b.dense)[..., 0].sum((0, 1))
-            ds = p * (_mm(do, b.values.transpose(-1, -2)) - delta[..., None])
-            ds = ds * scale
-            if dq is not None or dw_k is not None:
-                dqb = _to_heads(_mm(ds, b.keys), b.dense)  # [B, l, H, d_k]
-                if w is not None:
-                    nope, rank = lat[0], lat[3]
-                    if dw_k is not None:
-                        qp = _up(q[:, lo:hi, :, :nope])
-                        dw_k += torch.einsum("blhd,blhr->hdr", qp, dqb[..., :rank])
-                    dqb = torch.cat(
-                        [torch.einsum("blhr,hdr->blhd", dqb[..., :rank], w[0]), dqb[..., rank:]],
-                        -1,
-                    )
-                if dq is not None:
-                    dq[:, lo:hi] = dqb
-            if not need_rows:
-                continue
-            # key and value gradients, summed over the group's heads
-            if b.dense:  # [B, G, h, l, n]
-                dk, dv = _mm_heads(ds, b.q), _mm_heads(p, do)  # [B, G, n, d]
-                band_keys, band_values = layout.split(
-                    d_group[:, :, block.slot_start : block.slot_stop]
+        for group in _fold_groups(ctx.blocks, ctx.fold_rows):
+            g_lo, g_hi = group[0].lo, group[-1].hi
+            qg = q[:, g_lo:g_hi] if w is None else _fold_queries(q[:, g_lo:g_hi], w[0], lat)
+            go_g = _up(grad[:, g_lo:g_hi])  # [B, rows, H, d_out]
+            if w is not None:  # out = o W_v^T: the latent sum's gradient
+                go_g = torch.einsum("blhv,hvr->blhr", go_g, w[1])
+            o_g, dq_g = [], []
+            for block in group:
+                lo, hi = block.lo, block.hi
+                b = _load_block(
+                    qg[:, lo - g_lo : hi - g_lo], by_group, selected[:, lo:hi], block, layout
                 )
-            else:  # [B, G, l, h, k]
-                dk = torch.matmul(ds.transpose(-1, -2), b.q)  # [B, G, l, k, d_k]
-                dv = torch.matmul(p.transpose(-1, -2), do)
-                shape = (*dk.shape[:-1], d_group.shape[-1])  # [B, G, l, k, w]
-                picked = torch.zeros(shape, dtype=d_group.dtype, device=d_group.device)
-                band_keys, band_values = layout.split(picked)
-            band_keys.add_(dk)
-            band_values.add_(dv)
-            if not b.dense:
-                flat_rows.index_add_(0, b.ids, picked.view(-1, picked.shape[-1]))
+                lse_b = _from_heads(lse[:, lo:hi, :, None], g, b.dense)[..., 0]
+                p = torch.exp(_logits(b, scale) - lse_b[..., None])
+                o = _weighted(p, b)
+                if dw_v is not None:
+                    o_g.append(_to_heads(o, b.dense))
+                do = _from_heads(go_g[:, lo - g_lo : hi - g_lo], g, b.dense)
+                delta = (do * o).sum(-1)  # [.., rows]
+                if dsink is not None:
+                    ps = torch.exp(_sink_view(sink, b, g) - lse_b)
+                    dsink -= _to_heads((ps * delta)[..., None], b.dense)[..., 0].sum((0, 1))
+                ds = p * (_mm(do, b.values.transpose(-1, -2)) - delta[..., None])
+                ds = ds * scale
+                if want_dq:
+                    dq_g.append(_to_heads(_mm(ds, b.keys), b.dense))  # [B, l, H, d_k]
+                if need_rows:
+                    _add_row_grads(d_group, flat_rows, b, block, layout, ds, p, do)
+            if w is not None and dw_v is not None:
+                dw_v += torch.einsum("blhv,blhr->hvr", _up(grad[:, g_lo:g_hi]), torch.cat(o_g, 1))
+            if not want_dq:
+                continue
+            dqg = torch.cat(dq_g, dim=1)
+            if w is not None:  # q_latent = [q_pass W_k ; q_rot]
+                nope, rank = lat[0], lat[3]
+                if dw_k is not None:
+                    qp = _up(q[:, g_lo:g_hi, :, :nope])
+                    dw_k += torch.einsum("blhd,blhr->hdr", qp, dqg[..., :rank])
+                dqg = torch.cat(
+                    [torch.einsum("blhr,hdr->blhd", dqg[..., :rank], w[0]), dqg[..., rank:]], -1
+                )
+            if dq is not None:
+                dq[:, g_lo:g_hi] = dqg.to(dq.dtype)
         dw = None
         if dw_k is not None:
             dw = torch.cat([dw_k, dw_v], 1).view(up_proj.shape).to(up_proj.dtype)
         return (
-            None if dq is None else dq.to(q.dtype),
+            dq,
             layout.rows_of(d_group).to(rows.dtype) if need_rows else None,
             None if dsink is None else dsink.to(sink.dtype),
             dw,
@@ -497,3 +519,31 @@ class _PickedAttention(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _add_row_grads(
+    d_group: torch.Tensor,
+    flat_rows: torch.Tensor,
+    b: _Block,
+    block: DenseBlock,
+    layout: HeadLayout,
+    ds: torch.Tensor,
+    p: torch.Tensor,
+    do: torch.Tensor,
+) -> None:
+    """Add the block's key and value gradients (summed over each group's heads) to
+    ``d_group``: a slice for a band, the picked rows' ``index_add_`` for a gather."""
+    if b.dense:  # [B, G, h, l, n]
+        dk, dv = _mm_heads(ds, b.q), _mm_heads(p, do)  # [B, G, n, d]
+        keys, values = layout.split(d_group[:, :, block.slot_start : block.slot_stop])
+        keys.add_(dk)
+        values.add_(dv)
+        return
+    dk = torch.matmul(ds.transpose(-1, -2), b.q)  # [B, G, l, k, d_k]
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    shape = (*dk.shape[:-1], d_group.shape[-1])  # [B, G, l, k, w]
+    picked = torch.zeros(shape, dtype=d_group.dtype, device=d_group.device)
+    keys, values = layout.split(picked)
+    keys.add_(dk)
+    values.add_(dv)
+    flat_rows.index_add_(0, b.ids, picked.view(-1, picked.shape[-1]))
