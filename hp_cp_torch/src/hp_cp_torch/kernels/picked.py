@@ -393,9 +393,9 @@ def _fold_queries(q: torch.Tensor, w_k: torch.Tensor, lat: tuple[int, ...]) -> t
     return torch.cat([torch.einsum("blhd,hdr->blhr", q[..., :nope], w_k), q[..., nope:]], -1)
 
 
-FOLD_ELEMENTS = 1 << 22
+FOLD_ELEMENTS = 1 << 21
 """Most elements of one fold group's per-head latent tensors (``[rows, H, rank + rope]``,
-fp32: 16 MiB each): ``kv_b_proj`` is folded in for a group of consecutive blocks at once, so
+fp32: 8 MiB each): ``kv_b_proj`` is folded in for a group of consecutive blocks at once, so
 its ``H`` per-head products have many rows even where the attention's blocks are a few rows
 (many heads, a large top-k)."""
 
@@ -430,16 +430,15 @@ class _PickedAttention(torch.autograd.Function):
             for group in _fold_groups(blocks, fold_rows):
                 g_lo, g_hi = group[0].lo, group[-1].hi
                 qg = q[:, g_lo:g_hi] if w is None else _fold_queries(q[:, g_lo:g_hi], w[0], lat)
-                og = []
+                o = qg.new_empty((*qg.shape[:3], layout.value_width), dtype=_up(qg).dtype)
                 for block in group:
                     lo, hi = block.lo, block.hi
                     b = _load_block(
                         qg[:, lo - g_lo : hi - g_lo], by_group, selected[:, lo:hi], block, layout
                     )
                     p, lse_b = _softmax(_logits(b, scale), _sink_view(sink, b, g))
-                    og.append(_to_heads(_weighted(p, b), b.dense))  # [B, l, H, d_v]
+                    o[:, lo - g_lo : hi - g_lo] = _to_heads(_weighted(p, b), b.dense)
                     lse[:, lo:hi] = _to_heads(lse_b[..., None], b.dense)[..., 0]
-                o = torch.cat(og, dim=1)
                 if w is not None:
                     o = torch.einsum("blhr,hvr->blhv", o, w[1])
                 out[:, g_lo:g_hi] = o.to(out.dtype)
@@ -469,7 +468,9 @@ class _PickedAttention(torch.autograd.Function):
             go_g = _up(grad[:, g_lo:g_hi])  # [B, rows, H, d_out]
             if w is not None:  # out = o W_v^T: the latent sum's gradient
                 go_g = torch.einsum("blhv,hvr->blhr", go_g, w[1])
-            o_g, dq_g = [], []
+            rows_g = (*go_g.shape[:3],)
+            o_g = go_g.new_empty((*rows_g, layout.value_width)) if dw_v is not None else None
+            dq_g = go_g.new_empty((*rows_g, layout.key_width)) if want_dq else None
             for block in group:
                 lo, hi = block.lo, block.hi
                 b = _load_block(
@@ -478,8 +479,8 @@ class _PickedAttention(torch.autograd.Function):
                 lse_b = _from_heads(lse[:, lo:hi, :, None], g, b.dense)[..., 0]
                 p = torch.exp(_logits(b, scale) - lse_b[..., None])
                 o = _weighted(p, b)
-                if dw_v is not None:
-                    o_g.append(_to_heads(o, b.dense))
+                if o_g is not None:
+                    o_g[:, lo - g_lo : hi - g_lo] = _to_heads(o, b.dense)
                 do = _from_heads(go_g[:, lo - g_lo : hi - g_lo], g, b.dense)
                 delta = (do * o).sum(-1)  # [.., rows]
                 if dsink is not None:
@@ -487,15 +488,15 @@ class _PickedAttention(torch.autograd.Function):
                     dsink -= _to_heads((ps * delta)[..., None], b.dense)[..., 0].sum((0, 1))
                 ds = p * (_mm(do, b.values.transpose(-1, -2)) - delta[..., None])
                 ds = ds * scale
-                if want_dq:
-                    dq_g.append(_to_heads(_mm(ds, b.keys), b.dense))  # [B, l, H, d_k]
+                if dq_g is not None:  # [B, l, H, d_k]
+                    dq_g[:, lo - g_lo : hi - g_lo] = _to_heads(_mm(ds, b.keys), b.dense)
                 if need_rows:
                     _add_row_grads(d_group, flat_rows, b, block, layout, ds, p, do)
             if w is not None and dw_v is not None:
-                dw_v += torch.einsum("blhv,blhr->hvr", _up(grad[:, g_lo:g_hi]), torch.cat(o_g, 1))
-            if not want_dq:
+                dw_v += torch.einsum("blhv,blhr->hvr", _up(grad[:, g_lo:g_hi]), o_g)
+            if dq_g is None:
                 continue
-            dqg = torch.cat(dq_g, dim=1)
+            dqg = dq_g
             if w is not None:  # q_latent = [q_pass W_k ; q_rot]
                 nope, rank = lat[0], lat[3]
                 if dw_k is not None:
