@@ -576,14 +576,14 @@ def _with_heads(request: AttentionRequest, params: Any, kernel_name: Any) -> tor
     width = request.cmp_kv.shape[-1]
     if params.kind == "latent":
         lat = params.latent
-        heads, up_proj = HeadLayout.mla(lat.nope, lat.rope, lat.value, lat.rank), lat.up_proj
+        layout, up_proj = HeadLayout.mla(lat.nope, lat.rope, lat.value, lat.rank), lat.up_proj
     else:
         g, d_k = params.kv_heads, request.q.shape[-1]
-        heads, up_proj = HeadLayout.grouped(g, d_k, (width - g * d_k) // g), None
+        layout, up_proj = HeadLayout.grouped(g, d_k, (width - g * d_k) // g), None
     kernel = kernel_named(kernel_name)
     if params.kind not in getattr(kernel, "kinds", ("shared_kv",)):
         kernel = kernel_named("banded")
-    return kernel(dataclasses.replace(request, heads=heads, up_proj=up_proj))
+    return kernel(dataclasses.replace(request, head_layout=layout, up_proj=up_proj))
 
 
 def _loss_rows(cp_forward: Any, xb: torch.Tensor, loss_mask: Any, with_loss: bool) -> Any:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hp_cp_core.columns import PlanColumns
+
+if TYPE_CHECKING:
+    from hp_cp_torch.kernels.picked import HeadLayout
 
 __all__ = ["AttentionRequest", "chunk_columns"]
 
@@ -30,7 +33,7 @@ class AttentionRequest:
         scale: the softmax scale.
         query_chunk: queries per chunk for chunked kernels.
         tuning: kernel-specific knobs (the banded kernel reads ``"picks"``).
-        heads: ``None``: one KV head whose rows are keys and values at once (``shared_kv``,
+        head_layout: ``None``: one KV head whose rows are keys and values at once (``shared_kv``,
             the window and slots above). Otherwise how ``H`` query heads read keys apart from
             values out of each slot row (grouped-query or latent attention,
             :class:`hp_cp_torch.kernels.picked.HeadLayout`): the columns are then the picks
@@ -48,7 +51,7 @@ class AttentionRequest:
     scale: float
     query_chunk: int = 1024
     tuning: Mapping[str, Any] = field(default_factory=dict)
-    heads: Any = None
+    head_layout: HeadLayout | None = None
     up_proj: torch.Tensor | None = None
 
     @property

@@ -3,7 +3,7 @@
 Each is called as ``kernel(request)``; the column-list kernels (small-op, efficient, Triton)
 share :class:`ColumnKernel`, which runs ``fn(q, kv_pool, idx, sink, scale)`` chunk by chunk.
 Every one runs every attention kind: a request whose heads read keys apart from values
-(``request.heads``: grouped-query or latent attention) goes to the picked kernel
+(``request.head_layout``: grouped-query or latent attention) goes to the picked kernel
 (:mod:`hp_cp_torch.kernels.picked`), by its per-block choice for ``banded``, its dense band
 for ``dense_picks``, its gather for ``gathered_picks`` and the column-list kernels.
 """
@@ -68,7 +68,7 @@ class ColumnKernel:
 
     def __call__(self, request: AttentionRequest) -> torch.Tensor:
         r = request
-        if r.heads is not None:
+        if r.head_layout is not None:
             return run_picked(r, self.picks_strategy)
         pool = r.pool()
         hca = r.selected is None and r.cmp_kv is not None
@@ -105,7 +105,7 @@ class BandedKernel:
         )
 
         r = request
-        if r.heads is not None:
+        if r.head_layout is not None:
             return run_picked(r, self.picks_strategy)
         width = 0 if r.selected is None else r.selected.shape[-1]
         rows = block_rows_for(r.q.shape[0], width, r.q.shape[-1])
@@ -123,7 +123,7 @@ class BandedKernel:
 
 
 def run_picked(request: AttentionRequest, strategy: str) -> torch.Tensor:
-    """A grouped or latent request (``request.heads``) by the picked kernel."""
+    """A grouped or latent request (``request.head_layout``) by the picked kernel."""
     from hp_cp_torch.kernels.picked import picked_attention
 
     r = request
@@ -137,7 +137,7 @@ def run_picked(request: AttentionRequest, strategy: str) -> torch.Tensor:
         r.cmp_kv,
         r.selected,
         r.plan,
-        r.heads,
+        r.head_layout,
         r.scale,
         r.sink,
         r.up_proj,
