@@ -4,7 +4,9 @@ Note [Attention precision]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every hp_cp attention kernel (:data:`KERNEL_PRECISION`) upcasts its bf16 / fp16 inputs and
 computes the logits, the softmax with the sink and the weighted sum in fp32, casting only the
-output (and, in backward, the input gradients) back to the inputs' dtype. A model's own eager
+output (and, in backward, the input gradients) back to the inputs' dtype. The Triton and
+picked (DSA) kernels round the weights to the inputs' dtype for their products with the
+values, as flash attention does, and accumulate those products in fp32. A model's own eager
 attention in bf16 (transformers' ``eager_attention_forward``) rounds the logits, the
 probabilities and the output to bf16 at each op. So in bf16 CP does not round as one device
 does, and that is what sets the two apart (with ``attention_precision="model"`` a run through

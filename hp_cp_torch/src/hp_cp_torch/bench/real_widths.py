@@ -37,7 +37,9 @@ library default ``regather_compressed_kv=False``), ``peak_bytes_cp<N>_s<S>_regat
 CP point with regather off; ``_regather`` with it on) and ``attn_flops_over_matmul``: the
 attention kernel's useful FLOP/s in the profiled step (its autograd nodes' time; useful work
 counted from each local query's window and picks as in :mod:`hp_cp_torch.bench.kernel`) over
-the FLOP/s of a ``[1024, 1024]`` bf16 ``torch.matmul`` in the same process right after.
+the FLOP/s of a ``[1024, 1024]`` bf16 ``torch.matmul`` in the same process right after
+(``attn_flops_over_fp32_matmul``: over an fp32 one's, the rate of the products the kernels
+compute their logits with).
 
 A profiled point whose launch dies (the profiler's records of every allocation can be what
 does not fit) runs again without the profiled step (``profile_failed_...`` says why).
@@ -153,12 +155,13 @@ ATTENTION_NODES = ("_BandedSparseAttention", "_PickedAttention", "_SparseAttenti
 """The autograd nodes of the attention kernels (forward and ``...Backward``)."""
 
 
-def _bf16_matmul_flops(n: int = 1024, repeat: int = 3) -> float:
+def _matmul_flops(dtype: Any = None, n: int = 1024, repeat: int = 3) -> float:
+    """FLOP/s of one ``[n, n] @ [n, n]`` ``torch.matmul`` in ``dtype`` (default bf16)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).bfloat16()
-    b = torch.randn(n, n, generator=g).bfloat16()
+    a = torch.randn(n, n, generator=g).to(dtype or torch.bfloat16)
+    b = torch.randn(n, n, generator=g).to(dtype or torch.bfloat16)
     torch.matmul(a, b)
     best = float("inf")
     for _ in range(repeat):
@@ -344,8 +347,11 @@ def _profiled_step(name: str, model: Any, step: Any, fresh: Any, positions: Any)
         a.cpu_time_total for a in averages if a.key.removesuffix("Backward") in ATTENTION_NODES
     )
     useful = _useful_attention_flops(name, model, positions)
-    matmul = _bf16_matmul_flops()
+    import torch
+
+    matmul = _matmul_flops()
     return {
+        "fp32_matmul_flops": _matmul_flops(torch.float32),
         "live_peak": peak,
         "top_ops": [
             [a.key, a.self_cpu_time_total / 1e6, a.count, a.self_cpu_time_total / total_self]
@@ -389,6 +395,9 @@ def _point_keys(name: str, cp: int, seq: int, regather: bool, ranks: list[dict])
             rate = sum(r["attn_useful_flops"] for r in ranks) / attn
             matmul = sum(r["matmul_flops"] for r in ranks) / len(ranks)
             res[f"real_{name}_attn_flops_over_matmul_{sfx}"] = rate / matmul
+            if "fp32_matmul_flops" in ranks[0]:
+                fp32 = sum(r["fp32_matmul_flops"] for r in ranks) / len(ranks)
+                res[f"real_{name}_attn_flops_over_fp32_matmul_{sfx}"] = rate / fp32
             profiled = sum(r["profiled_seconds"] for r in ranks)
             res[f"real_{name}_attn_share_of_step_{sfx}"] = attn / profiled
         res[f"real_{name}_top_ops_{sfx}"] = busiest["top_ops"]
