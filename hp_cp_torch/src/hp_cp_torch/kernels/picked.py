@@ -73,8 +73,12 @@ queries and output gradients to the inputs' dtype and multiply there, accumulati
 as flash attention and hp_cp's Triton kernel do. In bf16 that is 1.1-1.25x faster per block
 on this CPU (bf16 products run 2-4x fp32's) and stays closer to float64 than the model's own
 op order in bf16 (``tests/torch/test_picked.py``); fp32 and fp64 inputs compute exactly as
-before. A row that sees nothing (every pick ``-1``: hp_cp's padding
-rows, an empty document) has ``denom = 0`` (no sink) and gives 0, forward and backward.
+before. ``kv_b_proj``'s fold multiplies in the model's dtype, as the model's own
+``kv_b_proj`` does, and sums its weight gradient over fold groups in fp32: no fp32 copy of
+the weight (at V3.2's widths 64 MiB, held twice in backward before).
+
+A row that sees nothing (every pick ``-1``: hp_cp's padding rows, an empty document) has
+``denom = 0`` (no sink) and gives 0, forward and backward.
 """
 
 from __future__ import annotations
@@ -411,17 +415,18 @@ def _from_heads(t: torch.Tensor, groups: int, dense: bool) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the latent fold
-def _latent_weights(up_proj: torch.Tensor, heads: int, lat: tuple[int, ...]):  # noqa: ANN202
+def _latent_weights(up_proj: torch.Tensor, q: torch.Tensor, lat: tuple[int, ...]):  # noqa: ANN202
+    """``W_k [H, nope, rank]`` and ``W_v [H, value, rank]`` of ``kv_b_proj``, views in the
+    queries' dtype: the fold multiplies in the model's dtype, as its ``kv_b_proj`` does."""
     nope, _, value, rank = lat
-    w = _up(up_proj).view(heads, nope + value, rank)
-    return w[:, :nope], w[:, nope:]  # W_k [H, nope, rank], W_v [H, value, rank]
+    w = up_proj.to(q.dtype).view(q.shape[2], nope + value, rank)
+    return w[:, :nope], w[:, nope:]
 
 
 def _fold_queries(q: torch.Tensor, w_k: torch.Tensor, lat: tuple[int, ...]) -> torch.Tensor:
     """``[q_pass W_k ; q_rot]``: ``[B, l, H, rank + rope]`` in fp32."""
     nope = lat[0]
-    q = _up(q)
-    return torch.cat([torch.einsum("blhd,hdr->blhr", q[..., :nope], w_k), q[..., nope:]], -1)
+    return _up(torch.cat([torch.einsum("blhd,hdr->blhr", q[..., :nope], w_k), q[..., nope:]], -1))
 
 
 FOLD_ELEMENTS = 1 << 21
@@ -451,7 +456,7 @@ class _PickedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q, rows, sink, up_proj, selected, blocks, layout, scale):  # noqa: ANN001
         heads, g, lat = q.shape[2], layout.groups, layout.latent
-        w = None if lat is None else _latent_weights(up_proj, heads, lat)
+        w = None if lat is None else _latent_weights(up_proj, q, lat)
         out_width = layout.value_width if lat is None else lat[2]
         out = q.new_empty((*q.shape[:3], out_width))
         lse = torch.empty(q.shape[:3], dtype=_up(q).dtype, device=q.device)
@@ -471,7 +476,7 @@ class _PickedAttention(torch.autograd.Function):
                     o[:, lo - g_lo : hi - g_lo] = _to_heads(_weighted(p, b), b.dense)
                     lse[:, lo:hi] = _to_heads(lse_b[..., None], b.dense)[..., 0]
                 if w is not None:
-                    o = torch.einsum("blhr,hvr->blhv", o, w[1])
+                    o = torch.einsum("blhr,hvr->blhv", o.to(q.dtype), w[1])
                 out[:, g_lo:g_hi] = o.to(out.dtype)
         ctx.save_for_backward(q, rows, sink, up_proj, selected, lse)
         ctx.blocks, ctx.layout, ctx.scale, ctx.fold_rows = blocks, layout, scale, fold_rows
@@ -483,22 +488,24 @@ class _PickedAttention(torch.autograd.Function):
         layout, scale, lat = ctx.layout, ctx.scale, ctx.layout.latent
         heads, g = q.shape[2], layout.groups
         need_q, need_rows, need_sink, need_w = ctx.needs_input_grad[:4]
-        w = None if lat is None else _latent_weights(up_proj, heads, lat)
+        w = None if lat is None else _latent_weights(up_proj, q, lat)
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if need_q else None
         by_group = layout.by_group(rows.detach())  # [B, G, N, w]
         d_group = torch.zeros(by_group.shape, dtype=_up(rows).dtype, device=rows.device)
         dsink = torch.zeros(heads, dtype=_up(q).dtype, device=q.device) if need_sink else None
-        dw_k = dw_v = None
-        if w is not None and need_w:
-            dw_k, dw_v = torch.zeros_like(w[0]), torch.zeros_like(w[1])
+        dw = dw_k = dw_v = None
+        if w is not None and need_w:  # fp32 sums over the fold groups' products
+            dw = torch.zeros(up_proj.shape, dtype=_up(up_proj).dtype, device=up_proj.device)
+            dw_k, dw_v = dw.view(heads, -1, lat[3]).split([lat[0], lat[2]], 1)
         want_dq = dq is not None or dw_k is not None
         flat_rows = d_group.view(-1, d_group.shape[-1])
         for group in _fold_groups(ctx.blocks, ctx.fold_rows):
             g_lo, g_hi = group[0].lo, group[-1].hi
             qg = q[:, g_lo:g_hi] if w is None else _fold_queries(q[:, g_lo:g_hi], w[0], lat)
-            go_g = _up(grad[:, g_lo:g_hi])  # [B, rows, H, d_out]
+            go_g = grad[:, g_lo:g_hi].to(q.dtype)  # [B, rows, H, d_out]
             if w is not None:  # out = o W_v^T: the latent sum's gradient
                 go_g = torch.einsum("blhv,hvr->blhr", go_g, w[1])
+            go_g = _up(go_g)
             rows_g = (*go_g.shape[:3],)
             o_g = go_g.new_empty((*rows_g, layout.value_width)) if dw_v is not None else None
             dq_g = go_g.new_empty((*rows_g, layout.key_width)) if want_dq else None
@@ -525,28 +532,25 @@ class _PickedAttention(torch.autograd.Function):
                 if need_rows:
                     _add_row_grads(d_group, flat_rows, b, block, layout, ds, p, do)
             if w is not None and dw_v is not None:
-                dw_v += torch.einsum("blhv,blhr->hvr", _up(grad[:, g_lo:g_hi]), o_g)
+                dw_v += torch.einsum(
+                    "blhv,blhr->hvr", grad[:, g_lo:g_hi].to(q.dtype), o_g.to(q.dtype)
+                )
             if dq_g is None:
                 continue
             dqg = dq_g
             if w is not None:  # q_latent = [q_pass W_k ; q_rot]
                 nope, rank = lat[0], lat[3]
+                dq_lat = dqg[..., :rank].to(q.dtype)
                 if dw_k is not None:
-                    qp = _up(q[:, g_lo:g_hi, :, :nope])
-                    dw_k += torch.einsum("blhd,blhr->hdr", qp, dqg[..., :rank])
-                dqg = torch.cat(
-                    [torch.einsum("blhr,hdr->blhd", dqg[..., :rank], w[0]), dqg[..., rank:]], -1
-                )
+                    dw_k += torch.einsum("blhd,blhr->hdr", q[:, g_lo:g_hi, :, :nope], dq_lat)
+                dqg = torch.cat([torch.einsum("blhr,hdr->blhd", dq_lat, w[0]), dqg[..., rank:]], -1)
             if dq is not None:
                 dq[:, g_lo:g_hi] = dqg.to(dq.dtype)
-        dw = None
-        if dw_k is not None:
-            dw = torch.cat([dw_k, dw_v], 1).view(up_proj.shape).to(up_proj.dtype)
         return (
             dq,
             layout.rows_of(d_group).to(rows.dtype) if need_rows else None,
             None if dsink is None else dsink.to(sink.dtype),
-            dw,
+            None if dw is None else dw.to(up_proj.dtype),
             None,
             None,
             None,
