@@ -12,11 +12,11 @@ import importlib.util
 import io
 import json
 import re
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 from hp_cp_core import CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_core.plugins import PluginHost
@@ -211,3 +211,208 @@ def test_the_migrated_group_is_a_current_group() -> None:
 
     for out in world.run(rank_fn):
         assert out.tolist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
+
+
+def test_the_group_order_diagram_names_the_group_protocol() -> None:
+    """The backward-order diagram's steps are the ``Group`` protocol's methods and its
+    ``point_to_point`` switch."""
+    from hp_cp_core.backend import Group
+
+    text = docs.block("group-order-diagram")
+    steps = set(re.findall(r"--(\w+)-->", text)) | set(re.findall(r"\b(all_gather_rows)\b", text))
+    assert steps == {"begin_order", "exchange_rows", "end_order", "all_gather_rows"}
+    assert all(callable(getattr(Group, s, None)) for s in steps)
+    assert "point_to_point" in text and "point_to_point" in (Group.__doc__ or "")
+
+
+# ------------------------------------------------------------------------ docs/design.md
+
+
+def test_the_pieces_diagram_names_the_cores_modules() -> None:
+    text = docs.block("core-pieces-diagram")
+    core = ROOT / "hp_cp_core" / "src" / "hp_cp_core"
+    named = re.findall(r"\b(\w+\.py)\b", text)
+    assert named and [n for n in named if not (core / n).is_file()] == []
+    assert (core / "testing").is_dir()
+    for dist in re.findall(r"^(hp-cp-\w+)", text, flags=re.M):
+        assert (ROOT / dist.replace("-", "_") / "pyproject.toml").is_file(), dist
+
+
+def test_the_forward_diagram_calls_the_hooks_with_their_arguments() -> None:
+    """Each hook the diagram calls is a hook spec taking those arguments (after ``module``),
+    in that order; its order tokens are the ``Group`` protocol's."""
+    import inspect
+
+    from hp_cp_core import hookspecs
+    from hp_cp_core.backend import Group
+
+    text = docs.block("forward-stages-diagram")
+    calls = re.findall(r"\b(hp_cp_\w+)(?:\(([^)]*)\))?", text)
+    assert {name for name, _ in calls} == {
+        "hp_cp_extract_ori_kv",
+        "hp_cp_compress_main",
+        "hp_cp_compress_indexer",
+        "hp_cp_run_attention",
+    }
+    for name, args in calls:
+        params = list(inspect.signature(getattr(hookspecs, name)).parameters)
+        assert params[0] == "module", name
+        shown = [a.strip() for a in args.split(",") if a.strip()]
+        assert shown == params[1 : 1 + len(shown)], (name, shown, params)
+    for method in re.findall(r"\b(begin_order|end_order)\(", text):
+        assert callable(getattr(Group, method))
+
+
+# ------------------------------------------------------------------------- docs/index.md
+
+
+def _listed(text: str) -> list[str]:
+    """The module and folder names of one listing line's names part: ``x.py`` / ``x/``
+    tokens, or a comma list after ``:`` (parentheses dropped, ``+`` joining two)."""
+    names = re.findall(r"(?<![\w.])(\w+\.py|\w+/)(?=\s|,|$)", text)
+    if names:
+        return names
+    text = re.sub(r"[^,;:()]*:", "", re.sub(r"\([^)]*\)", "", text))  # labels dropped
+    return [n.strip() + ".py" for n in re.split(r"[,+;]", text) if n.strip()]
+
+
+def test_the_package_layout_is_the_tree() -> None:
+    """Every module and folder the listing names exists where it says, and a listing without
+    ``...`` names every module of its folder."""
+    lines = docs.block("package-layout").splitlines()
+    problems: list[str] = []
+    package: Path | None = None
+    for line in lines:
+        indent = len(line) - len(line.lstrip())
+        head, _, rest = line.strip().partition(" ")
+        if indent == 0:
+            package = ROOT / head.rstrip("/") / "src" / head.rstrip("/")
+            assert package.is_dir(), head
+            folder, names = package, re.findall(r"(?<![\w.])(\w+\.py)\b", rest)
+            if not names:
+                continue
+        elif head.endswith("/") and not head.endswith(".py"):
+            folder = package / head.rstrip("/")
+            names = _listed(rest)
+            if head == "hp_cp_core/" or not folder.is_dir():
+                problems.append(f"no folder {folder.relative_to(ROOT)}")
+                continue
+        else:
+            folder, names = package, _listed(line)
+        assert package is not None
+        for name in names:
+            if not (folder / name).exists():
+                problems.append(f"{line.strip()[:40]!r}: no {(folder / name).relative_to(ROOT)}")
+        if folder != package and "..." not in line:
+            have = {p.name for p in folder.glob("*.py") if not p.name.startswith("__")}
+            missing = have - set(names)
+            if missing:
+                problems.append(f"{folder.relative_to(ROOT)} not listed: {sorted(missing)}")
+    # the top-level folders: every module and subpackage of a package listed line by line
+    for dist in ("hp_cp_torch", "hp_cp_mindformers"):
+        package = ROOT / dist / "src" / dist
+        have = {
+            p.name + ("/" if p.is_dir() else "")
+            for p in package.iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").is_file()) and not p.name.startswith("__")
+        }
+        text = "\n".join(lines)
+        missing = [n for n in sorted(have) if not re.search(rf"(?<![\w.]){re.escape(n)}", text)]
+        if missing:
+            problems.append(f"{dist} not listed: {missing}")
+    assert problems == []
+
+
+# --------------------------------------------------------------- docs/testing-a-backend.md
+
+
+def test_the_contract_entry_points_are_the_jax_examples() -> None:
+    shown = tomllib.loads(docs.block("jax-entry-points"))
+    real = tomllib.loads((ROOT / "examples" / "hp-cp-jax" / "pyproject.toml").read_text())
+    assert shown["project"]["entry-points"] == real["project"]["entry-points"]
+
+
+def test_the_thread_group_example_runs_on_thread_ranks() -> None:
+    """The kit's numpy exchanges, forward and backward, on 3 thread ranks with a layer's
+    halo plans: ``<forward(a), g> == <a, backward(g)>``."""
+    from hp_cp_core import LayerSpec
+    from hp_cp_core.plan import build_rank_plan
+    from hp_cp_core.stats import check_stats
+    from hp_cp_core.testing import ThreadGroup
+
+    world = ThreadWorld(3, timeout=30)
+    spec = LayerSpec(compress_ratio=4, window_size=8, has_indexer=True)
+
+    def rank_fn(rank: int):
+        rng = np.random.default_rng(rank)
+        plan = build_rank_plan(
+            rank=rank, cp_size=3, spec=spec, layout_kind="contiguous", total_rows=18
+        )
+        plans = [plan.window, plan.x]
+        arrays = [rng.standard_normal((6, 4)) for _ in plans]
+        douts = [rng.standard_normal((6 + p.n_halo, 4)) for p in plans]
+        array = rng.standard_normal((2, 4))
+        dgathered = rng.standard_normal((6, 4))
+        ns = docs.run(
+            "thread-group-exchanges",
+            {"ThreadGroup": ThreadGroup, "mesh": world.mesh(rank), "plans": plans}
+            | {"arrays": arrays, "douts": douts, "array": array, "dgathered": dgathered},
+        )
+        lhs = sum(float((o * d).sum()) for o, d in zip(ns["outs"], douts))
+        lhs += float((ns["gathered"] * dgathered).sum())
+        rhs = sum(float((a * g).sum()) for a, g in zip(arrays, ns["grads"]))
+        rhs += float((array * ns["grad"]).sum())
+        return lhs, rhs, ns["group"].stats()
+
+    out = world.run(rank_fn)
+    assert abs(sum(o[0] for o in out) - sum(o[1] for o in out)) <= 1e-9
+    assert all(not check_stats(o[2]) for o in out)
+
+
+def test_the_cp_equals_one_device_example_passes_for_the_fake_backend() -> None:
+    """The page's test, with the fake backend's toy layer as ``my_layer`` (its ``apply``)."""
+
+    class MyLayer(fb.ToyAttention):
+        def __init__(self) -> None:
+            super().__init__(8, compress_ratio=4, window_size=5, index_topk=3)
+
+        def apply(self, params, x):
+            return self(x)
+
+    ns = docs.run("cp-equals-one-device", {"my_layer": MyLayer, "params": None})
+    ns["config"] = CPConfig(layout="load_balanced")
+    ns["test_cp_equals_one_device"]()
+    ns["test_cp_equals_one_device"](cp=1)
+
+
+# ------------------------------------------------------------------- docs/mindformers.md
+
+STEP = re.compile(r"^step (?P<step>\d+) loss (?P<loss>\d+\.\d{6}) cp (?P<cp>\d+)$")
+EQUAL = re.compile(r"^losses equal \S+/one_process\.json at steps \[(?P<steps>[\d, ]+)\]$")
+
+
+def test_the_msrun_examples_output_is_what_the_recipe_prints() -> None:
+    """The printed lines are the recipe's two prints (seconds per step dropped, as the page
+    says), for the page's three runs: cp 1 steps 1-3, cp 2 steps 1-2 checked against it,
+    cp 4 resumed for step 3, with equal losses at equal steps."""
+    source = (ROOT / "examples" / "train_mindformers_cp.py").read_text(encoding="utf-8")
+    assert 'f"step {step} loss {losses[step]:.6f} cp {size} (' in source
+    assert 'f"losses equal {args.expect} at steps {both}"' in source
+    runs: list[tuple[int, dict[int, str], list[int]]] = []
+    for line in docs.block("mindformers-recipe-output").splitlines():
+        step, equal = STEP.match(line), EQUAL.match(line)
+        assert step or equal, line
+        if step:
+            cp = int(step["cp"])
+            if not runs or runs[-1][0] != cp:
+                runs.append((cp, {}, []))
+            runs[-1][1][int(step["step"])] = step["loss"]
+        else:
+            runs[-1][2].extend(int(s) for s in equal["steps"].split(","))
+    assert [(cp, sorted(losses), checked) for cp, losses, checked in runs] == [
+        (1, [1, 2, 3], []),
+        (2, [1, 2], [1, 2]),
+        (4, [3], [3]),
+    ]
+    for _, losses, checked in runs[1:]:
+        assert all(losses[s] == runs[0][1][s] for s in checked)
