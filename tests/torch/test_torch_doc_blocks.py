@@ -1,0 +1,58 @@
+"""The torch pages' code blocks, executed (``nox -s torch``): one job of 2 gloo ranks runs
+every block of ``doc_block_cases`` with what its page says the reader has (a tiny model, the
+CP process group, a batch) and checks it against the same model on one process; one test
+per block reports its traceback. The command lines the pages show parse with the real
+command-line parsers (``test_doc_commands.py``)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from dist_utils import run_ranks
+from doc_block_cases import CASES, doc_blocks_suite
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, str | None]]:
+    return run_ranks(2, doc_blocks_suite, _free_port(), timeout=600)
+
+
+@pytest.mark.parametrize("blocks", list(CASES))
+def test_the_doc_block_runs_under_cp(results, blocks: str) -> None:
+    failed = {rank: r[blocks] for rank, r in enumerate(results) if r[blocks] is not None}
+    assert not failed, "\n".join(f"rank {k}:\n{tb}" for k, tb in failed.items())
+
+
+def test_every_block_name_is_asked_for() -> None:
+    """The names the cases run (``docs.run("NAME", ...)`` / ``docs.block("NAME")``) are the
+    names the registry lists."""
+    import doc_block_cases
+
+    names = {n for key in CASES for n in key.split(" + ")}
+    assert names == {
+        "readme-quickstart",
+        "design-quickstart",
+        "readme-hf-batch",
+        "hf-training-step",
+        "regather-stats",
+        "train-fsdp-loop",
+        "model-adapter-register",
+        "model-example-run",
+        "dsa-example-run",
+        "glm5-sharing",
+        "reliability-errors",
+        "triton-kernel-config",
+        "triton-plugin",
+        "triton-plugin-host",
+        "patch-function-forward",
+    }
+    assert all(doc_block_cases.docs.block(n) for n in names)
