@@ -14,6 +14,7 @@ folder on ``sys.path``::
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +90,27 @@ def excerpt_problems(text: str, source: Path) -> list[str]:
         if not any(lines[i : i + n] == part for i in range(len(lines) - n + 1)):
             problems.append(f"not in {source.relative_to(ROOT)}: {part[0]!r} ... ({n} lines)")
     return problems
+
+
+def commands(text: str) -> list[list[str]]:
+    """The command lines of a shell block, as argv lists: continuation lines joined, a
+    console block's ``$`` prompts stripped (its other lines are output), ``&&`` chains split,
+    comments and leading ``NAME=value`` assignments dropped."""
+    lines = text.splitlines()
+    if any(ln.startswith("$ ") for ln in lines):
+        kept, follow = [], False
+        for ln in lines:
+            if ln.startswith("$ ") or follow:
+                kept.append(ln[2:] if ln.startswith("$ ") else ln)
+            follow = ln.rstrip().endswith("\\")
+        lines = kept
+    joined = "\n".join(lines).replace("\\\n", " ")
+    argvs = []
+    for line in joined.splitlines():
+        for part in re.split(r"\s&&\s", line):
+            argv = shlex.split(part, comments=True)
+            while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+                argv.pop(0)
+            if argv:
+                argvs.append(argv)
+    return argvs
