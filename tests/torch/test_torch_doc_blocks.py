@@ -56,3 +56,22 @@ def test_every_block_name_is_asked_for() -> None:
         "patch-function-forward",
     }
     assert all(doc_block_cases.docs.block(n) for n in names)
+
+
+def test_the_guides_forward_state_fields_are_the_dataclasses() -> None:
+    """docs/writing-a-model-adapter.md lists ``ForwardState``'s fields (one forward's values)
+    in prose: the names it gives are the dataclass's fields, every one."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from hp_cp_torch.model_adapter import ForwardState
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-model-adapter.md").read_text(
+        encoding="utf-8"
+    )
+    start = text.index("`ForwardState`\n(one forward's values:")
+    listed = text[start : text.index("and the fields of your subclass", start)]
+    listed = re.sub(r"\([^()]*\)", "", listed.split(":", 1)[1])  # drop the explanations
+    names = set(re.findall(r"`(\w+)`", listed))
+    assert names == {f.name for f in dataclasses.fields(ForwardState)}
