@@ -327,9 +327,19 @@ def test_the_package_layout_is_the_tree() -> None:
 
 
 def test_the_contract_entry_points_are_the_jax_examples() -> None:
+    """The page's entry points, and the driver's in ``hp_cp_core.testing.cases``' docstring,
+    are the JAX example's own."""
+    import hp_cp_core.testing.cases as cases
+
     shown = tomllib.loads(docs.block("jax-entry-points"))
     real = tomllib.loads((ROOT / "examples" / "hp-cp-jax" / "pyproject.toml").read_text())
     assert shown["project"]["entry-points"] == real["project"]["entry-points"]
+    example = (cases.__doc__ or "").split("::\n", 1)[1].split("\n\n", 2)[0]
+    driver = tomllib.loads(re.sub(r"^    ", "", example, flags=re.M))
+    assert (
+        driver["project"]["entry-points"]["hp_cp.contract"]
+        == (real["project"]["entry-points"]["hp_cp.contract"])
+    )
 
 
 def test_the_thread_group_example_runs_on_thread_ranks() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -116,3 +117,27 @@ def test_the_contract_suite_commands_use_its_options() -> None:
         assert argv[:3] == ["pytest", "-p", "hp_cp_core.testing.contract"], argv
         flags = {a.split("=", 1)[0] for a in argv[3:] if a.startswith("--")}
         assert flags <= options.names, flags - options.names
+
+
+NOT_RUN = re.compile(r"^\s*<!-- not run: (?P<reason>.+?) -->\s*$")
+
+
+def test_torchrun_lines_of_install_blocks_parse(parse_only) -> None:
+    """The blocks left not run (they install packages) may also start the recipe: those
+    torchrun lines (from the virtualenv they made) parse as the tested ones do."""
+    from torch.distributed.run import get_args_parser
+
+    seen = 0
+    for path in docs.DOCS:
+        for _, before, body in docs.code_blocks(path.read_text(encoding="utf-8")):
+            if not NOT_RUN.match(before):
+                continue
+            for argv in docs.commands("\n".join(body)):
+                if Path(argv[0]).name != "torchrun":
+                    continue
+                with pytest.raises(Parsed) as parsed:
+                    get_args_parser().parse_args(argv[1:])
+                run = parsed.value.args[0]
+                _script_parses(parse_only, run.training_script, run.training_script_args)
+                seen += 1
+    assert seen >= 2
