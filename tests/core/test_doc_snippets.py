@@ -3,15 +3,19 @@ run or marked as not run, so a documented example cannot silently go stale:
 
 * between ``<!-- snippet: PATH -->`` and ``<!-- /snippet -->``: the block's contents equal
   the file PATH (relative to the repository root);
+* on the line right after ``<!-- tested: NAME -->``: a test under ``tests/`` asks for the
+  block by NAME (``tests/doc_blocks.py``) and runs it with what the page says the reader has,
+  or checks it against the code (a diagram's names, a listing's files, printed output, an
+  excerpt's lines, a command line's flags);
 * or on the line right after ``<!-- not run: REASON -->``, the reason saying why it cannot
-  run here (it needs a GPU, starts torchrun or msrun, installs packages, is a fragment of the
-  user's code, a diagram or printed output).
+  run here (it installs packages from the network or needs a GPU).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import importlib.util
 import re
 import types
 from pathlib import Path
@@ -24,6 +28,7 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})")
 SNIPPET = re.compile(r"^\s*<!-- snippet: (\S+) -->\s*$")
 NOT_RUN = "<!-- not run: REASON -->"
 NOT_RUN_MARK = re.compile(r"^\s*<!-- not run(?::\s*(?P<reason>\S.*?))?\s*-->\s*$")
+TESTED = re.compile(r"^\s*<!-- tested: (?P<name>[\w.-]+) -->\s*$")
 BARE_NOT_RUN_PENDING: set[str] = set()
 """Pages whose bare ``<!-- not run -->`` markers still wait for a reason (their owners are
 rewriting them, issue 57); every other page gives one."""
@@ -60,11 +65,13 @@ def problems(path: Path, root: Path = ROOT) -> list[str]:
             if mark.group("reason") is None and not pending:
                 found.append(f"{where}: `<!-- not run -->` without a reason; write {NOT_RUN}")
             continue
+        if TESTED.match(before) is not None:
+            continue  # test_every_tested_block_is_asked_for_by_a_test
         m = SNIPPET.match(before)
         if m is None:
             found.append(
-                f"{where}: a code block neither marked `{NOT_RUN}` nor a "
-                "`<!-- snippet: PATH -->` of a tested file"
+                f"{where}: a code block neither marked `{NOT_RUN}`, `<!-- tested: NAME -->` "
+                "nor a `<!-- snippet: PATH -->` of a tested file"
             )
             continue
         end = start + len(body) + 2
@@ -104,6 +111,59 @@ def test_the_check_catches_unmarked_blocks_and_stale_snippets(tmp_path: Path) ->
         encoding="utf-8",
     )
     assert problems(doc, tmp_path) == []
+
+
+def _doc_blocks():
+    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_tested_block_is_asked_for_by_a_test() -> None:
+    """Each ``<!-- tested: NAME -->`` names one block, and a test module (not this one) asks
+    for it by that name (``block("NAME")`` / ``run("NAME", ...)``)."""
+    named = [name for name, *_ in _doc_blocks().tested_blocks(DOCS)]
+    assert len(named) == len(set(named)), sorted(n for n in named if named.count(n) > 1)
+    sources = "".join(
+        p.read_text(encoding="utf-8")
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if p.resolve() != Path(__file__).resolve()
+    )
+    unasked = [n for n in named if f'"{n}"' not in sources]
+    assert unasked == [], f"no test asks for these doc blocks: {unasked}"
+
+
+NOT_RUN_LEFT = 12
+"""Blocks still marked not run (they install packages from the network or need a GPU): the
+count may only fall."""
+
+
+def test_not_run_blocks_only_fall() -> None:
+    marked = [
+        f"{path.name}:{start + 1}"
+        for path in DOCS
+        for start, before, _ in code_blocks(path.read_text(encoding="utf-8"))
+        if NOT_RUN_MARK.match(before)
+    ]
+    assert len(marked) <= NOT_RUN_LEFT, marked
+
+
+NOT_RUN_REASONS = re.compile(r"^(installs packages|needs a GPU)\b")
+"""What keeps a block from running here: it installs packages from the network or needs a
+GPU. A fragment, a diagram, a listing, printed output, a command of many minutes are run or
+checked instead (``<!-- tested: NAME -->``)."""
+
+
+def test_not_run_only_where_it_cannot_run_here() -> None:
+    reasons = [
+        (f"{path.name}:{start + 1}", mark.group("reason"))
+        for path in DOCS
+        for start, before, _ in code_blocks(path.read_text(encoding="utf-8"))
+        if (mark := NOT_RUN_MARK.match(before)) is not None
+    ]
+    assert [(w, r) for w, r in reasons if not NOT_RUN_REASONS.match(r or "")] == []
 
 
 def test_readme_stays_short() -> None:
