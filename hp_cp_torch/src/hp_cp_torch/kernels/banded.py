@@ -53,6 +53,7 @@ import torch
 from hp_cp_core.columns import DenseBlock
 from hp_cp_torch.kernels.softmax import (
     finite_max,
+    rounded,
     row_lse,
     safe_denominator,
     sink_gradient,
@@ -219,21 +220,24 @@ class _Block:
                 self.k = 0
         q2 = self.q.reshape(b, n * h, d)
         self.dense = []  # (keys [B, nb, D], logits [B, n, H, nb], pool, start)
+        self.keys_in = []  # each dense part's keys in the inputs' dtype (a slice of its pool)
         for pool, k0, k1, mask in ranges:
-            keys = pool[:, k0:k1].float()
+            self.keys_in.append(pool[:, k0:k1])
+            keys = self.keys_in[-1].float()
             logits = (torch.matmul(q2, keys.transpose(1, 2)) * scale).view(b, n, h, -1)
             if mask.dtype == torch.bool:
                 logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
             else:  # picks: log of each column's pick count
                 logits = logits + mask[:, :, None, :]
             self.dense.append((keys, logits, pool, k0))
-        self.kc = self.lc = None
+        self.kc = self.kc_in = self.lc = None
         if self.k:
             base = torch.arange(b, device=sel.device).view(-1, 1, 1) * cmp.shape[1]
             self.rows = (sel.clamp(min=0) + base).reshape(-1)
             flat = cmp.reshape(-1, d)
             shape = (b * n * self.k, d)
             kc = torch.index_select(flat, 0, self.rows, out=ws.get("kc", shape, q, flat.dtype))
+            self.kc_in = kc.view(b * n, self.k, d)
             if kc.dtype != torch.float32:
                 kc = ws.get("kc32", shape, q).copy_(kc)
             self.kc = kc.view(b * n, self.k, d)
@@ -247,15 +251,16 @@ class _Block:
         return [lg for _, lg, _, _ in self.dense] + ([self.lc] if self.k else [])
 
     def values(self, probs: list[torch.Tensor]) -> torch.Tensor:
-        """``sum over parts of P V``: ``[B, n, H, D]`` fp32 (``probs`` as :meth:`logits`)."""
+        """``sum over parts of P V``: ``[B, n, H, D]`` fp32 (``probs`` as :meth:`logits`), each
+        product in the inputs' dtype (:func:`~hp_cp_torch.kernels.softmax.rounded`)."""
         b, n, h = self.shape
         out = None
-        for (keys, _, _, _), p in zip(self.dense, probs):
-            o = torch.matmul(p.reshape(b, n * h, -1), keys).view(b, n, h, -1)
-            out = o if out is None else out + o
+        for keys, p in zip(self.keys_in, probs):
+            o = torch.matmul(rounded(p, keys).reshape(b, n * h, -1), keys).view(b, n, h, -1)
+            out = o.float() if out is None else out + o
         if self.k:
-            pc = probs[len(self.dense)]
-            out = out + torch.matmul(pc.reshape(b * n, h, self.k), self.kc).view(b, n, h, -1)
+            pc = rounded(probs[len(self.dense)], self.kc_in).reshape(b * n, h, self.k)
+            out = out + torch.matmul(pc, self.kc_in).view(b, n, h, -1)
         return out
 
 
@@ -342,21 +347,22 @@ class _BandedSparseAttention(torch.autograd.Function):
             if need_q:
                 d_q[:, blk.lo : blk.hi] = (parts.values(dss) * scale).to(q.dtype)
             # both roles of each key (value: p dO, key: scale ds q) in one product
-            rhs = torch.cat([go, parts.q * scale], dim=2)  # [B, n, 2H, D]
+            rhs = rounded(torch.cat([go, parts.q * scale], dim=2), kv_ext)  # [B, n, 2H, D]
             for (_, _, pool, k0), p, ds in zip(parts.dense, probs, dss):
                 if wanted[id(pool)]:
-                    lhs = torch.cat([p, ds], dim=2).reshape(b, 2 * n * h, -1)
+                    lhs = rounded(torch.cat([p, ds], dim=2), rhs).reshape(b, 2 * n * h, -1)
                     grads[id(pool)][:, k0 : k0 + lhs.shape[-1]] += torch.matmul(
                         lhs.transpose(1, 2), rhs.reshape(b, 2 * n * h, dim)
                     )
             if need_cmp and parts.k:
-                lhs = torch.cat([probs[-1], dss[-1]], dim=2).reshape(b * n, 2 * h, parts.k)
+                lhs = rounded(torch.cat([probs[-1], dss[-1]], dim=2), rhs)
                 d_sel = torch.matmul(
-                    lhs.transpose(1, 2),
+                    lhs.reshape(b * n, 2 * h, parts.k).transpose(1, 2),
                     rhs.reshape(b * n, 2 * h, dim),
-                    out=ws.get("d_sel", (b * n, parts.k, dim), q),
+                    out=ws.get("d_sel", (b * n, parts.k, dim), q, rhs.dtype),
                 )
-                grads[id(cmp)].view(-1, dim).index_add_(0, parts.rows, d_sel.reshape(-1, dim))
+                d_sel = d_sel.reshape(-1, dim).float()
+                grads[id(cmp)].view(-1, dim).index_add_(0, parts.rows, d_sel)
             del parts, probs, dps, dss
         d_cmp = grads[id(cmp)][:, : cmp_kv.shape[1]]
         return (

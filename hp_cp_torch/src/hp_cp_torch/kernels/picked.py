@@ -92,7 +92,7 @@ import torch
 
 from hp_cp_core import HpCpError
 from hp_cp_core.columns import DenseBlock, PlanColumns
-from hp_cp_torch.kernels.softmax import finite_max, row_lse, safe_denominator
+from hp_cp_torch.kernels.softmax import finite_max, rounded, row_lse, safe_denominator
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -393,13 +393,7 @@ def _softmax(s: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, 
 def _weighted(p: torch.Tensor, b: _Block) -> torch.Tensor:
     """``p @ values`` in fp32: ``[B, G, h, l, d_v]`` (gathered: ``[B, G, l, h, d_v]``), the
     weights rounded to the values' dtype for the product."""
-    return _up(_mm(_rounded(p, b.values_in), b.values_in))
-
-
-def _rounded(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` in ``like``'s dtype where that is narrower than fp32 (the weights and their
-    gradient for the products with values, keys and queries), else ``t``."""
-    return t if like.dtype == t.dtype or like.itemsize >= 4 else t.to(like.dtype)
+    return _up(_mm(rounded(p, b.values_in), b.values_in))
 
 
 def _to_heads(o: torch.Tensor, dense: bool) -> torch.Tensor:
@@ -527,7 +521,7 @@ class _PickedAttention(torch.autograd.Function):
                 ds = p * (_mm(do, b.values.transpose(-1, -2)) - delta[..., None])
                 ds = ds * scale
                 if dq_g is not None:  # [B, l, H, d_k]
-                    dq_b = _mm(_rounded(ds, b.keys_in), b.keys_in)
+                    dq_b = _mm(rounded(ds, b.keys_in), b.keys_in)
                     dq_g[:, lo - g_lo : hi - g_lo] = _to_heads(dq_b, b.dense)
                 if need_rows:
                     _add_row_grads(d_group, flat_rows, b, block, layout, ds, p, do)
@@ -571,7 +565,7 @@ def _add_row_grads(
     """Add the block's key and value gradients (summed over each group's heads) to
     ``d_group``: a slice for a band, the picked rows' ``index_add_`` for a gather."""
     like = b.keys_in
-    ds, p, q, do = (_rounded(t, like) for t in (ds, p, b.q, do))
+    ds, p, q, do = (rounded(t, like) for t in (ds, p, b.q, do))
     if b.dense:  # [B, G, h, l, n]
         dk, dv = _mm_heads(ds, q), _mm_heads(p, do)  # [B, G, n, d]
         keys, values = layout.split(d_group[:, :, block.slot_start : block.slot_stop])

@@ -23,7 +23,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["finite_max", "row_lse", "safe_denominator", "sink_gradient", "sink_logits"]
+__all__ = [
+    "finite_max",
+    "rounded",
+    "row_lse",
+    "safe_denominator",
+    "sink_gradient",
+    "sink_logits",
+]
 
 
 def sink_logits(sink: torch.Tensor | None, heads: int, like: torch.Tensor) -> torch.Tensor:
@@ -58,3 +65,11 @@ def sink_gradient(
     if sink is None:
         return lse.new_zeros(lse.shape[-1])
     return -(torch.exp(sink.detach().float() - lse) * delta).sum(dim=(0, 1))
+
+
+def rounded(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``like``'s dtype where that is narrower than fp32, else ``t``: a kernel's
+    weights (and their gradient) for its products with the values, keys and queries, rounded
+    to the inputs' dtype and multiplied there, as flash attention does (the logits and the
+    softmax stay fp32)."""
+    return t if like.dtype == t.dtype or like.itemsize >= 4 else t.to(like.dtype)
