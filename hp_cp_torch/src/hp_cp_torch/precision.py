@@ -4,25 +4,25 @@ Note [Attention precision]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every hp_cp attention kernel (:data:`KERNEL_PRECISION`) upcasts its bf16 / fp16 inputs and
 computes the logits, the softmax with the sink and the weighted sum in fp32, casting only the
-output (and, in backward, the input gradients) back to the inputs' dtype. The Triton and
-picked (DSA) kernels round the weights to the inputs' dtype for their products with the
-values, as flash attention does, and accumulate those products in fp32. A model's own eager
-attention in bf16 (transformers' ``eager_attention_forward``) rounds the logits, the
-probabilities and the output to bf16 at each op. So in bf16 CP does not round as one device
-does, and that is what sets the two apart (with ``attention_precision="model"`` a run through
-the CP path lands near the model's own bf16 forward: ``tests/torch/test_precision.py``).
-Measured at the published widths (``python -m hp_cp_torch.bench.precision``), CP is as close
-to the fp32 model as one process in bf16. Where a run must round as the model does,
-``CPConfig(attention_precision="model")`` runs the integration's copy of the
-model's op sequence in the model's dtype instead of a kernel (transformers' eager attention
-for DeepSeek V4, also under VeOmni's generated copy and NeMo's V4, whose adapters reuse it;
-transformers' ``expand_kv`` order for V3.2 / GLM-5, NeMo's for NeMo's GLM-5). It keeps each
-query's gathered columns for backward (the small-op kernel's memory); integrations without
-such a path (NeMo's V4.1, the reference layer) refuse it at ``enable_cp``. The kernel
-``attention_kernel="model_ops"`` (the model's own op order; before 0.3.0 ``"smallop"`` meant
-it on the HF integrations) runs the same path (:func:`uses_model_precision`); where an
-adapter has no such path it runs the small-op kernel, in fp32.
-"""
+output (and, in backward, the input gradients) back to the inputs' dtype. The Triton, banded
+(V4, the default) and picked (DSA) kernels round the weights to the inputs' dtype for their
+products with the values, as flash attention does, and accumulate those products in fp32. A
+model's own eager attention in bf16 (transformers' ``eager_attention_forward``) rounds the
+logits, the probabilities and the output to bf16 at each op. So in bf16 CP does not round as
+one device does, and that is what sets the two apart (with ``attention_precision="model"`` a
+run through the CP path lands near the model's own bf16 forward:
+``tests/torch/test_precision.py``). Measured at the published widths (``python -m
+hp_cp_torch.bench.precision``), CP is as close to the fp32 model as one process in bf16. Where
+a run must round as the model does, ``CPConfig(attention_precision="model")`` runs the
+integration's copy of the model's op sequence in the model's dtype instead of a kernel
+(transformers' eager attention for DeepSeek V4, also under VeOmni's generated copy and NeMo's
+V4, whose adapters reuse it; transformers' ``expand_kv`` order for V3.2 / GLM-5, NeMo's for
+NeMo's GLM-5). It keeps each query's gathered columns for backward (the small-op kernel's
+memory); integrations without such a path (NeMo's V4.1, the reference layer) refuse it at
+``enable_cp``. The kernel ``attention_kernel="model_ops"`` (the model's own op order; before
+0.3.0 ``"smallop"`` meant it on the HF integrations) runs the same path
+(:func:`uses_model_precision`); where an adapter has no such path it runs the small-op kernel,
+in fp32."""
 
 from __future__ import annotations
 

@@ -39,7 +39,11 @@ the number of columns. Without a sink the sink terms are left out, and a row tha
 nothing gives 0 with zero gradients (Note [Rows that see nothing] in
 :mod:`hp_cp_torch.kernels.softmax`). In backward the band's KV gradient is a dense product
 added to a slice of ``d kv_ext``; only the top-k part scatters (``index_add_``, duplicates add up).
-Masked band keys and ``-1`` slots have ``p = 0``: they add nothing anywhere.
+Masked band keys and ``-1`` slots have ``p = 0``: they add nothing anywhere. The logits and
+``dO V^T`` are fp32 products; the weighted sums and the gradient products round their
+weights, output gradients and queries to the inputs' dtype and multiply there (bf16 products
+run 2-4x fp32's on a CPU with AVX512-BF16), as flash attention does; fp32 inputs are
+unchanged.
 """
 
 from __future__ import annotations
