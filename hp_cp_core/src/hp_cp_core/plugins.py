@@ -315,30 +315,26 @@ def _framework_of(module: Any) -> str:
     return (type(module).__module__ or "").split(".")[0]
 
 
-RUNNER_STAGE = "hp_cp_runner_stage"
-"""Attribute marking a stage hook implementation that only hands the call to the module's
-runner (:class:`~hp_cp_core.runners.RunnerHooks`): when the caller handed :class:`Hooks` that
-runner itself (the *stage object*), calling that directly is the same call without the lookup."""
-
-
 class Hooks:
     """Typed facade over ``pm.hook``: a missing answer becomes an error naming hook and module.
 
     Note [A direct runtime path]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     A backend built on :class:`~hp_cp_core.runners.RunnerHooks` answers every stage hook by
-    finding the module's runner and calling it. Its install hands the core's forward
-    (:class:`~hp_cp_core.forward.CPForward`) that runner as ``stages`` for each forward, so a
-    stage call goes straight to it::
+    finding the module's runner and calling it. Its runner hands the core's forward
+    (:class:`~hp_cp_core.forward.CPForward`) itself as ``stages`` for each forward, so a stage
+    call goes straight to it::
 
-        stage call --(no other plugin implements the stage)--> stages.run_attention(...)
-                   --(a plugin overrides it: tryfirst, say)-->  pm.hook.hp_cp_run_attention
-                        -> the override, or (it answers None) the runner, as before
+        stage call --(no stage-only plugin implements the stage)--> stages.run_attention(...)
+                   --(one does: an override, tryfirst)-->  pm.hook.hp_cp_run_attention
+                        -> the override, or (it answers None) the backend's hook, as before
 
-    pluggy still chooses the backend (``hp_cp_backend``) and still runs a stage whenever a
-    plugin other than a runner-delegating backend implements it, so a plugin overrides one
-    stage as DESIGN.md says; a backend on API 0.2 that hands no stage object keeps the hook
-    calls. ``HP_CP_TRACE_PLUGINS`` traces the hook calls only.
+    Every stage hook of a backend (a plugin implementing ``hp_cp_backend``) returns ``None``
+    for a module it does not own (the contract of :mod:`hp_cp_core.hookspecs`), so only a
+    plugin without ``hp_cp_backend`` can answer a stage before the owner: when one
+    implements the stage, the hook runs, so a plugin overrides one stage as DESIGN.md says. A
+    backend on API 0.2 that hands no stage object keeps the hook calls.
+    ``HP_CP_TRACE_PLUGINS`` traces hook calls only.
     """
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
@@ -354,10 +350,11 @@ class Hooks:
         return result
 
     def overridden(self, name: str) -> bool:
-        """Whether a plugin other than a runner-delegating backend implements stage hook
-        ``name`` (Note [A direct runtime path])."""
+        """Whether a plugin that is no backend (no ``hp_cp_backend``) implements stage hook
+        ``name``: an override (Note [A direct runtime path])."""
+        backends = {impl.plugin_name for impl in self._hook.hp_cp_backend.get_hookimpls()}
         impls = getattr(self._hook, name).get_hookimpls()
-        return any(not getattr(impl.function, RUNNER_STAGE, False) for impl in impls)
+        return any(impl.plugin_name not in backends for impl in impls)
 
     def _stage(self, name: str, module: Any, stages: Any, **kwargs: Any) -> Any:
         if stages is None or self.overridden(name):

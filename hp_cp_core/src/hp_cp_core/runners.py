@@ -35,15 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hp_cp_core import hookimpl
-from hp_cp_core.plugins import RUNNER_STAGE
 from hp_cp_core.versions import BACKEND_API
-
-
-def _delegates(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a stage hook that only calls the module's runner (Note [A direct runtime path] in
-    :mod:`hp_cp_core.plugins`)."""
-    setattr(fn, RUNNER_STAGE, True)
-    return fn
 
 
 class RunnerHooks:
@@ -115,25 +107,21 @@ class RunnerHooks:
         return None if runner is None else runner.layer_spec()
 
     @hookimpl
-    @_delegates
     def hp_cp_extract_ori_kv(self, module: Any, key: Any) -> Any:
         runner = self.runner(module)
         return None if runner is None else runner.extract_ori_kv(key)
 
     @hookimpl
-    @_delegates
     def hp_cp_compress_main(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
         runner = self.runner(module)
         return None if runner is None else runner.compress_main(x, halo_x, call)
 
     @hookimpl
-    @_delegates
     def hp_cp_compress_indexer(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
         runner = self.runner(module)
         return None if runner is None else runner.compress_indexer(x, halo_x, call)
 
     @hookimpl
-    @_delegates
     def hp_cp_run_attention(
         self, module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, call: Any
     ) -> Any:
