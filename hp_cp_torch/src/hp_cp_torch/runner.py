@@ -218,31 +218,25 @@ class LayerRunner:
             return stage1_compress_with_halo(keys, x, halo_x, call)
 
     def run_attention(self, query: Any, ori_ext: Any, x: Any, qr: Any, call: CPContext) -> Any:
-        """The picks, the attention, ``output``, the indexer loss. The queries are this
-        forward's ``state.projection.query`` (``query`` is its sequence-major view, for a
-        plugin that overrides the stage; ``qr`` is the stage protocol's, unused: the model's
-        index input is in ``state.projection``)."""
+        """The picks, the attention, ``output``, the indexer loss, on ``state.projection.query``
+        (``query``, its view, is for a plugin overriding the stage; ``qr`` is unused)."""
         state = call.extra["state"]
         for name, t in (("slots", call.slots), ("keys", call.keys)):
             setattr(state, name, None if t is None else t.transpose(0, 1))  # [B, N, D]
         state.candidates = call.reused.get("candidates")
         params = self.adapter.attention_params()
         selected = self.selection(state, call, params.kind == "own")
-        q = state.projection.query
-        kv_ext = ori_ext.transpose(0, 1)  # [B, E, D]
-        chunk = call.config.query_chunk
-        request = AttentionRequest(
-            q, kv_ext, state.slots, call.plan, selected, params.sink, params.scale, chunk
-        )
+        q, kv_ext = state.projection.query, ori_ext.transpose(0, 1)  # [B, L, H, D], [B, E, D]
+        args = (q, kv_ext, state.slots, call.plan, selected, params.sink, params.scale)
+        request = AttentionRequest(*args, call.config.query_chunk)
         o = self.attend(request, state, params, call.config)
         self.expect("the attention", o, (*state.hidden.shape[:2], None, None), "[B, L, H, D]")
         return self.indexer_loss(self.adapter.output(o, state), state, call, request, params)
 
     def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
         """The layer's forward under CP: ``read_inputs``, :meth:`begin`, ``project``, the
-        core's CP forward (handed this runner as its stage object: Note [A direct runtime
-        path] in :mod:`hp_cp_core.plugins`), ``finish``. A sequence-major layer's rows are
-        transposed once on the way in (the hooks see batch-major rows) and once out."""
+        core's CP forward (this runner its stage object: Note [A direct runtime path] in
+        :mod:`hp_cp_core.plugins`), ``finish``."""
         runner, adapter = self, self.adapter
 
         def forward(*args: Any, **kwargs: Any) -> Any:
