@@ -115,3 +115,62 @@ def test_the_0_4_names_are_the_runner_hooks() -> None:
     hooks = make_hooks()
     layer = Layer()
     assert hooks.adapter(layer).module is layer and hooks.runner(layer).module is layer
+
+
+# ------------------------------------------------- Note [A direct runtime path]
+
+
+def _host_with_runner_hooks():
+    """A host whose one backend is ``make_hooks()`` (runner-delegating stage hooks), and a
+    list recording every hook pluggy calls."""
+    from hp_cp_core.plugins import PluginHost
+
+    host = PluginHost(autoload=False)
+    host.add(make_hooks(), "runners")
+    called: list[str] = []
+    host.pm.add_hookcall_monitoring(lambda name, *_: called.append(name), lambda *_: None)
+    return host, called
+
+
+def test_a_stage_object_is_called_directly_without_a_hook_call():
+    """Handed the runner (``stages``), every stage goes straight to it: no pluggy call."""
+    host, called = _host_with_runner_hooks()
+    hooks, layer = host.hooks, Layer()
+    stages = Adapter(layer)
+    assert hooks.extract_ori_kv(layer, "k", stages) == ("kv", "k")
+    assert hooks.compress_main(layer, "x", "h", "c", stages) == ("main", "x", "h", "c")
+    assert hooks.compress_indexer(layer, "x", "h", "c", stages) == ("indexer", "x", "h", "c")
+    out = hooks.run_attention(layer, "q", "o", "x", None, "c", stages)
+    assert out == ("attn", "q", "o", "x", None, "c")
+    assert called == []
+    import hp_cp_fake.fake_backend as fake  # another backend: its stages answer only its own
+
+    host.add(fake, "fake")
+    assert hooks.run_attention(layer, "q", "o", "x", None, "c", stages)[0] == "attn"
+    assert called == []
+    assert hooks.extract_ori_kv(layer, "k") == ("kv", "k")  # no stage object: the hook, as 0.4
+    assert called == ["hp_cp_extract_ori_kv"]
+
+
+def test_a_plugin_that_overrides_a_stage_takes_it_over_from_the_stage_object():
+    """A ``tryfirst`` plugin implementing one stage is asked first for that stage even when
+    the caller handed a stage object; a module it declines reaches the runner through the
+    hooks; the other stages stay direct."""
+    from hp_cp_core import hookimpl
+
+    class Override:
+        @hookimpl(tryfirst=True)
+        def hp_cp_run_attention(self, module, query, ori_ext, x, qr, call):
+            return "override" if module.children == ["mine"] else None
+
+    host, called = _host_with_runner_hooks()
+    host.add(Override(), "override")
+    hooks, layer, mine = host.hooks, Layer(), Layer()
+    mine.children = ["mine"]
+    assert hooks.overridden("hp_cp_run_attention")
+    assert not hooks.overridden("hp_cp_compress_main")
+    assert hooks.run_attention(mine, "q", "o", "x", None, "c", Adapter(mine)) == "override"
+    out = hooks.run_attention(layer, "q", "o", "x", None, "c", Adapter(layer))
+    assert out == ("attn", "q", "o", "x", None, "c")  # declined: the runner, via its hook
+    assert hooks.compress_main(layer, "x", "h", "c", Adapter(layer))[0] == "main"
+    assert called == ["hp_cp_run_attention", "hp_cp_run_attention"]

@@ -764,6 +764,25 @@ def plugin_override_case(case: Case, how: str) -> dict:
     return res
 
 
+def direct_path_case(case: Case) -> dict:
+    """Run ``case`` through the process's plugin host (the torch backend and whatever other
+    backends are installed) and list the hooks pluggy ran: the stages go straight to the
+    runner (Note [A direct runtime path] in hp_cp_core.plugins)."""
+    from hp_cp_core.plugins import get_plugin_host
+
+    called: list[str] = []
+    host = get_plugin_host()
+    undo = host.pm.add_hookcall_monitoring(lambda name, *_: called.append(name), lambda *_: None)
+    try:
+        with count_adapter_calls() as counts:
+            res = run_reference_layer_cp(case)
+    finally:
+        undo()
+    plugins = sorted(name for name, _ in host.pm.list_name_plugin())
+    res.update(hooks_called=sorted(set(called)), adapter_counts=counts, plugins=plugins)
+    return res
+
+
 def bad_rows_case(cp: int) -> dict:
     """Every rank passes a different number of local rows; then inconsistent cu_seqlens."""
     rank = dist.get_rank()
@@ -960,6 +979,7 @@ def _api_suite(world: int) -> dict[str, tuple[Callable, tuple]]:
             (parity_case(2, 4, "load_balanced", packed=True), "global"),
         )
         cases["override:host"] = (plugin_override_case, (parity_case(2, 128), "host"))
+        cases["direct"] = (direct_path_case, (parity_case(2, 4, "load_balanced", packed=True),))
         cases["bad_rows"] = (bad_rows_case, (2,))
         cases["disable"] = (disable_restores_case, (2,))
         cases["not_a_mesh"] = (not_a_mesh_case, ())

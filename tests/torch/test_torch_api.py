@@ -158,6 +158,20 @@ def test_inconsistent_inputs_raise_on_every_rank(world: int) -> None:
 # ------------------------------------------------------------------ attention kernel plugin
 
 
+def test_stages_go_straight_to_the_runner() -> None:
+    """With no plugin overriding a stage, a layer forward runs its four stages on the torch
+    runner directly: pluggy runs none of the stage hooks (it chose the backend and the layer
+    spec in enable_cp), whatever other backends are installed."""
+    case = parity_case(2, 4, "load_balanced", packed=True)
+    for r in result("api", 2, "direct"):
+        if r["cp_rank"] == 0:
+            check_parity(case, r)
+        stages = ("extract_ori_kv", "compress_main", "compress_indexer", "run_attention")
+        assert not {f"hp_cp_{s}" for s in stages} & set(r["hooks_called"]), r["hooks_called"]
+        assert "hp_cp_layer_spec" in r["hooks_called"], r["hooks_called"]  # pluggy, in enable_cp
+        assert r["adapter_counts"] == dict.fromkeys(stages, 1), r["adapter_counts"]
+
+
 @pytest.mark.parametrize("how", ["global", "host"])
 def test_plugin_overrides_only_run_attention(how: str) -> None:
     """A ``tryfirst`` plugin implementing only ``hp_cp_run_attention`` takes over that stage

@@ -136,17 +136,19 @@ class CPForward:
         query: Any,
         key: Any,
         x: Any,
-        qr: Any,
+        qr: Any = None,
         *,
         cu_seqlens: Any = None,
         call: CPContext | None = None,
         local_work: Sequence[Any] = (),
+        stages: Any = None,
         **extra: Any,
     ) -> Any:
         """One layer forward on this rank's rows (sequence-major, rows first).
 
         Args:
-            query, key, x, qr: the layer's local tensors (see the stage hooks).
+            query, key, x, qr: the layer's local tensors (see the stage hooks; ``qr`` only
+                for a backend whose ``hp_cp_run_attention`` reads it).
             cu_seqlens: global packed document boundaries, ``None`` when padded.
             call: the context :meth:`agree` returned, when the install wrapper already
                 checked its inputs (then ``cu_seqlens`` is taken from it); else this call
@@ -158,6 +160,10 @@ class CPForward:
                 of a layer without compressed slots). Whatever they compute reaches the hooks
                 through the caller's own tensors (``query`` / ``qr`` may then be ``None``
                 here and filled through ``call.extra``).
+            stages: the caller's stage object for this forward (its runner: methods named
+                as the stage hooks without ``hp_cp_`` and ``module``), called directly
+                unless a plugin overrides the stage (Note [A direct runtime path] in
+                :mod:`hp_cp_core.plugins`); ``None``: every stage through the hooks.
             extra: backend-private values for the hooks (``call.extra``).
         """
         if call is None:
@@ -175,7 +181,7 @@ class CPForward:
         elif extra:
             call = call.replace(extra={**call.extra, **extra})
         token = self.group.begin_order(x)  # Note [Backward order] in hp_cp_core.collectives
-        ori_kv = self.hooks.extract_ori_kv(self.module, key)
+        ori_kv = self.hooks.extract_ori_kv(self.module, key, stages)
         works = list(local_work)
         compressed = self.spec.makes_slots
         first = works[:1] if compressed else works
@@ -189,18 +195,19 @@ class CPForward:
             for work in first:
                 work()
             ori_ext, halo_x = ori_kv, None
-        owned, gathered, made, token = self._slots(x, halo_x, call, token, _run_all(rest))
+        owned, gathered, made, token = self._slots(x, halo_x, call, token, _run_all(rest), stages)
         slots, keys = self._slot_buffers(call, made)
         call = call.replace(slots=slots, keys=keys)
         for artifact in PER_QUERY:
             if self.roles.reuses(artifact):
                 call.reused[artifact] = self._take(call, artifact)
         scope = self.regather_scope(owned, gathered, call)
+        attend = self.hooks.run_attention
         if scope is None:
-            out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+            out = attend(self.module, query, ori_ext, x, qr, call, stages)
         else:
             with scope:  # Note [Re-gathered slots] in hp_cp_core.compression
-                out = self.hooks.run_attention(self.module, query, ori_ext, x, qr, call)
+                out = attend(self.module, query, ori_ext, x, qr, call, stages)
         public = {}
         for artifact in PER_QUERY:
             if not self.roles.publishes(artifact):
@@ -245,7 +252,7 @@ class CPForward:
         return out
 
     def _slots(
-        self, x: Any, halo_x: Any, call: CPContext, token: Any, work: Any = None
+        self, x: Any, halo_x: Any, call: CPContext, token: Any, work: Any, stages: Any
     ) -> tuple[list[Any], list[Any], dict[str, Any], Any]:
         """``(owned, gathered, made, token)``: this rank's slots of what the layer makes (main,
         then indexer keys), every rank's in global slot order, the same by artifact name
@@ -258,10 +265,10 @@ class CPForward:
         owned = []
         if self.spec.makes_compressed_kv:
             kinds.append("compressed_kv")
-            owned.append(self.hooks.compress_main(self.module, x, halo_x, call))
+            owned.append(self.hooks.compress_main(self.module, x, halo_x, call, stages))
         if self.spec.makes_index_keys:
             kinds.append("index_keys")
-            owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call))
+            owned.append(self.hooks.compress_indexer(self.module, x, halo_x, call, stages))
         if not owned:
             if work is not None:
                 work()

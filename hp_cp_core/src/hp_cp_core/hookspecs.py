@@ -14,9 +14,13 @@ stage for the modules it knows and leave the rest to the generic backend.
 ``hp_cp_backend_api`` is read from each plugin on its own: the backend API version it
 implements (:mod:`hp_cp_core.versions`; a plugin without it is a 0.1 plugin).
 
-The stage hooks are called from :class:`hp_cp_core.forward.CPForward` in this order
-on every forward: extract KV, compress main, compress indexer (r = 4 with an indexer), run
-attention. Tensors are *sequence-major*: dim 0 is the row (token) dimension.
+The stages run from :class:`hp_cp_core.forward.CPForward` in this order on every forward:
+extract KV, compress main, compress indexer (r = 4 with an indexer), run attention. Tensors
+are *sequence-major*: dim 0 is the row (token) dimension. A backend whose runner hands the
+core its stage object (:class:`~hp_cp_core.runners.RunnerHooks`' runners, ``stages=``) has
+its stages called on it directly; the hook runs while a plugin that implements no
+``hp_cp_backend`` (an override) implements the stage (Note [A direct runtime path] in
+:mod:`hp_cp_core.plugins`).
 """
 
 from __future__ import annotations

@@ -316,7 +316,26 @@ def _framework_of(module: Any) -> str:
 
 
 class Hooks:
-    """Typed facade over ``pm.hook``: a missing answer becomes an error naming hook and module."""
+    """Typed facade over ``pm.hook``: a missing answer becomes an error naming hook and module.
+
+    Note [A direct runtime path]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A backend built on :class:`~hp_cp_core.runners.RunnerHooks` answers every stage hook by
+    finding the module's runner and calling it. Its runner hands the core's forward
+    (:class:`~hp_cp_core.forward.CPForward`) itself as ``stages`` for each forward, so a stage
+    call goes straight to it::
+
+        stage call --(no stage-only plugin implements the stage)--> stages.run_attention(...)
+                   --(one does: an override, tryfirst)-->  pm.hook.hp_cp_run_attention
+                        -> the override, or (it answers None) the backend's hook, as before
+
+    Every stage hook of a backend (a plugin implementing ``hp_cp_backend``) returns ``None``
+    for a module it does not own (the contract of :mod:`hp_cp_core.hookspecs`), so only a
+    plugin without ``hp_cp_backend`` can answer a stage before the owner: when one
+    implements the stage, the hook runs, so a plugin overrides one stage as DESIGN.md says. A
+    backend on API 0.2 that hands no stage object keeps the hook calls.
+    ``HP_CP_TRACE_PLUGINS`` traces hook calls only.
+    """
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self._hook = pm.hook
@@ -330,22 +349,45 @@ class Hooks:
             )
         return result
 
+    def overridden(self, name: str) -> bool:
+        """Whether a plugin that is no backend (no ``hp_cp_backend``) implements stage hook
+        ``name``: an override (Note [A direct runtime path])."""
+        backends = {impl.plugin_name for impl in self._hook.hp_cp_backend.get_hookimpls()}
+        impls = getattr(self._hook, name).get_hookimpls()
+        return any(impl.plugin_name not in backends for impl in impls)
+
+    def _stage(self, name: str, module: Any, stages: Any, **kwargs: Any) -> Any:
+        if stages is None or self.overridden(name):
+            return self._first(name, module, **kwargs)
+        return getattr(stages, name.removeprefix("hp_cp_"))(**kwargs)
+
     def layer_spec(self, module: Any) -> Any:
         return self._first("hp_cp_layer_spec", module)
 
-    def extract_ori_kv(self, module: Any, key: Any) -> Any:
-        return self._first("hp_cp_extract_ori_kv", module, key=key)
+    def extract_ori_kv(self, module: Any, key: Any, stages: Any = None) -> Any:
+        return self._stage("hp_cp_extract_ori_kv", module, stages, key=key)
 
-    def compress_main(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
-        return self._first("hp_cp_compress_main", module, x=x, halo_x=halo_x, call=call)
+    def compress_main(self, module: Any, x: Any, halo_x: Any, call: Any, stages: Any = None):
+        return self._stage("hp_cp_compress_main", module, stages, x=x, halo_x=halo_x, call=call)
 
-    def compress_indexer(self, module: Any, x: Any, halo_x: Any, call: Any) -> Any:
-        return self._first("hp_cp_compress_indexer", module, x=x, halo_x=halo_x, call=call)
+    def compress_indexer(
+        self, module: Any, x: Any, halo_x: Any, call: Any, stages: Any = None
+    ) -> Any:
+        kwargs = {"x": x, "halo_x": halo_x, "call": call}
+        return self._stage("hp_cp_compress_indexer", module, stages, **kwargs)
 
-    def run_attention(self, module: Any, query: Any, ori_ext: Any, x: Any, qr: Any, call: Any):
-        return self._first(
-            "hp_cp_run_attention", module, query=query, ori_ext=ori_ext, x=x, qr=qr, call=call
-        )
+    def run_attention(
+        self,
+        module: Any,
+        query: Any,
+        ori_ext: Any,
+        x: Any,
+        qr: Any,
+        call: Any,
+        stages: Any = None,
+    ) -> Any:
+        kwargs = {"query": query, "ori_ext": ori_ext, "x": x, "qr": qr, "call": call}
+        return self._stage("hp_cp_run_attention", module, stages, **kwargs)
 
 
 def _fmt(exc: BaseException) -> str:

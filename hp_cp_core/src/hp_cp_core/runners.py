@@ -19,7 +19,11 @@ whole)::
     ...
 
 ``framework`` is checked in ``sys.modules`` before anything else, so discovery never imports
-a framework, and a module is only claimed when its framework is already loaded.
+a framework, and a module is only claimed when its framework is already loaded. The forward
+``make_forward`` returns may hand the core's forward the runner itself,
+``cp_forward(query, key, x, call=call, stages=self)``: its stages are then called directly,
+without these hooks, unless a plugin overrides one (Note [A direct runtime path] in
+:mod:`hp_cp_core.plugins`).
 
 "Runner" is the core's word for that object; a framework's *model adapter* (hp_cp_torch's
 ``ModelAdapter``: the model's spec) is another thing, which the framework's runner drives.

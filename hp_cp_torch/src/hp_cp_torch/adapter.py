@@ -278,7 +278,7 @@ class TorchDeepSeekV4CSAAdapter(ModelAdapter):
     def attention(self, request: Any, state: ForwardState) -> torch.Tensor:
         """``attention_fn`` once per document run of the local rows (sequence-major)."""
         inputs = state.inputs
-        query, ori_ext = request.q.transpose(0, 1), request.ori_ext.transpose(0, 1)
+        query, ori_ext = inputs.query, request.ori_ext.transpose(0, 1)  # as called: [L, B, ...]
         cmp_kv = None if state.slots is None else state.slots.transpose(0, 1)
         cmp_idx = None if state.keys is None else state.keys.transpose(0, 1)
 

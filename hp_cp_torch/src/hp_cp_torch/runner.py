@@ -218,27 +218,25 @@ class LayerRunner:
             return stage1_compress_with_halo(keys, x, halo_x, call)
 
     def run_attention(self, query: Any, ori_ext: Any, x: Any, qr: Any, call: CPContext) -> Any:
-        """The picks, the attention, ``output``, the indexer loss (``query`` is ``None`` when
-        ``project`` left it to its ``local_work``)."""
+        """The picks, the attention, ``output``, the indexer loss, on ``state.projection.query``
+        (``query``, its view, is for a plugin overriding the stage; ``qr`` is unused)."""
         state = call.extra["state"]
         for name, t in (("slots", call.slots), ("keys", call.keys)):
             setattr(state, name, None if t is None else t.transpose(0, 1))  # [B, N, D]
         state.candidates = call.reused.get("candidates")
         params = self.adapter.attention_params()
         selected = self.selection(state, call, params.kind == "own")
-        q = state.projection.query if query is None else query.transpose(0, 1)
-        kv_ext = ori_ext.transpose(0, 1)  # [B, E, D]
-        chunk = call.config.query_chunk
-        request = AttentionRequest(
-            q, kv_ext, state.slots, call.plan, selected, params.sink, params.scale, chunk
-        )
+        q, kv_ext = state.projection.query, ori_ext.transpose(0, 1)  # [B, L, H, D], [B, E, D]
+        args = (q, kv_ext, state.slots, call.plan, selected, params.sink, params.scale)
+        request = AttentionRequest(*args, call.config.query_chunk)
         o = self.attend(request, state, params, call.config)
         self.expect("the attention", o, (*state.hidden.shape[:2], None, None), "[B, L, H, D]")
         return self.indexer_loss(self.adapter.output(o, state), state, call, request, params)
 
     def make_forward(self, cp_forward: Any, group: Any) -> Callable[..., Any]:
         """The layer's forward under CP: ``read_inputs``, :meth:`begin`, ``project``, the
-        core's CP forward (its stages call this runner), ``finish``."""
+        core's CP forward (this runner its stage object: Note [A direct runtime path] in
+        :mod:`hp_cp_core.plugins`), ``finish``."""
         runner, adapter = self, self.adapter
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -258,10 +256,10 @@ class LayerRunner:
             out = cp_forward(
                 None if proj.query is None else proj.query.transpose(0, 1),
                 proj.kv.transpose(0, 1),
-                state.hidden.transpose(0, 1),
-                None,
+                hidden if seq_major else state.hidden.transpose(0, 1),  # the core's [L, B, C]
                 call=call,
                 local_work=proj.local_work,
+                stages=runner,
                 state=state,
             )
             return adapter.finish(out.transpose(0, 1) if seq_major else out, state)
