@@ -121,6 +121,8 @@ class PlanView:
         cu_seqlens: the global document boundaries ``[0, ..., S]`` (packed), or ``None``.
         slot_start: ``[L]`` the first slot each row sees (global slot id).
         slot_count: ``[L]`` how many slots it sees from there (causal; its document's).
+        runs: the local rows' runs of consecutive global rows, ``(local start, local stop,
+            global start)`` each (one when contiguous, two per rank load-balanced).
     """
 
     positions: np.ndarray
@@ -130,6 +132,7 @@ class PlanView:
     cu_seqlens: np.ndarray | None
     slot_start: np.ndarray
     slot_count: np.ndarray
+    runs: tuple[tuple[int, int, int], ...] = ()
     _plan: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -150,6 +153,7 @@ class PlanView:
             cu,
             frozen(plan.cmp_start),
             frozen(plan.cmp_count),
+            tuple((int(a), int(b), int(g)) for a, b, g in plan.runs),
             plan,
         )
 

@@ -338,7 +338,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         names one, else its unfused path) on the gathered latents: ``attention_kernel=
         "megatron"`` (or ``"model_ops"``, ``attention_precision="model"``); Note [Megatron's
         kernel on hp_cp's prefix]."""
-        return megatron_sparse_attention(self.module, request)
+        return megatron_sparse_attention(self.module, request, state.view)
 
     def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """``linear_proj`` of the heads' values ``o [B, L, H, v_head_dim]`` (its bias kept for
