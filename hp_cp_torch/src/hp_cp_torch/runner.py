@@ -4,7 +4,9 @@
 torch plugin's stage hooks; no model overrides it. One forward: ``read_inputs``, the checks and
 one agreement on every rank, ``project``, the core's exchanges (``compress``), the picks
 (``index_scores``), the attention, ``output``, the indexer loss, ``finish``.
-:func:`agree_values` is "inspect, then agree" once, for the runner and V4.1's Engram hash.
+:func:`agree_values` is "inspect, then agree" once. The runner's services for model files:
+:func:`model_handle` (what ``prepare_model`` reads of the handle), :class:`RowExchange` (a
+side tensor's rows by a plan: V4.1's Engram hash), :func:`watch_model_argument`.
 
 Note [Model values per forward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
