@@ -161,6 +161,12 @@ def refused_case(group: Any) -> list[str]:
                 messages.append(str(exc))
             after = dict(handle.stats()["collectives"])
             assert after.get("halo_exchange") == before.get("halo_exchange"), (before, after)
+        plan = exchange.agree(xl)
+        try:  # rows other than those agreed on: refused before the exchange
+            plan.exchange(xl[:, 1:])
+            messages.append("no error")
+        except HpCpError as exc:
+            messages.append(str(exc))
     finally:
         disable_cp(handle)
     return messages

@@ -9,7 +9,8 @@ read-only views a model file reads instead of the core's plan and handle.
   input gradient and weight gradient within 1e-12 (float64); one halo exchange forward and
   one backward per call.
 * A failed value check or problem on one rank: every rank raises the same ``HpCpError``,
-  naming the exchange, and nothing is exchanged.
+  naming the exchange, and nothing is exchanged; rows other than those agreed on are
+  refused before the exchange.
 * :class:`~hp_cp_torch.model_adapter.ModelHandle` (``prepare_model``'s ``handle``) and
   :class:`~hp_cp_torch.model_adapter.PlanView` (``state.view``) are frozen; a hook writing
   into the view's arrays never changes the plan; a 0.4 read of the core's handle or plan
@@ -56,7 +57,8 @@ def test_the_side_rows_are_one_process_s(ranks: list[dict], case) -> None:
 
 
 def test_a_failed_check_on_one_rank_raises_on_every_rank(ranks: list[dict]) -> None:
-    flagged, problem = zip(*(r["refused"] for r in ranks))
+    flagged, problem, other_rows = zip(*(r["refused"] for r in ranks))
+    assert all("the rows its agree() was given" in m for m in other_rows), other_rows
     for messages, text in ((flagged, "a bad token id"), (problem, "a bad shape")):
         assert len(set(messages)) == 1, messages
         assert "causal conv under CP" in messages[0] and text in messages[0], messages[0]

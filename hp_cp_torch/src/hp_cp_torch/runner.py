@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -214,7 +214,13 @@ class RowPlan:
         rank, with autograd, ordered as a layer's (Note [Backward order] in
         :mod:`hp_cp_core.collectives`)."""
         group, window = self._group, self._plan.window
-        ordered = rows.requires_grad and torch.is_grad_enabled()
+        if rows_hint(rows, 1) != len(self.view.rows):
+            raise HpCpError(
+                f"RowPlan.exchange: got rows {list(getattr(rows, 'shape', []))}; expected "
+                f"[B, {len(self.view.rows)}, ...], the rows its agree() was given."
+            )
+        # as a layer's exchanges: in the graph on every rank alike (Note [Backward order])
+        ordered = torch.is_grad_enabled() and rows.is_floating_point()
         token = group.begin_order(rows) if ordered else None
         (ext,), token = group.exchange_rows([(rows.transpose(0, 1).contiguous(), window)], token)
         if window.ext_from_recv is not None:
@@ -254,8 +260,8 @@ class RowExchange:
         rows: Any,
         *,
         cu_seqlens: Any = None,
-        problems: Any = (),
-        flags: Any = (),
+        problems: Sequence[str] = (),
+        flags: Sequence[tuple[Any, str]] = (),
     ) -> RowPlan:
         """This forward's :class:`RowPlan` for this rank's rows ``[B, L, ...]`` (batch-major;
         only their shape is read), after one agreement: every rank raises together what
@@ -282,8 +288,7 @@ class RowExchange:
                     f"{where}: packed input needs the document boundaries of this forward, "
                     "which handle.batch(..., cu_seqlens=) or cp_nemo_batch record."
                 )
-        if found:
-            flags = []
+        flags = [] if found else flags
         check = cpf.inspect(n_local, cu_seqlens, problems=found)
         across = group.size > 1 and self.handle.config.check_inputs_across_ranks
         device = getattr(rows, "device", None)
