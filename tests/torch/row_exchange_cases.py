@@ -109,6 +109,7 @@ def row_case(case: RowCase, group: Any) -> dict[str, Any]:
                 handle.sequence.record_documents(cu)
                 cu = RECORDED
         before = dict(handle.stats()["collectives"])
+        documents = view_handle.documents(xl.shape[1] * handle.group.size)
         plan, ext = exchange(xl, cu_seqlens=cu)
         lookback = torch.as_tensor(plan.lookback)
         out = _conv(ext, lookback, weight)
@@ -126,6 +127,7 @@ def row_case(case: RowCase, group: Any) -> dict[str, Any]:
             "frame": tuple(ext.shape),
             "local": tuple(xl.shape),
             "real_rows": plan.view.real_rows,
+            "documents": None if documents is None else [int(c) for c in documents],
             "halo_exchanges": after.get("halo_exchange", 0) - before.get("halo_exchange", 0),
             "backward_exchanges": after.get("halo_exchange_bwd", 0)
             - before.get("halo_exchange_bwd", 0),

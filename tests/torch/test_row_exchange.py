@@ -54,6 +54,11 @@ def test_the_side_rows_are_one_process_s(ranks: list[dict], case) -> None:
         assert r["frame"][1] >= r["local"][1], r  # the halo, then its own rows
         padded = r["local"][1] * case.cp
         assert r["real_rows"] == (case.rows if padded > case.rows else None), r
+        if case.recorded:  # what handle.documents(rows) reads of the forward's batch
+            assert r["documents"][0] == 0 and r["documents"][-1] == padded, r
+            assert list(r["documents"][: len(case.cu)]) == list(case.cu), r
+        else:
+            assert r["documents"] is None, r
 
 
 def test_a_failed_check_on_one_rank_raises_on_every_rank(ranks: list[dict]) -> None:
@@ -80,6 +85,7 @@ def test_the_spec_declares_module_and_the_handle() -> None:
         "rank",
         "config",
         "on_disable",
+        "documents",
         "row_exchange",
         "_handle",
     }

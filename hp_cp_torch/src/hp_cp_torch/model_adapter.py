@@ -187,6 +187,10 @@ class ModelHandle:
         rank: this rank in the CP group.
         config: the ``enable_cp`` options (``CPConfig``, frozen).
         on_disable: ``on_disable(fn)``: ``disable_cp`` runs ``fn`` (a hook's ``remove``).
+        documents: ``documents(rows)``: the global document boundaries ``[0, ..., rows]``
+            the running forward's batch recorded (``handle.batch(..., cu_seqlens=)``,
+            ``cp_nemo_batch``) for a sequence of ``rows`` rows, or ``None`` (none recorded,
+            or for another length); a model-level forward reads them under CP.
         row_exchange: ``row_exchange(window, name) -> RowExchange``: other ranks' rows of a
             side tensor of the model's (not the layer's K/V: V4.1's Engram token ids), by a
             plan of ``window`` rows back per row, through the collectives a layer's halo
@@ -198,6 +202,7 @@ class ModelHandle:
     rank: int
     config: Any
     on_disable: Callable[[Callable[[], Any]], None]
+    documents: Callable[[int], np.ndarray | None]
     row_exchange: Callable[[int, str], Any]
     _handle: Any = dataclasses.field(default=None, repr=False, compare=False)
 

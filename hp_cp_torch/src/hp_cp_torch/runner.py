@@ -185,9 +185,17 @@ def model_handle(handle: Any) -> ModelHandle:
         rank=int(handle.group.rank),
         config=handle.config,
         on_disable=handle.on_disable,
+        documents=functools.partial(_documents, handle),
         row_exchange=functools.partial(RowExchange, handle),
         _handle=handle,
     )
+
+
+def _documents(handle: Any, rows: int) -> np.ndarray | None:
+    """The document boundaries of the running forward's batch (Note [Records per forward]
+    in :mod:`hp_cp_core.records`) for ``rows`` global rows, or ``None``."""
+    current = handle.records.current
+    return (handle.sequence if current is None else current.sequence).documents(int(rows))
 
 
 @dataclasses.dataclass(frozen=True)
