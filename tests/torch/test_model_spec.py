@@ -9,6 +9,7 @@ be overridden; an adapter written against 0.3.0 warns, naming each new hook.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata as md
 import inspect
@@ -21,7 +22,15 @@ import pytest
 import torch
 
 from hp_cp_core import HpCpError
-from hp_cp_torch.model_adapter import MACHINERY, RENAMED_0_3, REQUIRED, ModelAdapter, Traits
+from hp_cp_torch.model_adapter import (
+    MACHINERY,
+    RENAMED_0_3,
+    REQUIRED,
+    ModelAdapter,
+    ModelHandle,
+    PlanView,
+    Traits,
+)
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-model-adapter.md"
 
@@ -108,7 +117,20 @@ def traits_table() -> list[str]:
     return rows
 
 
-TABLES = {"spec table": hook_table, "traits table": traits_table}
+def views_table() -> list[str]:
+    """The guide's table of what a model file reads besides the hooks' arguments: its layer
+    (``ModelAdapter.module``), the plan's view (``state.view``, :class:`PlanView`) and the
+    handle's (``prepare_model``'s ``handle``, :class:`ModelHandle`), from their docstrings."""
+    rows = ["| read as | what it is |", "|---|---|"]
+    module = _attributes(inspect.getdoc(ModelAdapter))["module"]
+    rows.append(f"| `self.module` | {_md(module)} |")
+    for prefix, cls in (("state.view", PlanView), ("handle", ModelHandle)):
+        for name, text in _attributes(inspect.getdoc(cls)).items():
+            rows.append(f"| `{prefix}.{name}` | {_md(text)} |")
+    return rows
+
+
+TABLES = {"spec table": hook_table, "traits table": traits_table, "views table": views_table}
 
 
 def guide_table(text: str, name: str) -> list[str]:
@@ -155,6 +177,18 @@ def test_every_hook_says_when_it_is_called_and_its_default() -> None:
 def test_the_guide_tables_are_generated_from_the_spec(name: str) -> None:
     """Run ``python tests/torch/test_model_spec.py`` after changing a hook's docstring."""
     assert guide_table(GUIDE.read_text(), name) == TABLES[name]()
+
+
+@pytest.mark.parametrize("cls", [PlanView, ModelHandle])
+def test_every_field_of_a_view_is_documented(cls: type) -> None:
+    fields = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+    assert list(_attributes(inspect.getdoc(cls))) == fields
+
+
+def test_module_is_declared_on_the_spec() -> None:
+    assert "module" in ModelAdapter.__annotations__
+    assert "module" in _attributes(inspect.getdoc(ModelAdapter))
+    assert "module" not in spec_names()  # an attribute every adapter has, not a hook
 
 
 def test_the_machinery_cannot_be_overridden() -> None:

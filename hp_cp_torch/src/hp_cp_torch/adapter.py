@@ -41,7 +41,7 @@ from hp_cp_torch.model_adapter import (
     check_layer_hooks,
 )
 from hp_cp_torch.model_registry import adapter_class_for
-from hp_cp_torch.runner import LayerRunner, check_model_group, runner_of
+from hp_cp_torch.runner import LayerRunner, check_model_group, model_handle, runner_of
 from hp_cp_torch.validation import TensorChecks
 
 ADAPTER_ATTR = "_hp_cp_adapter"
@@ -392,7 +392,7 @@ def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> N
                 "fp32 (hp_cp_torch.precision.KERNEL_PRECISION). Use attention_precision='fp32'."
             )
     for cls, own in by_class.items():
-        cls.prepare_model(module, own, handle)
+        cls.prepare_model(module, own, model_handle(handle))
 
 
 def adapter_for(module: Any) -> Any:

@@ -52,6 +52,7 @@ __all__ = [
     "LayerInputs",
     "LayerKind",
     "ModelAdapter",
+    "ModelHandle",
     "PlanView",
     "Projection",
     "Traits",
@@ -120,6 +121,8 @@ class PlanView:
         cu_seqlens: the global document boundaries ``[0, ..., S]`` (packed), or ``None``.
         slot_start: ``[L]`` the first slot each row sees (global slot id).
         slot_count: ``[L]`` how many slots it sees from there (causal; its document's).
+        runs: the local rows' runs of consecutive global rows, ``(local start, local stop,
+            global start)`` each (one when contiguous, two per rank load-balanced).
     """
 
     positions: np.ndarray
@@ -129,6 +132,7 @@ class PlanView:
     cu_seqlens: np.ndarray | None
     slot_start: np.ndarray
     slot_count: np.ndarray
+    runs: tuple[tuple[int, int, int], ...] = ()
     _plan: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -149,6 +153,7 @@ class PlanView:
             cu,
             frozen(plan.cmp_start),
             frozen(plan.cmp_count),
+            tuple((int(a), int(b), int(g)) for a, b, g in plan.runs),
             plan,
         )
 
@@ -167,8 +172,53 @@ class PlanView:
         return getattr(plan, name)
 
 
-def _view_fields() -> str:
-    return ", ".join(f.name for f in dataclasses.fields(PlanView) if not f.name.startswith("_"))
+def _view_fields(cls: type = PlanView) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """What :meth:`ModelAdapter.prepare_model` may read and do of the ``enable_cp`` handle
+    (``handle``): a frozen record, so that model files never hold the core's handle, its
+    group or its records.
+
+    Attributes:
+        cp_size: the CP group's ranks.
+        rank: this rank in the CP group.
+        config: the ``enable_cp`` options (``CPConfig``, frozen).
+        on_disable: ``on_disable(fn)``: ``disable_cp`` runs ``fn`` (a hook's ``remove``).
+        documents: ``documents(rows)``: the global document boundaries ``[0, ..., rows]``
+            the running forward's batch recorded (``handle.batch(..., cu_seqlens=)``,
+            ``cp_nemo_batch``) for a sequence of ``rows`` rows, or ``None`` (none recorded,
+            or for another length); a model-level forward reads them under CP.
+        row_exchange: ``row_exchange(window, name) -> RowExchange``: other ranks' rows of a
+            side tensor of the model's (not the layer's K/V: V4.1's Engram token ids), by a
+            plan of ``window`` rows back per row, through the collectives a layer's halo
+            uses, with autograd (:class:`hp_cp_torch.runner.RowExchange`); ``name`` says
+            whose in its errors.
+    """
+
+    cp_size: int
+    rank: int
+    config: Any
+    on_disable: Callable[[Callable[[], Any]], None]
+    documents: Callable[[int], np.ndarray | None]
+    row_exchange: Callable[[int, str], Any]
+    _handle: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """A ``CPHandle`` attribute an adapter written against 0.4 reads (deprecated)."""
+        handle = self.__dict__.get("_handle")
+        if name.startswith("__") or handle is None or not hasattr(handle, name):
+            raise AttributeError(name)
+        warnings.warn(
+            f"reading {name} of the handle handed to prepare_model is deprecated since 0.5.0 "
+            "and removed in 0.6.0: read the fields of hp_cp_torch.model_adapter.ModelHandle "
+            f"({_view_fields(ModelHandle)}).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(handle, name)
 
 
 @dataclass
@@ -409,6 +459,8 @@ class ModelAdapter:
     claims: ClassVar[tuple[str, ...]] = ()
     traits: ClassVar[Traits] = Traits()
     module: nn.Module
+    """The layer this adapter runs, set by ``__init__``: the hooks read its parameters, config
+    and submodules (one adapter per layer)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -423,9 +475,9 @@ class ModelAdapter:
             _check_required(cls)
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: Any) -> None:
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: ModelHandle) -> None:
         """Model-level work under CP (guards, pre-hooks, another module's forward), with the
-        layers of this adapter class.
+        layers of this adapter class; ``handle`` is the :class:`ModelHandle`.
 
         Called: in ``enable_cp`` before any layer is installed; undo through
         ``handle.on_disable(fn)``.

@@ -4,7 +4,9 @@
 torch plugin's stage hooks; no model overrides it. One forward: ``read_inputs``, the checks and
 one agreement on every rank, ``project``, the core's exchanges (``compress``), the picks
 (``index_scores``), the attention, ``output``, the indexer loss, ``finish``.
-:func:`agree_values` is "inspect, then agree" once, for the runner and V4.1's Engram hash.
+:func:`agree_values` is "inspect, then agree" once. The runner's services for model files:
+:func:`model_handle` (what ``prepare_model`` reads of the handle), :class:`RowExchange` (a
+side tensor's rows by a plan: V4.1's Engram hash), :func:`watch_model_argument`.
 
 Note [Model values per forward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -30,17 +32,19 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from hp_cp_core import CPContext, HpCpError, stage1_compress_with_halo
+from hp_cp_core import CPContext, CPForward, HpCpError, LayerSpec, stage1_compress_with_halo
 from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indexer_loss import indexer_loss_weight
+from hp_cp_core.indices import lookback_index
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
 from hp_cp_torch.forward_scope import tensors_in
 from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
@@ -52,6 +56,7 @@ from hp_cp_torch.model_adapter import (
     ForwardState,
     LayerInputs,
     ModelAdapter,
+    ModelHandle,
     PlanView,
 )
 from hp_cp_torch.precision import uses_model_precision
@@ -59,9 +64,12 @@ from hp_cp_torch.validation import TensorChecks, rows_hint
 
 __all__ = [
     "LayerRunner",
+    "RowExchange",
+    "RowPlan",
     "agree_values",
     "check_model_group",
     "model_argument",
+    "model_handle",
     "runner_of",
     "watch_model_argument",
 ]
@@ -167,6 +175,143 @@ def model_argument(layer: Any, name: str) -> Any:
     ``layer``, or ``None`` (outside such a forward, or not watched)."""
     arg = layer.__dict__.get(MODEL_ARGUMENT_ATTR, {}).get(name)
     return None if arg is None else arg.latest
+
+
+def model_handle(handle: Any) -> ModelHandle:
+    """The :class:`~hp_cp_torch.model_adapter.ModelHandle` of ``handle`` (what an adapter's
+    ``prepare_model`` is handed)."""
+    return ModelHandle(
+        cp_size=int(handle.group.size),
+        rank=int(handle.group.rank),
+        config=handle.config,
+        on_disable=handle.on_disable,
+        documents=functools.partial(_documents, handle),
+        row_exchange=functools.partial(RowExchange, handle),
+        _handle=handle,
+    )
+
+
+def _documents(handle: Any, rows: int) -> np.ndarray | None:
+    """The document boundaries of the running forward's batch (Note [Records per forward]
+    in :mod:`hp_cp_core.records`) for ``rows`` global rows, or ``None``."""
+    current = handle.records.current
+    return (handle.sequence if current is None else current.sequence).documents(int(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """One forward's plan of a :class:`RowExchange` (:meth:`RowExchange.agree`), agreed on
+    every rank.
+
+    Attributes:
+        view: the :class:`~hp_cp_torch.model_adapter.PlanView` of this rank's rows.
+        lookback: ``[L, W]`` int64: per local row ``t``, the rows of :meth:`exchange`'s
+            frame holding rows ``t, t-1, .., t-W+1``; ``-1`` where that row lies before
+            ``t``'s document (or the sequence).
+    """
+
+    view: PlanView
+    lookback: np.ndarray
+    _plan: Any = dataclasses.field(repr=False, compare=False)
+    _group: Any = dataclasses.field(repr=False, compare=False)
+
+    def exchange(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows this rank reads, ``[B, E, ...]``, of this rank's rows ``[B, L, ...]``
+        (batch-major, any dtype): the halo from the ranks before it, then its own, in the
+        frame of a layer's window KV (``AttentionRequest.ori_ext``); one exchange on every
+        rank, with autograd, ordered as a layer's (Note [Backward order] in
+        :mod:`hp_cp_core.collectives`)."""
+        group, window = self._group, self._plan.window
+        if rows_hint(rows, 1) != len(self.view.rows):
+            raise HpCpError(
+                f"RowPlan.exchange: got rows {list(getattr(rows, 'shape', []))}; expected "
+                f"[B, {len(self.view.rows)}, ...], the rows its agree() was given."
+            )
+        # as a layer's exchanges: in the graph on every rank alike (Note [Backward order])
+        ordered = torch.is_grad_enabled() and rows.is_floating_point()
+        token = group.begin_order(rows) if ordered else None
+        (ext,), token = group.exchange_rows([(rows.transpose(0, 1).contiguous(), window)], token)
+        if window.ext_from_recv is not None:
+            ext = ext[torch.as_tensor(window.ext_from_recv, device=ext.device)]
+        ext = ext.transpose(0, 1)  # [B, E, ...]
+        return group.end_order(ext, token) if ordered else ext
+
+
+class RowExchange:
+    """Other ranks' rows of a side tensor of the model's (not a layer's K/V: V4.1's Engram
+    token ids), for a model-level module whose row ``t`` reads rows ``t - window + 1 .. t``
+    of its document: by a plan of the core's (a layer of ``window`` rows, no slots), agreed
+    on every rank, through the collectives of a layer's halo (``handle.row_exchange(window,
+    name)`` in ``prepare_model``; built once, used every forward)::
+
+        plan = exchange.agree(rows, cu_seqlens=RECORDED, flags=[(bad, message)])
+        ext = plan.exchange(side)  # [B, E, ...]; plan.lookback [L, W] indexes its rows
+
+    Args:
+        handle: the ``enable_cp`` handle.
+        window: the rows back each row reads, itself included (>= 1).
+        name: whose exchange, as its errors name it (``"<name> under CP: ..."``).
+    """
+
+    def __init__(self, handle: Any, window: int, name: str) -> None:
+        if int(window) < 1:
+            raise HpCpError(f"{name} under CP: row_exchange(window={window}); expected >= 1.")
+        self.name, self.window, self.handle = name, int(window), handle
+        spec = LayerSpec(compress_ratio=0, window_size=self.window)
+        self.cp_forward = CPForward(
+            None, None, handle.backend, handle.group, spec, handle.config, handle.cache,
+            None, records=handle.records,
+        )  # fmt: skip
+
+    def agree(
+        self,
+        rows: Any,
+        *,
+        cu_seqlens: Any = None,
+        problems: Sequence[str] = (),
+        flags: Sequence[tuple[Any, str]] = (),
+    ) -> RowPlan:
+        """This forward's :class:`RowPlan` for this rank's rows ``[B, L, ...]`` (batch-major;
+        only their shape is read), after one agreement: every rank raises together what
+        any rank found (``problems``, messages; ``flags``, ``(flag, message)`` with a 0-dim
+        bool tensor or a bool, ``True`` failing, read in the agreement's gather).
+
+        Args:
+            rows: this rank's rows (or a tensor of their shape).
+            cu_seqlens: the global document boundaries ``[0, ..., S]``, ``RECORDED`` (those
+                ``handle.batch`` / ``cp_nemo_batch`` recorded for this forward), or ``None``.
+            problems: what the caller's own checks found, each a message with its fix.
+            flags: the caller's checks of tensor values.
+        """
+        where, group, cpf = f"{self.name} under CP", self.handle.group, self.cp_forward
+        found = [f"{where}: {p}" for p in problems]
+        if not isinstance(rows, torch.Tensor) or rows.dim() < 2:
+            got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+            found.append(f"{where}: got rows {got}; expected this rank's rows [B, L, ...].")
+        n_local = rows_hint(rows, 1)
+        if cu_seqlens is RECORDED:
+            cu_seqlens = cpf.sequence.documents(n_local * group.size)  # this forward's
+            if cu_seqlens is None:
+                found.append(
+                    f"{where}: packed input needs the document boundaries of this forward, "
+                    "which handle.batch(..., cu_seqlens=) or cp_nemo_batch record."
+                )
+        flags = [] if found else flags
+        check = cpf.inspect(n_local, cu_seqlens, problems=found)
+        across = group.size > 1 and self.handle.config.check_inputs_across_ranks
+        device = getattr(rows, "device", None)
+        messages = [(bad, f"{where}: {message}") for bad, message in flags]
+        call = agree_values(cpf, check, messages, across, device)
+        plan = call.plan
+        real = cpf.sequence_rows(n_local)
+        view = PlanView.of(plan, real, call.cu_seqlens)
+        look = lookback_index(plan.window_start, plan.window_len, self.window)
+        return RowPlan(view, look, plan, group)
+
+    def __call__(self, rows: torch.Tensor, *, cu_seqlens: Any = None) -> tuple[RowPlan, Any]:
+        """``(plan, plan.exchange(rows))``: :meth:`agree` and the exchange of ``rows``."""
+        plan = self.agree(rows, cu_seqlens=cu_seqlens)
+        return plan, plan.exchange(rows)
 
 
 def _first_failed(flags: list[Any], device: Any) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_cp_core import CPHandle, HpCpError, LayerSpec
+from hp_cp_core import HpCpError, LayerSpec
 from hp_cp_torch.integrations.megatron_batch import (
     check_packed,
     megatron_labels,
@@ -38,6 +38,7 @@ from hp_cp_torch.model_adapter import (
     Latent,
     LayerInputs,
     ModelAdapter,
+    ModelHandle,
     PlanView,
     Projection,
     Traits,
@@ -127,12 +128,11 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         return getattr(self.module.core_attention, "indexer", None)
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: ModelHandle) -> None:
         """Refuse tensor parallelism before any exchange; a forward pre-hook on each
-        ``GPTModel`` hands the layers its ``position_ids`` (hp_cp keeps them per forward:
-        ``traits.per_forward``), so that a batch Megatron sharded is refused, not silently
-        roped at the wrong rows. (hp_cp refuses a Megatron CP group that is not its own:
-        ``traits.model_group``.)"""
+        ``GPTModel`` hands the layers its ``position_ids`` (kept per forward: ``traits.
+        per_forward``), so that a batch Megatron sharded is refused, not roped at the wrong
+        rows (a Megatron CP group not hp_cp's is refused: ``traits.model_group``)."""
         for layer in layers:
             if int(layer.config.tensor_model_parallel_size) != 1:
                 raise HpCpError(
@@ -338,7 +338,7 @@ class MegatronDSAAttentionAdapter(ModelAdapter):
         names one, else its unfused path) on the gathered latents: ``attention_kernel=
         "megatron"`` (or ``"model_ops"``, ``attention_precision="model"``); Note [Megatron's
         kernel on hp_cp's prefix]."""
-        return megatron_sparse_attention(self.module, request)
+        return megatron_sparse_attention(self.module, request, state.view)
 
     def output(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """``linear_proj`` of the heads' values ``o [B, L, H, v_head_dim]`` (its bias kept for

@@ -49,6 +49,7 @@ from torch import nn
 
 from hp_cp_core import HpCpError
 from hp_cp_torch.kernels.request import AttentionRequest
+from hp_cp_torch.model_adapter import PlanView
 
 __all__ = ["CHUNK_ELEMENTS", "megatron_sparse_attention"]
 
@@ -59,11 +60,14 @@ CHUNK_ELEMENTS = 1 << 24
 unfused path's fp32 scores and index mask: about 64 MiB each)."""
 
 
-def megatron_sparse_attention(module: nn.Module, request: AttentionRequest) -> torch.Tensor:
+def megatron_sparse_attention(
+    module: nn.Module, request: AttentionRequest, view: PlanView
+) -> torch.Tensor:
     """Megatron's ``_run_sparse_attention`` (absorbed MLA) of ``module``
     (``AbsorbedMLASelfAttention``) on the request's queries ``[B, L, H, qk_head_dim + rope]``,
     gathered latents ``[B, N, kv_lora_rank + rope]`` and picks ``[B, L, k]`` (global slot
-    ids, ``-1`` none), in query chunks (Note [Megatron's kernel on hp_cp's prefix]).
+    ids, ``-1`` none), in query chunks of the plan's runs and visible slots (``view``, the
+    layer's ``state.view``; Note [Megatron's kernel on hp_cp's prefix]).
 
     Returns:
         ``[B, L, H, v_head_dim]``, the heads' values before ``linear_proj``.
@@ -78,17 +82,17 @@ def megatron_sparse_attention(module: nn.Module, request: AttentionRequest) -> t
             "picks; Megatron's sparse attention runs on DSA layers (an indexer, or "
             "IndexShare's shared picks)."
         )
-    config, plan = module.config, request.plan
+    config = module.config
     batch, _length, heads = request.q.shape[:3]
     q_no_pe, q_pe = torch.split(
         request.q, [int(config.qk_head_dim), int(config.qk_pos_emb_head_dim)], dim=-1
     )
     device = request.q.device
-    first = torch.as_tensor(plan.cmp_start, device=device).long()
-    stop = first + torch.as_tensor(plan.cmp_count, device=device).long()
-    first_host, stop_host = plan.cmp_start, plan.cmp_start + plan.cmp_count
+    first = torch.as_tensor(view.slot_start, device=device).long()
+    stop = first + torch.as_tensor(view.slot_count, device=device).long()
+    first_host, stop_host = view.slot_start, view.slot_start + view.slot_count
     outs = []
-    for a, b, _ in plan.runs:
+    for a, b, _ in view.runs:
         longest = int(stop_host[a:b].max() - first_host[a:b].min()) if b > a else 1
         per_row = batch * (heads + 1) * max(longest, 1)
         step = max(1, min(int(request.query_chunk), CHUNK_ELEMENTS // per_row))

@@ -54,7 +54,7 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
-from hp_cp_torch.model_adapter import ForwardState, IndexerParams, Projection
+from hp_cp_torch.model_adapter import ForwardState, IndexerParams, ModelHandle, Projection
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
@@ -183,7 +183,7 @@ class NemoDeepseekV4AttentionAdapter(DeepseekV4AttentionAdapter):
             checks.fail("needs rotary_compress from the model; call the model, not the layer.")
 
     @staticmethod
-    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    def prepare_model(model: nn.Module, layers: list[nn.Module], handle: ModelHandle) -> None:
         """Refuse NeMo's own CP at enable time, and install a forward pre-hook on ``model``
         that refuses it per call, before the model runs (so before any collective)."""
         if any(getattr(layer, "_cp_group", None) is not None for layer in layers):

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_cp_core import CPHandle
 from hp_cp_torch._removed import ADAPTER_FOR, ENABLE, removed_names
 from hp_cp_torch.integrations.transformers import (
     ModelCallInputs,
@@ -57,7 +56,14 @@ from hp_cp_torch.integrations.transformers_dsa import (
     latent_params,
 )
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import AttentionParams, ForwardState, PlanView, Projection, refuse
+from hp_cp_torch.model_adapter import (
+    AttentionParams,
+    ForwardState,
+    ModelHandle,
+    PlanView,
+    Projection,
+    refuse,
+)
 from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
@@ -126,7 +132,7 @@ class NemoGlmDsaAttentionAdapter(DSAAttentionAdapter):
         self.glm = True
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: ModelHandle) -> None:
         """A forward pre-hook on each ``GlmMoeDsaModel`` in ``model`` hands its layers the
         ``position_ids`` (whichever ``enable_cp`` was called); ``disable_cp`` removes it."""
         model_cls = getattr(sys.modules.get(GLM_MODEL), "GlmMoeDsaModel", None)

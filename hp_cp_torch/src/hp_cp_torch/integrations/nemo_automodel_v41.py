@@ -77,8 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_cp_core import CPBatch, CPForward, CPHandle, HpCpError, LayerSpec
-from hp_cp_core.indices import lookback_index
+from hp_cp_core import CPBatch, CPHandle, HpCpError, LayerSpec
 from hp_cp_core.layout import Documents
 from hp_cp_torch._removed import ENABLE, NEMO_BATCH, REGISTRY, deprecated, removed_names
 from hp_cp_torch.adapter import install_forward
@@ -89,13 +88,13 @@ from hp_cp_torch.model_adapter import (
     IndexerParams,
     LayerInputs,
     ModelAdapter,
+    ModelHandle,
     PlanView,
     Projection,
     Traits,
 )
 from hp_cp_torch.model_registry import registered_adapter
-from hp_cp_torch.runner import agree_values
-from hp_cp_torch.validation import TensorChecks, rows_hint
+from hp_cp_torch.validation import TensorChecks
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
@@ -200,7 +199,7 @@ class NemoDeepseekV41AttentionAdapter(ModelAdapter):
     )
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+    def prepare_model(cls, model: nn.Module, layers: list[nn.Module], handle: ModelHandle) -> None:
         """The model-level part (:func:`prepare_v41_model`)."""
         prepare_v41_model(model, layers, handle)
 
@@ -433,19 +432,15 @@ class EngramHashCP:
 
     NeMo's hash of row t reads the token ids ``t-n+1 .. t`` of its document (n =
     ``max_ngram_size``): the rows before a rank's first row come as a halo of n - 1 ids
-    (a window-n plan of the core, :func:`hp_cp_core.indices.lookback_index`), instead of
-    NeMo's all-gather of every id. The arithmetic is NeMo's (token map, blocked lookback,
-    odd multipliers, xor, prime buckets, offsets); ``sequence_ids`` 0 (padding) blocks
-    every lookback, as NeMo's.
+    (the runner's :class:`~hp_cp_torch.runner.RowExchange` of window n, ``handle.
+    row_exchange``), instead of NeMo's all-gather of every id. The arithmetic is NeMo's
+    (token map, blocked lookback, odd multipliers, xor, prime buckets, offsets);
+    ``sequence_ids`` 0 (padding) blocks every lookback, as NeMo's.
     """
 
-    def __init__(self, module: nn.Module, handle: CPHandle) -> None:
-        self.module, self.handle = module, handle
-        self.spec = LayerSpec(compress_ratio=0, window_size=int(module.max_ngram_size))
-        self.cp_forward = CPForward(
-            module, None, handle.backend, handle.group, self.spec, handle.config,
-            handle.cache, None, records=handle.records,
-        )  # fmt: skip
+    def __init__(self, module: nn.Module, handle: ModelHandle) -> None:
+        self.module = module
+        self.rows = handle.row_exchange(int(module.max_ngram_size), "DeepseekV41NgramHash")
 
     def __call__(
         self,
@@ -454,41 +449,20 @@ class EngramHashCP:
         token_mask: torch.Tensor | None = None,
         sequence_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h, group = self.module, self.handle.group
-        where = "DeepseekV41NgramHash under CP"
-        problems = []
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            problems.append(f"{where}: input_ids must be [B, L] token ids (this rank's rows).")
-        n_local = rows_hint(input_ids, 1)
-        cu = None
-        if sequence_ids is not None:
-            current = self.handle.records.current  # the forward's (Note [Records per forward])
-            sequence = self.handle.sequence if current is None else current.sequence
-            cu = sequence.documents(n_local * group.size)
-            if cu is None:
-                problems.append(
-                    f"{where}: packed input needs the boundaries cp_nemo_batch records."
-                )
-        bad = False
-        if not problems:
+        h = self.module
+        ok = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+        problems, flags = ["input_ids must be [B, L] token ids (this rank's rows)."], []
+        if ok:
             bad = ((input_ids < 0) | (input_ids >= h.token_map.numel())).any()
-        check = self.cp_forward.inspect(n_local, cu, problems=problems)
-        message = f"{where}: input_ids holds a token id outside the tokenizer vocabulary."
-        across = group.size > 1 and self.handle.config.check_inputs_across_ranks
-        device = getattr(input_ids, "device", None)
-        plan = agree_values(self.cp_forward, check, [(bad, message)], across, device).plan
+            problems, flags = [], [(bad, "input_ids holds a token id outside the vocabulary.")]
+        cu = None if sequence_ids is None else RECORDED  # cp_nemo_batch records them
+        plan = self.rows.agree(input_ids, cu_seqlens=cu, problems=problems, flags=flags)
         compressed = h.token_map[input_ids.long()]  # [B, L]
         if token_mask is not None:
             compressed = torch.where(token_mask, compressed, -1)
-        ext, _ = group.exchange_rows([(compressed.transpose(0, 1).contiguous(), plan.window)], None)
-        ext = ext[0]
-        if plan.window.ext_from_recv is not None:
-            ext = ext[torch.as_tensor(plan.window.ext_from_recv, device=ext.device)]
-        ext = ext.transpose(0, 1)  # [B, E]
+        ext = plan.exchange(compressed)  # [B, E]
         n = int(h.max_ngram_size)
-        look = torch.as_tensor(
-            lookback_index(plan.window_start, plan.window_len, n), device=ext.device
-        )  # [L, n]
+        look = torch.as_tensor(plan.lookback, device=ext.device)  # [L, n]
         blocked = torch.zeros(compressed.shape, dtype=torch.bool, device=ext.device)
         if sequence_ids is not None:
             blocked = blocked | (sequence_ids == 0)
@@ -526,7 +500,7 @@ def _check_candidates(layers: list[nn.Module]) -> None:
             )
 
 
-def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandle) -> None:
+def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: ModelHandle) -> None:
     """The model-level part of V4.1 under CP, whichever ``enable_cp`` was called: refuse
     NeMo's own CP and a candidate schedule hp_cp cannot plan, run every Engram hash under CP
     (:class:`EngramHashCP`), and guard each call against NeMo's CP."""
@@ -537,7 +511,7 @@ def prepare_v41_model(model: nn.Module, layers: list[nn.Module], handle: CPHandl
         raise HpCpError(_NEMO_CP_ON)
     _check_candidates(layers)
     for hasher in [mod for mod in model.modules() if type(mod).__name__ == "DeepseekV41NgramHash"]:
-        if handle.group.size == 1 and handle.config.single_rank_bypass:
+        if handle.cp_size == 1 and handle.config.single_rank_bypass:
             continue
         handle.on_disable(install_forward(hasher, EngramHashCP(hasher, handle)))
 

@@ -48,7 +48,6 @@ from torch import nn
 
 from hp_cp_core import HpCpError, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
-from hp_cp_core.columns import PlanColumns
 from hp_cp_torch._removed import ADAPTER_FOR, removed_names
 from hp_cp_torch.attention import chunk_columns
 from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
@@ -360,11 +359,11 @@ class DeepseekV4AttentionAdapter(TransformersAttention):
         bound the memory.
         """
         m, q, ori, cmp = self.module, request.q, request.ori_ext, request.cmp_kv
-        batch, n_ext = q.shape[0], ori.shape[1]
+        batch = q.shape[0]
         pool = ori if cmp is None else torch.cat([ori, cmp], dim=1)
         if pool.shape[1] == 0:
             pool = pool.new_zeros((batch, 1, pool.shape[-1]))
-        columns = PlanColumns(request.plan, n_ext)
+        columns = request.columns  # the plan's, in the request's ext frame
         outs = []
         for lo, hi in columns.chunks(request.query_chunk):
             window, slots = chunk_columns(
