@@ -351,7 +351,8 @@ class _BandedSparseAttention(torch.autograd.Function):
             if need_q:
                 d_q[:, blk.lo : blk.hi] = (parts.values(dss) * scale).to(q.dtype)
             # both roles of each key (value: p dO, key: scale ds q) in one product
-            rhs = rounded(torch.cat([go, parts.q * scale], dim=2), kv_ext)  # [B, n, 2H, D]
+            rhs32 = torch.cat([go, parts.q * scale], dim=2)  # [B, n, 2H, D]
+            rhs = rounded(rhs32, kv_ext)
             for (_, _, pool, k0), p, ds in zip(parts.dense, probs, dss):
                 if wanted[id(pool)]:
                     lhs = rounded(torch.cat([p, ds], dim=2), rhs).reshape(b, 2 * n * h, -1)
@@ -359,14 +360,15 @@ class _BandedSparseAttention(torch.autograd.Function):
                         lhs.transpose(1, 2), rhs.reshape(b, 2 * n * h, dim)
                     )
             if need_cmp and parts.k:
-                lhs = rounded(torch.cat([probs[-1], dss[-1]], dim=2), rhs)
+                # fp32: the product lands in a reused fp32 buffer for index_add_ (a bf16 one
+                # would need a second buffer, or a fresh fp32 copy per block)
+                lhs = torch.cat([probs[-1], dss[-1]], dim=2).reshape(b * n, 2 * h, parts.k)
                 d_sel = torch.matmul(
-                    lhs.reshape(b * n, 2 * h, parts.k).transpose(1, 2),
-                    rhs.reshape(b * n, 2 * h, dim),
-                    out=ws.get("d_sel", (b * n, parts.k, dim), q, rhs.dtype),
+                    lhs.transpose(1, 2),
+                    rhs32.reshape(b * n, 2 * h, dim),
+                    out=ws.get("d_sel", (b * n, parts.k, dim), q),
                 )
-                d_sel = d_sel.reshape(-1, dim).float()
-                grads[id(cmp)].view(-1, dim).index_add_(0, parts.rows, d_sel)
+                grads[id(cmp)].view(-1, dim).index_add_(0, parts.rows, d_sel.reshape(-1, dim))
             del parts, probs, dps, dss
         d_cmp = grads[id(cmp)][:, : cmp_kv.shape[1]]
         return (
