@@ -332,8 +332,9 @@ class Hooks:
     Every stage hook of a backend (a plugin implementing ``hp_cp_backend``) returns ``None``
     for a module it does not own (the contract of :mod:`hp_cp_core.hookspecs`), so only a
     plugin without ``hp_cp_backend`` can answer a stage before the owner: when one
-    implements the stage, the hook runs, so a plugin overrides one stage as DESIGN.md says. A
-    backend on API 0.2 that hands no stage object keeps the hook calls.
+    implements the stage, the hook runs, so a plugin overrides one stage
+    (docs/overriding-a-stage.md). A backend on API 0.2 that hands no stage object keeps the
+    hook calls.
     ``HP_CP_TRACE_PLUGINS`` traces hook calls only.
     """
 
