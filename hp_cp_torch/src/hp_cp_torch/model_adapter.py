@@ -159,21 +159,27 @@ class PlanView:
 
     def __getattr__(self, name: str) -> Any:
         """A ``RankPlan`` field an adapter written against 0.4 reads (deprecated)."""
-        plan = self.__dict__.get("_plan")
-        if name.startswith("__") or plan is None or not hasattr(plan, name):
-            raise AttributeError(name)
-        warnings.warn(
-            f"reading {name} of the plan handed to a hook is deprecated since 0.5.0 and "
-            "removed in 0.6.0: read the fields of hp_cp_torch.model_adapter.PlanView "
-            f"({_view_fields()}).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(plan, name)
+        return _deprecated_read(self, "_plan", name, "the plan handed to a hook")
 
 
 def _view_fields(cls: type = PlanView) -> str:
     return ", ".join(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
+
+
+def _deprecated_read(view: Any, held: str, name: str, what: str) -> Any:
+    """``name`` of the object a view holds in its field ``held``, read through the view by
+    an adapter written against 0.4, with a ``DeprecationWarning`` naming the view's fields."""
+    target = view.__dict__.get(held)
+    if name.startswith("__") or target is None or not hasattr(target, name):
+        raise AttributeError(name)
+    cls = type(view)
+    warnings.warn(
+        f"reading {name} of {what} is deprecated since 0.5.0 and removed in 0.6.0: read the "
+        f"fields of hp_cp_torch.model_adapter.{cls.__name__} ({_view_fields(cls)}).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(target, name)
 
 
 @dataclass(frozen=True)
@@ -208,17 +214,7 @@ class ModelHandle:
 
     def __getattr__(self, name: str) -> Any:
         """A ``CPHandle`` attribute an adapter written against 0.4 reads (deprecated)."""
-        handle = self.__dict__.get("_handle")
-        if name.startswith("__") or handle is None or not hasattr(handle, name):
-            raise AttributeError(name)
-        warnings.warn(
-            f"reading {name} of the handle handed to prepare_model is deprecated since 0.5.0 "
-            "and removed in 0.6.0: read the fields of hp_cp_torch.model_adapter.ModelHandle "
-            f"({_view_fields(ModelHandle)}).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(handle, name)
+        return _deprecated_read(self, "_handle", name, "the handle handed to prepare_model")
 
 
 @dataclass
