@@ -642,8 +642,8 @@ def dist(session: nox.Session) -> None:
 @_session(python=PYTHONS, default=False)
 def clean_exit(session: nox.Session) -> None:
     """A 4-rank training script that ends without ``dist.barrier()``, twenty times: every
-    rank exits 0 (Note [Clean exit] in ``hp_cp_torch/exit.py``; the torch session runs it
-    three times)."""
+    rank exits 0 (Note [Clean exit] in ``hp_cp_torch/distributed/exit.py``; the torch session
+    runs it three times)."""
     session.install(TORCH)
     session.install(*_wheels(session, "hp-cp-core", "hp-cp-torch"), *TEST_DEPS)
     session.run("pytest", "tests/torch/test_clean_exit.py", *session.posargs)

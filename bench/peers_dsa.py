@@ -121,7 +121,7 @@ class AllGatherDSA:
 
     def __init__(self, model: Any, group: Any, variant: str) -> None:
         from hp_cp_torch.integrations.transformers_dsa import DSAAttentionAdapter
-        from hp_cp_torch.model_registry import registered_adapter
+        from hp_cp_torch.model.registry import registered_adapter
 
         self.group, self.variant, self.kept = group, variant, []
         self.documents: Any = None  # [S] document ids when packed (set by step)
@@ -136,7 +136,7 @@ class AllGatherDSA:
             attn.forward = forward
 
     def _forward(self, m: Any, adapter: Any) -> Any:
-        from hp_cp_torch.latent_attention import MLADims, chunk_rows, latent_attention
+        from hp_cp_torch.kernels.latent_attention import MLADims, chunk_rows, latent_attention
 
         group, hf_ops, cp = self.group, self.variant == "hf_ops", self
 

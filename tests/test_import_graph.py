@@ -126,26 +126,46 @@ def test_the_torch_collectives_do_not_import_the_model_dispatch() -> None:
         for dep in graph[todo.pop()] - reached:
             reached.add(dep)
             todo.append(dep)
-    assert "hp_cp_torch.adapter" in known and "hp_cp_torch.model_registry" in known
-    models = {"hp_cp_torch.adapter", "hp_cp_torch.model_registry", "hp_cp_torch.model_adapter"}
+    assert "hp_cp_torch.adapter" in known and "hp_cp_torch.model.registry" in known
+    models = {"hp_cp_torch.adapter", "hp_cp_torch.model.registry", "hp_cp_torch.model.spec"}
     assert not reached & models, sorted(reached & models)
     assert not {m for m in reached if m.startswith("hp_cp_torch.integrations")}
 
 
-LAYERS = ("hp_cp_torch.integrations", "hp_cp_torch.cli", "hp_cp_torch.bench")
-"""hp_cp_torch's layers above its machinery, lowest first: the model files, the command line
-(which runs a model), the benchmarks (which drive the command line's launcher). The core and
-hp_cp_torch's other modules are below them all."""
+LAYERS = (
+    ("hp_cp_torch.distributed", "hp_cp_torch._removed"),
+    ("hp_cp_torch.kernels",),
+    ("hp_cp_torch.attention", "hp_cp_torch.backend"),
+    ("hp_cp_torch.model",),
+    ("hp_cp_torch", "hp_cp_torch.adapter", "hp_cp_torch.reference", "hp_cp_torch._plugin"),
+    ("hp_cp_torch.training",),
+    ("hp_cp_torch.integrations",),
+    ("hp_cp_torch.cli",),
+    ("hp_cp_torch.bench",),
+    ("hp_cp_torch._compat",),
+)
+"""hp_cp_torch's layers, lowest first, as its folders read (docs/index.md): around the
+collectives (per-forward records, the desync report, exit) and the kernels, which import
+nothing of hp_cp_torch above them; the kernel dispatch and the collectives; the model
+contract and its runner; what installs it (the dispatch, the plugin, the reference layer);
+the training helpers; the model files; the command line (which runs a model); the
+benchmarks (which drive the command line's launcher); 0.4's import paths, which alias
+modules of every layer. The core (and hp_cp_mindformers) is below them all."""
 
 
 def layer_of(module: str) -> int:
-    """0: the core (and hp_cp_mindformers); 1: hp_cp_torch's machinery; then :data:`LAYERS`."""
+    """0: the core (and hp_cp_mindformers); then :data:`LAYERS`, from 1. A module belongs to
+    the longest prefix that names it (``hp_cp_torch.model.spec`` to ``hp_cp_torch.model``,
+    ``hp_cp_torch`` itself to the package's layer)."""
     if not module.startswith("hp_cp_torch"):
         return 0
-    for number, prefix in enumerate(LAYERS, start=2):
-        if module == prefix or module.startswith(prefix + "."):
-            return number
-    return 1
+    best, layer = "", 0
+    for number, prefixes in enumerate(LAYERS, start=1):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, layer = prefix, number
+    assert layer, f"{module} is in no layer of LAYERS"
+    return layer
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -203,3 +223,24 @@ def test_no_cycle_or_upward_arrow_hides_behind_a_string_import() -> None:
     assert "hp_cp_torch.adapter" in graph["hp_cp_torch._plugin"]  # its lazy hooks are seen
     assert import_cycles(graph) == []
     assert upward_imports(graph) == []
+
+
+def test_every_part_of_hp_cp_torch_has_its_layer_and_each_folder_says_what_it_may_import() -> None:
+    """Each top-level module and folder of hp_cp_torch is named in :data:`LAYERS` (a new one
+    is placed on purpose, not by default), a model-side import from a kernel would be an arrow
+    up, and each folder's docstring says what it owns and what it may import."""
+    package = REPO / "hp_cp_torch" / "src" / "hp_cp_torch"
+    named = {prefix for prefixes in LAYERS for prefix in prefixes}
+    parts = {
+        f"hp_cp_torch.{p.stem}"
+        for p in package.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()
+    }
+    assert parts - named == set(), sorted(parts - named)
+    assert upward_imports({"hp_cp_torch.kernels.picked": {"hp_cp_torch.model.runner"}}) == [
+        "hp_cp_torch.kernels.picked -> hp_cp_torch.model.runner"
+    ]
+    assert layer_of("hp_cp_torch.model.spec") == layer_of("hp_cp_torch.model")
+    for init in sorted(package.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "may import" in doc.lower(), f"{init.relative_to(REPO)}: no 'May import' paragraph"

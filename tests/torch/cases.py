@@ -202,7 +202,7 @@ def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor | None, torch.Te
 @contextlib.contextmanager
 def capture_selection() -> Iterator[list[torch.Tensor]]:
     """Record the indexer top-k the torch runner computes on this rank (``[B, L, k]``)."""
-    import hp_cp_torch.runner as adapter
+    import hp_cp_torch.model.runner as adapter
 
     original = adapter.select_topk_chunked
     seen: list[torch.Tensor] = []
@@ -674,7 +674,7 @@ class OverrideAttention:
         if not isinstance(module, DeepSeekV4Attention):
             return None
         from hp_cp_torch.adapter import ReferenceLayerAdapter
-        from hp_cp_torch.runner import runner_of
+        from hp_cp_torch.model.runner import runner_of
 
         self.calls += 1
         out = runner_of(ReferenceLayerAdapter(module)).run_attention(query, ori_ext, x, qr, call)
@@ -684,7 +684,7 @@ class OverrideAttention:
 @contextlib.contextmanager
 def count_adapter_calls() -> Iterator[dict[str, int]]:
     """Count the torch runner's stage calls on this rank (the reference layers' runners)."""
-    from hp_cp_torch.runner import LayerRunner
+    from hp_cp_torch.model.runner import LayerRunner
 
     counts: dict[str, int] = {}
     names = ("extract_ori_kv", "compress_main", "compress_indexer", "run_attention")

@@ -4,7 +4,7 @@ The reference layer under CP on the world group (``handle.shard``, forward, back
 gradients summed over the CP ranks, SGD), the loss all-reduced for logging after every step,
 then ``dist.destroy_process_group()``: no ``dist.barrier()``, no ``disable_cp``, nothing
 deleted. The model, the handle and the last graph are still alive when the interpreter exits
-(Note [Clean exit] in :mod:`hp_cp_torch.exit`). Started like torchrun starts a script:
+(Note [Clean exit] in :mod:`hp_cp_torch.distributed.exit`). Started like torchrun starts a script:
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment.
 """
 

@@ -184,7 +184,7 @@ def checked_adapter(layer: Any) -> Any:
     while the exchanges travel."""
     from hp_cp_model_example.adapter import PooledAttentionAdapter
 
-    from hp_cp_torch.model_adapter import Projection
+    from hp_cp_torch.model.spec import Projection
 
     class CheckedAdapter(PooledAttentionAdapter):
         _refuse = False

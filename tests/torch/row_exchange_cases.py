@@ -1,5 +1,5 @@
 """Rank functions of tests/torch/test_row_exchange.py: the runner's exchange of a side tensor
-(:class:`hp_cp_torch.runner.RowExchange`, ``handle.row_exchange(window, name)``).
+(:class:`hp_cp_torch.model.runner.RowExchange`, ``handle.row_exchange(window, name)``).
 
 The side computation is a model-level module's: a depthwise causal convolution over the
 ``W`` rows ``t - W + 1 .. t`` of row ``t``'s document (what V4.1's Engram hash reads of its
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hp_cp_core import CPConfig, HpCpError, disable_cp, enable_cp
-from hp_cp_torch.model_adapter import RECORDED, ModelHandle
-from hp_cp_torch.runner import model_handle
+from hp_cp_torch.model.runner import model_handle
+from hp_cp_torch.model.spec import RECORDED, ModelHandle
 
 BATCH, WIDTH = 2, 5
 

@@ -13,7 +13,7 @@ from cases import layer_config
 from hp_cp_core import CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch import register_model_adapter, unregister_model_adapter
 from hp_cp_torch.adapter import ReferenceLayerAdapter
-from hp_cp_torch.model_adapter import LayerInputs, Traits
+from hp_cp_torch.model.spec import LayerInputs, Traits
 from hp_cp_torch.reference import DeepSeekV4Attention
 
 SEQ, BATCH = 37, 4

@@ -5,7 +5,7 @@ torchrun starts a script (one fresh interpreter per rank, ``RANK`` / ``WORLD_SIZ
 ``MASTER_ADDR`` / ``MASTER_PORT``), and ends with ``dist.destroy_process_group()`` alone.
 Twenty runs (``nox -s clean_exit``; the ``torch`` session runs three,
 ``HP_CP_CLEAN_EXIT_RUNS``), every rank's exit code 0 (Note [Clean exit] in
-:mod:`hp_cp_torch.exit`).
+:mod:`hp_cp_torch.distributed.exit`).
 
 The abort is a race that needs a gloo worker thread alive while Python finalises (issue 49
 saw it once in five runs; how often depends on the machine's load, and an idle machine may

@@ -1,8 +1,8 @@
 """The desync report (issue 12): when a CP collective times out because a peer skipped a
 backward, the error on each waiting rank names the collective it waits in, its number and
 layer, and what every peer last entered (see Note [Desync report] in
-``hp_cp_torch/desync.py``). One 3-rank job, a two-layer stack under one handle: two healthy
-training steps, then a forward whose backward some ranks skip. Each layer's forward ends in
+``hp_cp_torch/distributed/desync.py``). One 3-rank job, a two-layer stack under one handle: two
+healthy training steps, then a forward whose backward some ranks skip. Each layer's forward ends in
 its ``slot_exchange``; the store is counted: untouched until the failure."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_report_groups_peers_and_says_what_it_does_not_know() -> None:
     import torch.distributed as dist
     from desync_cases import CountingStore
 
-    from hp_cp_torch.desync import CollectiveLog
+    from hp_cp_torch.distributed.desync import CollectiveLog
 
     store = CountingStore(dist.PrefixStore("g/", dist.HashStore()))
     logs = [CollectiveLog(k, 6, store, read_wait_s=0.2) for k in range(5)]  # not rank 5

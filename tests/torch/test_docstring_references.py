@@ -1,5 +1,5 @@
 """Every cross-reference the hp_cp_core and hp_cp_torch docstrings make by full dotted name
-(``:meth:`hp_cp_torch.model_adapter.ModelAdapter.attention``` and the other roles) names
+(``:meth:`hp_cp_torch.model.spec.ModelAdapter.attention``` and the other roles) names
 something that exists, so a docstring cannot keep citing a renamed or removed hook (the API
 reference renders these; mkdocs checks only the pages it renders). A reference into a module
 that needs a framework this session lacks (Megatron, VeOmni) is skipped."""

@@ -1,4 +1,4 @@
-"""hp_cp_torch.latent_attention against transformers' dense MLA math: every token expanded
+"""hp_cp_torch.kernels.latent_attention against transformers' dense MLA math: every token expanded
 through ``kv_b_proj``, each query's row over all tokens with the unselected at ``finfo.min``;
 outputs and every input's gradient, query chunks of any size, picks of ``-1``, and autograd's
 numerical check in float64."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hp_cp_torch.latent_attention import MLADims, latent_attention
+from hp_cp_torch.kernels.latent_attention import MLADims, latent_attention
 
 DIMS = MLADims(nope=6, rope=4, value=5, rank=7, scaling=0.3)
 B, H, L, N, K = 2, 3, 9, 13, 4
@@ -78,7 +78,7 @@ def test_frozen_inputs_get_no_gradient_and_nothing_fails() -> None:
 
 
 def test_chunk_rows_bound_the_chunk_at_any_topk() -> None:
-    from hp_cp_torch.latent_attention import CHUNK_ELEMENTS, chunk_rows
+    from hp_cp_torch.kernels.latent_attention import CHUNK_ELEMENTS, chunk_rows
 
     assert chunk_rows(1024, 64, 80, 8) == 1024  # small picks: the configured chunk
     rows = chunk_rows(1024, 2048, 576, 128)  # V3.2's top-k, latent width and heads

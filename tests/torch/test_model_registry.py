@@ -17,7 +17,7 @@ from hp_cp_torch.adapter import ADAPTER_ATTR, adapter_for, pin_adapter
 from hp_cp_torch.attention import run_sparse_attention
 from hp_cp_torch.kernels import registry
 from hp_cp_torch.kernels.smallop import sparse_attention_smallop
-from hp_cp_torch.model_registry import ENTRY_POINT_GROUP, ModelRegistry, adapter_class_for
+from hp_cp_torch.model.registry import ENTRY_POINT_GROUP, ModelRegistry, adapter_class_for
 
 
 def ep(name: str, value: str) -> md.EntryPoint:

@@ -1,5 +1,5 @@
 """The model-adapter contract, declared (hp_cp_torch 0.4): the spec
-(:class:`hp_cp_torch.model_adapter.ModelAdapter`) has only model-math hooks, each documented
+(:class:`hp_cp_torch.model.spec.ModelAdapter`) has only model-math hooks, each documented
 once with when it is called and its default; the guide's tables are generated from those
 docstrings; no shipped model adapter overrides anything but a spec hook; the machinery cannot
 be overridden; an adapter written against 0.3.0 warns, naming each new hook.
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hp_cp_core import HpCpError
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.spec import (
     MACHINERY,
     RENAMED_0_3,
     REQUIRED,
@@ -210,7 +210,7 @@ def test_a_wrong_index_queries_layout_names_the_hook_and_the_shape() -> None:
     is an ``HpCpError`` naming the hook and the shapes, not an einsum error."""
     import torch
 
-    from hp_cp_torch.model_adapter import ForwardState, LayerInputs
+    from hp_cp_torch.model.spec import ForwardState, LayerInputs
 
     adapter = ModelAdapter(torch.nn.Linear(2, 2))
     queries = (torch.zeros(2, 5, 16, 3), torch.zeros(2, 5))  # [B, L, D_I, h]: transposed
@@ -231,7 +231,7 @@ def test_a_wrong_index_queries_layout_names_the_hook_and_the_shape() -> None:
 def test_a_hook_returning_a_wrong_shape_names_the_hook_and_the_shape() -> None:
     import torch
 
-    from hp_cp_torch.runner import LayerRunner
+    from hp_cp_torch.model.runner import LayerRunner
 
     runner = LayerRunner(ModelAdapter(torch.nn.Linear(2, 2)))
     message = (
@@ -305,7 +305,7 @@ def test_a_runner_step_is_refused_when_the_class_is_defined() -> None:
 
 def test_the_machinery_names_are_the_runners_steps() -> None:
     """:data:`MACHINERY` is every public method of the runner that is no spec hook."""
-    from hp_cp_torch.runner import LayerRunner
+    from hp_cp_torch.model.runner import LayerRunner
 
     steps = {n for n, v in vars(LayerRunner).items() if not n.startswith("_") and callable(v)}
     assert steps - set(SPEC) <= set(MACHINERY)
@@ -357,7 +357,7 @@ def test_the_hooks_a_layer_needs_are_checked_at_install(
     """What the layer does (its ``LayerSpec``, its attention's kind) decides the rest of
     :data:`REQUIRED`; ``enable_cp`` checks it before installing (``prepare_module``)."""
     from hp_cp_core import LayerSpec
-    from hp_cp_torch.model_adapter import AttentionParams, check_layer_hooks
+    from hp_cp_torch.model.spec import AttentionParams, check_layer_hooks
 
     hooks = _layer_hooks() | {
         "layer_spec": lambda self: LayerSpec(**spec),
@@ -580,7 +580,7 @@ def test_a_0_3_third_party_adapter_warns_naming_each_new_hook() -> None:
 
 
 def test_0_3_class_attributes_become_traits() -> None:
-    from hp_cp_torch.model_adapter import ForwardState
+    from hp_cp_torch.model.spec import ForwardState
 
     class State(ForwardState):
         pass
@@ -605,7 +605,7 @@ def test_0_3_class_attributes_become_traits() -> None:
 def test_a_0_3_adapter_runs_its_0_3_methods_as_the_new_hooks() -> None:
     import v03_adapters
 
-    from hp_cp_torch.model_adapter import AttentionParams, IndexerParams
+    from hp_cp_torch.model.spec import AttentionParams, IndexerParams
 
     cls = v03_adapters.ThirdPartyAdapter
     assert cls.traits.indexer_grad == "loss"

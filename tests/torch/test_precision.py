@@ -1,5 +1,5 @@
-"""The precision the attention computes in (hp_cp_torch.precision): every kernel's is stated,
-``attention_precision="model"`` runs the model's own op sequence in its dtype (a tiny HF
+"""The precision the attention computes in (hp_cp_torch.kernels.precision): every kernel's is
+stated, ``attention_precision="model"`` runs the model's own op sequence in its dtype (a tiny HF
 DeepSeek V4 in bf16 at cp 1 through the CP path rounds as transformers' eager attention
 does), and an integration without that path refuses it at ``enable_cp``."""
 
@@ -16,8 +16,8 @@ from hp_cp_core.config import PRECISIONS
 
 
 def test_every_kernel_states_its_precision() -> None:
+    from hp_cp_torch.kernels.precision import KERNEL_PRECISION
     from hp_cp_torch.kernels.registry import SHIPPED
-    from hp_cp_torch.precision import KERNEL_PRECISION
 
     # every shipped kernel but the model's own op order, in the model's dtype ("model_ops",
     # and "megatron": megatron-core's own sparse attention)
@@ -27,13 +27,13 @@ def test_every_kernel_states_its_precision() -> None:
 
 
 def test_each_kernel_carries_its_precision() -> None:
+    from hp_cp_torch.kernels.precision import KERNEL_PRECISION
     from hp_cp_torch.kernels.registry import (
         SHIPPED,
         kernel_precision,
         register_kernel,
         unregister_kernel,
     )
-    from hp_cp_torch.precision import KERNEL_PRECISION
 
     for name in SHIPPED:
         want = "model" if name in ("model_ops", "megatron") else KERNEL_PRECISION[name]

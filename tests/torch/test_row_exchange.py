@@ -1,5 +1,5 @@
 """The runner's exchange of a model's side tensor by the plan (``handle.row_exchange(window,
-name)``, :class:`hp_cp_torch.runner.RowExchange`, what V4.1's Engram hash uses), and the
+name)``, :class:`hp_cp_torch.model.runner.RowExchange`, what V4.1's Engram hash uses), and the
 read-only views a model file reads instead of the core's plan and handle.
 
 * CP against one process (``row_exchange_cases.py``, one 3-rank gloo job): a causal
@@ -11,8 +11,8 @@ read-only views a model file reads instead of the core's plan and handle.
 * A failed value check or problem on one rank: every rank raises the same ``HpCpError``,
   naming the exchange, and nothing is exchanged; rows other than those agreed on are
   refused before the exchange.
-* :class:`~hp_cp_torch.model_adapter.ModelHandle` (``prepare_model``'s ``handle``) and
-  :class:`~hp_cp_torch.model_adapter.PlanView` (``state.view``) are frozen; a hook writing
+* :class:`~hp_cp_torch.model.spec.ModelHandle` (``prepare_model``'s ``handle``) and
+  :class:`~hp_cp_torch.model.spec.PlanView` (``state.view``) are frozen; a hook writing
   into the view's arrays never changes the plan; a 0.4 read of the core's handle or plan
   warns and still works.
 """
@@ -29,7 +29,7 @@ from dist_utils import run_ranks
 from row_exchange_cases import CASES, one_process, row_suite
 
 from hp_cp_core import LayerSpec, build_rank_plan
-from hp_cp_torch.model_adapter import ModelAdapter, ModelHandle, PlanView
+from hp_cp_torch.model.spec import ModelAdapter, ModelHandle, PlanView
 
 TOL = 1e-12
 

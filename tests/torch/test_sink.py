@@ -30,10 +30,10 @@ from test_efficient import assert_close
 
 from hp_cp_core import LayerSpec, build_rank_plan
 from hp_cp_torch.attention import run_sparse_attention
-from hp_cp_torch.indexer_loss import indexer_kl_rows, indexer_loss_share
 from hp_cp_torch.kernels.efficient import sparse_attention_efficient
 from hp_cp_torch.kernels.smallop import sparse_attention_smallop
-from hp_cp_torch.model_adapter import Latent
+from hp_cp_torch.model.indexer_loss import indexer_kl_rows, indexer_loss_share
+from hp_cp_torch.model.spec import Latent
 
 SUITE = "sink_cases:sink_suite"
 

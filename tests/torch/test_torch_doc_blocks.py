@@ -65,7 +65,7 @@ def test_the_guides_forward_state_fields_are_the_dataclasses() -> None:
     import re
     from pathlib import Path
 
-    from hp_cp_torch.model_adapter import ForwardState
+    from hp_cp_torch.model.spec import ForwardState
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "writing-a-model-adapter.md").read_text(
         encoding="utf-8"

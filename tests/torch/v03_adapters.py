@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hp_cp_core import LayerSpec
-from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model.spec import ForwardState, LayerInputs, ModelAdapter, Projection
 
 
 class ThirdPartyAdapter(ModelAdapter):

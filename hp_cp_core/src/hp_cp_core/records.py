@@ -89,7 +89,7 @@ class ForwardRecord:
         self.filed: dict[tuple[int, str], object] = {}
         """``(layer index, name)`` -> a value the model filed in this forward's call of that
         layer, handed back to its recomputation (Note [Model values per forward] in
-        :mod:`hp_cp_torch.runner`)."""
+        :mod:`hp_cp_torch.model.runner`)."""
 
     def __repr__(self) -> str:
         pad = self.sequence.padding

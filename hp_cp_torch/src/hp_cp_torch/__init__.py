@@ -11,17 +11,22 @@ Use ``hp_cp_core.enable_cp(module, mesh)`` to run any of them under CP.
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# 0.4's module paths (hp_cp_torch.model_adapter, .runner, ...) resolve through the second
+# folder of the package's path to their homes since 0.5: Note [Old import paths] in _compat.
+__path__.append(os.path.join(os.path.dirname(__file__), "_compat"))
 
 _LAZY = {
     "DeepSeekV4Attention": "hp_cp_torch.reference",
     "DeepSeekV4AttentionConfig": "hp_cp_torch.reference",
     "TorchDeepSeekV4CSAAdapter": "hp_cp_torch.adapter",
     "patch_torch_deepseek_v4_csa_forward": "hp_cp_torch.adapter",
-    "ModelAdapter": "hp_cp_torch.model_adapter",
+    "ModelAdapter": "hp_cp_torch.model.spec",
     "register_kernel": "hp_cp_torch.kernels.registry",
-    "register_model_adapter": "hp_cp_torch.model_registry",
-    "unregister_model_adapter": "hp_cp_torch.model_registry",
+    "register_model_adapter": "hp_cp_torch.model.registry",
+    "unregister_model_adapter": "hp_cp_torch.model.registry",
 }
 
 

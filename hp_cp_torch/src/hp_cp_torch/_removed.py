@@ -15,7 +15,7 @@ NEMO_BATCH = "hp_cp_torch.integrations.nemo_automodel.cp_nemo_batch"
 ADAPTER_FOR = "hp_cp_torch.adapter.adapter_for(module) (the registry of hp_cp.torch_models)"
 REGISTRY = (
     "hp_cp_torch.adapter.adapter_for(module) (the hp_cp.torch_models entry points; "
-    "hp_cp_torch.model_registry.register_model_adapter(cls, adapter) for a class of your own)"
+    "hp_cp_torch.model.registry.register_model_adapter(cls, adapter) for a class of your own)"
 )
 REMOVED_IN = "0.6.0"
 """The release that removes the names 0.5.0 deprecates."""

@@ -2,10 +2,10 @@
 adapters hp_cp_torch defines itself.
 
 :func:`adapter_for` has no per-model code: a module's adapter class comes from the
-``hp_cp.torch_models`` entry points (:mod:`hp_cp_torch.model_registry`); hp_cp_torch's own
+``hp_cp.torch_models`` entry points (:mod:`hp_cp_torch.model.registry`); hp_cp_torch's own
 integrations register there as any package would, and :func:`runner_for` gives the torch
-plugin the layer's :class:`~hp_cp_torch.runner.LayerRunner`. Two adapters live here besides,
-both implementations of the spec (:class:`~hp_cp_torch.model_adapter.ModelAdapter`):
+plugin the layer's :class:`~hp_cp_torch.model.runner.LayerRunner`. Two adapters live here besides,
+both implementations of the spec (:class:`~hp_cp_torch.model.spec.ModelAdapter`):
 
 * :class:`ReferenceLayerAdapter` for :class:`hp_cp_torch.reference.DeepSeekV4Attention`.
 * :class:`TorchDeepSeekV4CSAAdapter` for any module whose forward is
@@ -30,7 +30,9 @@ from hp_cp_core import CPConfig, HpCpError, LayerSpec, enable_cp
 from hp_cp_core.api import cp_state_not_copyable
 from hp_cp_torch._removed import deprecated
 from hp_cp_torch.backend import TorchBackend
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.registry import adapter_class_for
+from hp_cp_torch.model.runner import LayerRunner, check_model_group, model_handle, runner_of
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     IndexerParams,
@@ -40,9 +42,7 @@ from hp_cp_torch.model_adapter import (
     Traits,
     check_layer_hooks,
 )
-from hp_cp_torch.model_registry import adapter_class_for
-from hp_cp_torch.runner import LayerRunner, check_model_group, model_handle, runner_of
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.validation import TensorChecks
 
 ADAPTER_ATTR = "_hp_cp_adapter"
 
@@ -71,7 +71,7 @@ class InstalledForward:
         self.fn = fn
         self.layer_type = type(layer).__name__
         self.scope: Any = None
-        """The layer's :class:`~hp_cp_torch.forward_scope.CallScope` (set by the torch
+        """The layer's :class:`~hp_cp_torch.distributed.forward_scope.CallScope` (set by the torch
         backend's install): which forward's record each call reads."""
 
     @torch.compiler.disable
@@ -388,8 +388,9 @@ def prepare_module(module: nn.Module, layers: list[nn.Module], handle: Any) -> N
         if lacking:
             raise HpCpError(
                 f"CPConfig(attention_precision='model'): hp_cp has no copy of the model's own "
-                f"attention ops for {sorted(lacking)}; its kernels compute the attention in "
-                "fp32 (hp_cp_torch.precision.KERNEL_PRECISION). Use attention_precision='fp32'."
+                f"attention ops for {sorted(lacking)}; its kernels compute the attention in fp32 "
+                "(hp_cp_torch.kernels.precision.KERNEL_PRECISION). "
+                "Use attention_precision='fp32'."
             )
     for cls, own in by_class.items():
         cls.prepare_model(module, own, model_handle(handle))
@@ -401,7 +402,7 @@ def adapter_for(module: Any) -> Any:
     The one a layer got at install (kept until ``disable_cp``), one set explicitly (the
     ``_hp_cp_adapter`` attribute, :func:`patch_torch_deepseek_v4_csa_forward`), else a new
     one of the class the ``hp_cp.torch_models`` entry points register for the module's class
-    (:mod:`hp_cp_torch.model_registry`; no per-model code here).
+    (:mod:`hp_cp_torch.model.registry`; no per-model code here).
     """
     if not isinstance(module, nn.Module):
         return None
@@ -413,7 +414,7 @@ def adapter_for(module: Any) -> Any:
 
 
 def runner_for(module: Any) -> LayerRunner | None:
-    """The :class:`~hp_cp_torch.runner.LayerRunner` of ``module``'s adapter (what the torch
+    """The :class:`~hp_cp_torch.model.runner.LayerRunner` of ``module``'s adapter (what the torch
     plugin's hooks call), or ``None`` when no adapter claims it."""
     return runner_of(adapter_for(module))
 

@@ -19,7 +19,7 @@ A collective that fails or times out (a peer raised inside the layer and never j
 raises :class:`~hp_cp_core.HpCpError` naming the collective and this rank, chained from the
 ``torch.distributed`` error, within the process group's timeout, with the desync report:
 where this rank waits and what every peer last entered (Note [Desync report] in
-:mod:`hp_cp_torch.desync`).
+:mod:`hp_cp_torch.distributed.desync`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from hp_cp_core import HpCpError
 from hp_cp_core.runners import InstallingBackend
-from hp_cp_torch.desync import CollectiveLog, InLayer, group_store
-from hp_cp_torch.exit import release_at_exit
-from hp_cp_torch.forward_scope import CallScope, install_forward_scopes, mark_batch
+from hp_cp_torch.distributed.desync import CollectiveLog, InLayer, group_store
+from hp_cp_torch.distributed.exit import release_at_exit
+from hp_cp_torch.distributed.forward_scope import CallScope, install_forward_scopes, mark_batch
 from hp_cp_torch.kernels.registry import kernel_named
 
 __all__ = ["TorchBackend", "TorchGroup", "resolve_process_group"]
@@ -803,7 +803,7 @@ class TorchBackend(InstallingBackend):
 
     def install(self, layer: Any, cp_forward: Any, group: TorchGroup) -> Any:
         """Install ``layer`` with a CP forward that names it (by its index among the
-        handle's layers) in the collectives it enters: see :mod:`hp_cp_torch.desync`."""
+        handle's layers) in the collectives it enters: see :mod:`hp_cp_torch.distributed.desync`."""
         group.n_layers += 1
         config = getattr(cp_forward, "config", None)
         if config is not None and not config.desync_report:

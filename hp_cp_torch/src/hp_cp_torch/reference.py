@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from hp_cp_torch.attention import deterministic_topk
-from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_kl_rows, indexer_scores_at
 from hp_cp_torch.kernels.smallop import sparse_attention_smallop
+from hp_cp_torch.model.indexer_loss import attach_indexer_loss, indexer_kl_rows, indexer_scores_at
 
 __all__ = [
     "Compressor",
@@ -523,7 +523,7 @@ class DeepSeekV4Attention(nn.Module):
 
         In training, a CSA layer (r = 4) also computes the indexer KL loss, keeps it in
         :attr:`indexer_loss` and attaches ``indexer_loss_coeff * indexer_loss`` to the output's
-        backward (see :mod:`hp_cp_torch.indexer_loss`).
+        backward (see :mod:`hp_cp_torch.model.indexer_loss`).
 
         Args:
             x: Padded ``[B, S, hidden]``, or packed ``[T, hidden]`` (also ``[1, T, hidden]``)

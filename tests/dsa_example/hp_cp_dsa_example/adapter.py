@@ -9,7 +9,7 @@ compressor) and each rank receives the K and V rows (and, on a layer with its ow
 the index keys) of the earlier tokens its queries can see. The layer without an indexer
 reuses the previous layer's picks (``reuses=("selection",)``): hp_cp hands them on, the
 ``picks`` argument the model passes is not read. Only the model's math is here, as the
-hooks of :class:`hp_cp_torch.model_adapter.ModelAdapter`; the rest is hp_cp's runner.
+hooks of :class:`hp_cp_torch.model.spec.ModelAdapter`; the rest is hp_cp's runner.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hp_cp_core import LayerSpec
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     IndexerParams,
@@ -29,7 +29,7 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.validation import TensorChecks
 
 
 @dataclass

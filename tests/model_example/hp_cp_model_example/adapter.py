@@ -3,7 +3,7 @@
 Registered in this package's ``pyproject.toml`` (the entry point's name is the modeling
 class, its value this adapter class), group ``hp_cp.torch_models``.
 
-Only the model's math, as the hooks of :class:`hp_cp_torch.model_adapter.ModelAdapter`:
+Only the model's math, as the hooks of :class:`hp_cp_torch.model.spec.ModelAdapter`:
 everything else (checks, exchanges, selection, kernels, install) is hp_cp's runner.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hp_cp_core import LayerSpec
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     IndexerParams,

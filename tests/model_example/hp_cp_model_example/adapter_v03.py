@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hp_cp_core import LayerSpec
-from hp_cp_torch.model_adapter import ForwardState, LayerInputs, ModelAdapter, Projection
+from hp_cp_torch.model.spec import ForwardState, LayerInputs, ModelAdapter, Projection
 
 
 class PooledAttentionAdapter(ModelAdapter):

@@ -7,4 +7,6 @@
 * :mod:`~hp_cp_torch.bench.memory`: a Hugging Face model's training-step memory;
 * :mod:`~hp_cp_torch.bench.hotpath`: host work and collectives of a training step.
 
+The top layer: may import anything; nothing of hp_cp_torch imports it
+(``tests/test_import_graph.py``).
 """

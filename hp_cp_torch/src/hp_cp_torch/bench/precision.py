@@ -340,11 +340,11 @@ def recording_one_process_picks(model: Any, store: dict[int, torch.Tensor]) -> I
 
 @contextlib.contextmanager
 def recording_selections(store: dict[int, list[tuple[Any, torch.Tensor]]]) -> Iterator[None]:
-    """CP's picks: the runner's ``select`` (:meth:`hp_cp_torch.runner.LayerRunner.select`,
+    """CP's picks: the runner's ``select`` (:meth:`hp_cp_torch.model.runner.LayerRunner.select`,
     over the indexer scores every shipped adapter supplies) wrapped for the duration of one
     run (measurement only; the original is back on exit). ``store[layer]`` gets ``(global
     rows, picks)``."""
-    from hp_cp_torch.runner import LayerRunner
+    from hp_cp_torch.model.runner import LayerRunner
 
     original = LayerRunner.__dict__["select"]
 

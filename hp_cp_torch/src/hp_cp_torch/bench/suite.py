@@ -444,7 +444,7 @@ def _desync_worker(rank: int, world: int, calls: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from hp_cp_torch.desync import CollectiveLog, group_store
+    from hp_cp_torch.distributed.desync import CollectiveLog, group_store
 
     log = CollectiveLog(rank, world, group_store(list(range(world))))
     small = torch.zeros(64)

@@ -31,7 +31,8 @@ from hp_cp_torch.integrations.megatron_batch import (
 )
 from hp_cp_torch.integrations.megatron_kernel import megatron_sparse_attention
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.runner import model_argument, watch_model_argument
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     IndexerParams,
@@ -43,8 +44,7 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
-from hp_cp_torch.runner import model_argument, watch_model_argument
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.validation import TensorChecks
 
 __all__ = ["MegatronDSAAttentionAdapter", "megatron_labels", "megatron_loss", "packed_seq_params"]
 

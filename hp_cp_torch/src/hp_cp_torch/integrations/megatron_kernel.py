@@ -2,7 +2,7 @@
 
 Under CP hp_cp moves each rank the latents of the causal prefix its queries read and picks the
 top-k as Megatron does on one process; what runs on them is, by default, hp_cp's latent kernel
-(:mod:`hp_cp_torch.latent_attention`). This module runs megatron-core 0.19.2's own instead
+(:mod:`hp_cp_torch.kernels.latent_attention`). This module runs megatron-core 0.19.2's own instead
 (``attention_kernel="megatron"``, :data:`hp_cp_torch.kernels.megatron.MEGATRON`, which the
 Megatron adapter's ``attention`` answers with :func:`megatron_sparse_attention`):
 ``dsa._run_sparse_attention`` with ``absorbed_mla=True``, the function ``DSAttention.forward``
@@ -49,7 +49,7 @@ from torch import nn
 
 from hp_cp_core import HpCpError
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import PlanView
+from hp_cp_torch.model.spec import PlanView
 
 __all__ = ["CHUNK_ELEMENTS", "megatron_sparse_attention"]
 

@@ -54,8 +54,8 @@ from hp_cp_torch.integrations.transformers import (
     cp_shift_labels,
     cp_sum_gradients,
 )
-from hp_cp_torch.model_adapter import ForwardState, IndexerParams, ModelHandle, Projection
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.spec import ForwardState, IndexerParams, ModelHandle, Projection
+from hp_cp_torch.model.validation import TensorChecks
 
 __all__ = [
     "NemoDeepseekV4AttentionAdapter",

@@ -56,7 +56,7 @@ from hp_cp_torch.integrations.transformers_dsa import (
     latent_params,
 )
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     ModelHandle,
@@ -64,7 +64,7 @@ from hp_cp_torch.model_adapter import (
     Projection,
     refuse,
 )
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.validation import TensorChecks
 
 __all__ = [
     "V32_NOT_CAUSAL",

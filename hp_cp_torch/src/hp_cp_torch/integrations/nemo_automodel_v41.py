@@ -81,7 +81,8 @@ from hp_cp_core import CPBatch, CPHandle, HpCpError, LayerSpec
 from hp_cp_core.layout import Documents
 from hp_cp_torch._removed import ENABLE, NEMO_BATCH, REGISTRY, deprecated, removed_names
 from hp_cp_torch.adapter import install_forward
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.registry import registered_adapter
+from hp_cp_torch.model.spec import (
     RECORDED,
     AttentionParams,
     ForwardState,
@@ -93,8 +94,7 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
-from hp_cp_torch.model_registry import registered_adapter
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.validation import TensorChecks
 
 __all__ = [
     "NemoDeepseekV41AttentionAdapter",
@@ -432,7 +432,7 @@ class EngramHashCP:
 
     NeMo's hash of row t reads the token ids ``t-n+1 .. t`` of its document (n =
     ``max_ngram_size``): the rows before a rank's first row come as a halo of n - 1 ids
-    (the runner's :class:`~hp_cp_torch.runner.RowExchange` of window n, ``handle.
+    (the runner's :class:`~hp_cp_torch.model.runner.RowExchange` of window n, ``handle.
     row_exchange``), instead of NeMo's all-gather of every id. The arithmetic is NeMo's
     (token map, blocked lookback, odd multipliers, xor, prime buckets, offsets);
     ``sequence_ids`` 0 (padding) blocks every lookback, as NeMo's.

@@ -50,10 +50,14 @@ from hp_cp_core import HpCpError, LayerSpec
 from hp_cp_core.batch import CU_SEQLENS_KWARG
 from hp_cp_torch._removed import ADAPTER_FOR, removed_names
 from hp_cp_torch.attention import chunk_columns
-from hp_cp_torch.hf_layout import HFCPLayout, cp_layout_from_hf_model, freeze_csa_indexer
+from hp_cp_torch.integrations.hf_layout import (
+    HFCPLayout,
+    cp_layout_from_hf_model,
+    freeze_csa_indexer,
+)
 from hp_cp_torch.kernels.request import AttentionRequest
 from hp_cp_torch.kernels.smallop import gather_rows
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     IndexerParams,
@@ -63,11 +67,11 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
+from hp_cp_torch.model.validation import TensorChecks
 from hp_cp_torch.training import cp_causal_lm_loss, cp_shift_labels, cp_sum_gradients
-from hp_cp_torch.validation import TensorChecks
 
 # re-exported: the training helpers (hp_cp_torch.training) and HF's layout
-# (hp_cp_torch.hf_layout) serve any model, so they live outside the model files
+# (hp_cp_torch.integrations.hf_layout) serve any model, so they live outside the model files
 __all__ = [
     "DeepseekV4AttentionAdapter",
     "TransformersAttention",

@@ -25,7 +25,7 @@ The stages are HF's ops on the module's own parameters:
 * MLA: ``q_a_proj, q_a_layernorm, q_b_proj``, ``kv_a_proj_with_mqa, kv_a_layernorm``,
   interleaved RoPE on ``q_rot`` / ``k_rot``; attention runs on the gathered latents with
   ``kv_b_proj`` folded into the queries and the output (Note [DSA attention on the latents] in
-  :mod:`hp_cp_torch.latent_attention`), or, with ``attention_kernel="model_ops"``, in
+  :mod:`hp_cp_torch.kernels.latent_attention`), or, with ``attention_kernel="model_ops"``, in
   transformers' op order (``expand_kv`` of every gathered token, dense rows);
 * the indexer (``wq_b, wk, k_norm, weights_proj, softmax_scale, index_topk``) under
   ``torch.no_grad`` as in HF (its top-k feeds only integer ids: no gradient, no indexer
@@ -71,7 +71,8 @@ from hp_cp_torch.integrations.transformers import (
     cp_sum_gradients,
 )
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.registry import registered_adapter
+from hp_cp_torch.model.spec import (
     AttentionParams,
     ForwardState,
     IndexerParams,
@@ -79,7 +80,6 @@ from hp_cp_torch.model_adapter import (
     Projection,
     Traits,
 )
-from hp_cp_torch.model_registry import registered_adapter
 
 __all__ = [
     "DSAAttentionAdapter",

@@ -14,7 +14,7 @@ serve ``h = H / G`` query heads and read their keys and values out of the same r
 so a rank receives each row once, at the model's width, and each query head computes over
 its own group's ``d_k`` / ``d_v`` columns only. The latent kind folds ``kv_b_proj`` into the
 queries and the output (Note [DSA attention on the latents] in
-:mod:`hp_cp_torch.latent_attention`), inside this kernel, block by block.
+:mod:`hp_cp_torch.kernels.latent_attention`), inside this kernel, block by block.
 
 The core plans query blocks (:meth:`hp_cp_core.columns.PlanColumns.dense_blocks`); for each,
 one of two strategies, chosen from the block's shape:

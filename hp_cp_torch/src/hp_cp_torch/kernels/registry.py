@@ -9,11 +9,11 @@ plan, the indexer's picks, the sink and the scale) that returns the attention ou
 * ``problem(device) -> str | None``: why it cannot run on ``device`` (``None``: it can),
   checked on every rank before any collective, so one rank's missing GPU fails them all;
 * ``model_op_order = True``: a model adapter that has its model's own attention op order
-  (:meth:`hp_cp_torch.model_adapter.ModelAdapter.attention`) runs that instead;
+  (:meth:`hp_cp_torch.model.spec.ModelAdapter.attention`) runs that instead;
 * ``precision``: what it computes the logits, the softmax with the sink and the weighted sum
   in, whatever its inputs' dtype: ``"fp32"`` (every shipped kernel) or ``"model"`` (the
   inputs' dtype, op by op as the model rounds); :func:`kernel_precision` reads it (Note
-  [Attention precision] in :mod:`hp_cp_torch.precision`).
+  [Attention precision] in :mod:`hp_cp_torch.kernels.precision`).
 
 ``CPConfig(attention_kernel=NAME)`` picks one by name. Names resolve, in order,
 from :func:`register_kernel` (this process), the entry points of group

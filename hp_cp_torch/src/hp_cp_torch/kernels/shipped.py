@@ -158,7 +158,7 @@ def _lazy(target: str) -> Callable[..., Any]:
 
 class ModelOpOrder(ColumnKernel):
     """``attention_kernel="model_ops"``: the model's own attention op order, where its adapter
-    has one (:meth:`hp_cp_torch.model_adapter.ModelAdapter.attention`; transformers'
+    has one (:meth:`hp_cp_torch.model.spec.ModelAdapter.attention`; transformers'
     eager order for HF's models, NeMo's for NeMo's); elsewhere the small-op kernel."""
 
     model_op_order = True

@@ -13,7 +13,7 @@ Per query row ``t`` (docs/semantics.md section 7, sparse variant):
   denominator has no sink term. Latent (MLA) attention (``kind="latent"``) reads only its
   picks, in the absorbed form: ``a[t,h,j] = scale * q_latent[t,h] . [c_j ; k_rot_j]`` with
   ``q_latent = [W_k^T q_pass ; q_rot]`` (:func:`latent_queries`; Note [DSA attention on the
-  latents] in :mod:`hp_cp_torch.latent_attention`), no window.
+  latents] in :mod:`hp_cp_torch.kernels.latent_attention`), no window.
 * student: ``log_softmax_j`` of the indexer scores over the same picked slots.
 * ``kl[t] = sum_j target (log target - log student)``; 0 for a row with no picked slot (or
   one that sees nothing at all).
@@ -174,7 +174,7 @@ def indexer_loss_share(
         sink: per-head sink logits ``[H]``, or ``None``: no sink.
         scale: the main softmax scale.
         loss_mask: ``[B, L]``, nonzero where a row counts; ``None``: every row.
-        latent: ``AttentionParams.latent`` (:class:`~hp_cp_torch.model_adapter.Latent`) of a
+        latent: ``AttentionParams.latent`` (:class:`~hp_cp_torch.model.spec.Latent`) of a
             ``kind="latent"`` layer: ``q`` is ``[B, L, H, nope + rope]`` and ``cmp_kv`` the
             latents ``[B, N, rank + rope]``; ``None`` for shared-KV attention.
         kv_heads: ``G`` of a ``kind="grouped"`` layer: ``cmp_kv`` rows are ``[k_0 .. k_{G-1}

@@ -2,8 +2,8 @@
 
 A model adapter subclasses :class:`ModelAdapter`, fills the hooks its model needs and is
 registered under the entry-point group ``hp_cp.torch_models``. As pluggy separates a hookspec
-from its ``PluginManager``, this is the spec and :mod:`hp_cp_torch.runner` the machinery, which
-no subclass can override. ``docs/writing-a-model-adapter.md``'s table is generated from the
+from its ``PluginManager``, this is the spec and :mod:`hp_cp_torch.model.runner` the machinery,
+which no subclass can override. ``docs/writing-a-model-adapter.md``'s table is generated from the
 hooks' docstrings and :data:`REQUIRED`. An adapter written against 0.3.0 keeps working: each 0.3
 name it defines warns, naming the hook that replaces it (:data:`RENAMED_0_3`), and runs as that
 hook.
@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from hp_cp_core import HpCpError, LayerSpec
-from hp_cp_torch.indexer_loss import indexer_scores_at
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.validation import TensorChecks
+from hp_cp_torch.model.indexer_loss import indexer_scores_at
+from hp_cp_torch.model.validation import TensorChecks
 
 __all__ = [
     "MACHINERY",
@@ -175,7 +175,7 @@ def _deprecated_read(view: Any, held: str, name: str, what: str) -> Any:
     cls = type(view)
     warnings.warn(
         f"reading {name} of {what} is deprecated since 0.5.0 and removed in 0.6.0: read the "
-        f"fields of hp_cp_torch.model_adapter.{cls.__name__} ({_view_fields(cls)}).",
+        f"fields of hp_cp_torch.model.spec.{cls.__name__} ({_view_fields(cls)}).",
         DeprecationWarning,
         stacklevel=3,
     )
@@ -200,7 +200,7 @@ class ModelHandle:
         row_exchange: ``row_exchange(window, name) -> RowExchange``: other ranks' rows of a
             side tensor of the model's (not the layer's K/V: V4.1's Engram token ids), by a
             plan of ``window`` rows back per row, through the collectives a layer's halo
-            uses, with autograd (:class:`hp_cp_torch.runner.RowExchange`); ``name`` says
+            uses, with autograd (:class:`hp_cp_torch.model.runner.RowExchange`); ``name`` says
             whose in its errors.
     """
 
@@ -275,7 +275,7 @@ class Traits:
             from outside the layer's call (a model-level forward pre-hook's value: Megatron's
             ``position_ids``): hp_cp files each under this forward's record and hands a
             recomputed call (activation checkpointing) what its forward filed (Note [Model
-            values per forward] in :mod:`hp_cp_torch.runner`).
+            values per forward] in :mod:`hp_cp_torch.model.runner`).
         model_group: where a layer keeps its model's own context-parallel process group
             (an attribute path: Megatron's ``"pg_collection.cp"``; a layer without it is a
             group of its rank alone), or ``None``: hp_cp refuses, when ``enable_cp``
@@ -325,7 +325,7 @@ class IndexerParams:
 class Latent:
     """Latent (MLA) attention's dims (``qk_nope_head_dim``, ``qk_rope_head_dim``,
     ``v_head_dim``, ``kv_lora_rank``) and ``up_proj``, ``kv_b_proj.weight`` (Note [DSA
-    attention on the latents] in :mod:`hp_cp_torch.latent_attention`)."""
+    attention on the latents] in :mod:`hp_cp_torch.kernels.latent_attention`)."""
 
     nope: int
     rope: int
@@ -705,7 +705,7 @@ MACHINERY = (
     "compress_indexer run_attention extract_ori_kv indexer_loss record_indexer_loss "
     "check_student_once expect state per_forward model_indexer_loss"
 ).split()
-"""hp_cp's machinery: :class:`hp_cp_torch.runner.LayerRunner`'s steps (and 0.3's ``state``),
+"""hp_cp's machinery: :class:`hp_cp_torch.model.runner.LayerRunner`'s steps (and 0.3's ``state``),
 which no model adapter defines (``tests/torch/test_model_spec.py`` keeps it the runner's)."""
 
 
@@ -738,9 +738,9 @@ def _check_names(cls: type) -> None:
     machinery = [name for name in MACHINERY if name in own]
     if machinery:
         raise HpCpError(
-            f"{cls.__qualname__} defines {machinery}: hp_cp's machinery (hp_cp_torch.runner), "
-            "which a model adapter cannot override since 0.4.0. Fill the hooks of "
-            "hp_cp_torch.model_adapter.ModelAdapter instead (docs/writing-a-model-adapter.md)."
+            f"{cls.__qualname__} defines {machinery}: hp_cp's machinery "
+            "(hp_cp_torch.model.runner), which a model adapter cannot override since 0.4.0. "
+            "Fill the hooks of hp_cp_torch.model.spec.ModelAdapter instead (docs/writing-a-model-adapter.md)."
             + "".join(f" {n}:{_nearest(n)}" for n in machinery if _nearest(n))
         )
     spec = set(_spec_names()) | set(RENAMED_0_3)

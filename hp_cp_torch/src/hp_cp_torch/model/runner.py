@@ -1,6 +1,6 @@
 """The machinery that runs a model adapter's hooks under CP (the spec's ``PluginManager``).
 
-:class:`LayerRunner` drives one layer's :class:`~hp_cp_torch.model_adapter.ModelAdapter` for the
+:class:`LayerRunner` drives one layer's :class:`~hp_cp_torch.model.spec.ModelAdapter` for the
 torch plugin's stage hooks; no model overrides it. One forward: ``read_inputs``, the checks and
 one agreement on every rank, ``project``, the core's exchanges (``compress``), the picks
 (``index_scores``), the attention, ``output``, the indexer loss, ``finish``.
@@ -16,7 +16,7 @@ may run again after a later forward of the model began: activation recomputation
 layer of a forward in its backward, and between the two another forward may run (an
 evaluation forward, the next micro-batch). So such a value is kept per forward, by hp_cp's
 record of the forward (Note [Records per forward] in :mod:`hp_cp_core.records`): the model
-names the :class:`~hp_cp_torch.model_adapter.LayerInputs` fields in ``traits.per_forward``;
+names the :class:`~hp_cp_torch.model.spec.LayerInputs` fields in ``traits.per_forward``;
 an original call files them under its forward's record (per layer), a recomputed call (hp_cp's
 scope finds its forward's record again: Note [Finding a recomputed forward's record]) gets
 back what its forward filed, whatever ``read_inputs`` read now. The values live as long as the
@@ -46,12 +46,13 @@ from hp_cp_core.columns import PlanColumns
 from hp_cp_core.indexer_loss import indexer_loss_weight
 from hp_cp_core.indices import lookback_index
 from hp_cp_torch.attention import run_sparse_attention, select_topk_chunked
-from hp_cp_torch.forward_scope import tensors_in
-from hp_cp_torch.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
+from hp_cp_torch.distributed.forward_scope import tensors_in
 from hp_cp_torch.kernels.picked import HeadLayout
+from hp_cp_torch.kernels.precision import uses_model_precision
 from hp_cp_torch.kernels.registry import kernel_named
 from hp_cp_torch.kernels.request import AttentionRequest
-from hp_cp_torch.model_adapter import (
+from hp_cp_torch.model.indexer_loss import attach_indexer_loss, indexer_loss_share, student_mismatch
+from hp_cp_torch.model.spec import (
     RECORDED,
     ForwardState,
     LayerInputs,
@@ -59,8 +60,7 @@ from hp_cp_torch.model_adapter import (
     ModelHandle,
     PlanView,
 )
-from hp_cp_torch.precision import uses_model_precision
-from hp_cp_torch.validation import TensorChecks, rows_hint
+from hp_cp_torch.model.validation import TensorChecks, rows_hint
 
 __all__ = [
     "LayerRunner",
@@ -178,7 +178,7 @@ def model_argument(layer: Any, name: str) -> Any:
 
 
 def model_handle(handle: Any) -> ModelHandle:
-    """The :class:`~hp_cp_torch.model_adapter.ModelHandle` of ``handle`` (what an adapter's
+    """The :class:`~hp_cp_torch.model.spec.ModelHandle` of ``handle`` (what an adapter's
     ``prepare_model`` is handed)."""
     return ModelHandle(
         cp_size=int(handle.group.size),
@@ -204,7 +204,7 @@ class RowPlan:
     every rank.
 
     Attributes:
-        view: the :class:`~hp_cp_torch.model_adapter.PlanView` of this rank's rows.
+        view: the :class:`~hp_cp_torch.model.spec.PlanView` of this rank's rows.
         lookback: ``[L, W]`` int64: per local row ``t``, the rows of :meth:`exchange`'s
             frame holding rows ``t, t-1, .., t-W+1``; ``-1`` where that row lies before
             ``t``'s document (or the sequence).

@@ -7,7 +7,7 @@ A package that brings a model to hp_cp declares, in its ``pyproject.toml``::
 
 The entry point's *name* is the qualified name of the modeling class it claims
 (``"package.module:Class"`` or ``"package.module.Class"``), its *value* the adapter class
-(a :class:`hp_cp_torch.model_adapter.ModelAdapter`). A name without a dot or colon instead
+(a :class:`hp_cp_torch.model.spec.ModelAdapter`). A name without a dot or colon instead
 names the adapter itself, whose ``claims`` attribute lists the classes (that adapter's module
 is imported when the registry is read, so it must not import its model package). hp_cp_torch
 registers its own integrations the same way (its ``pyproject.toml``).
@@ -193,13 +193,13 @@ def register_model_adapter(model_class: type | str, adapter: type) -> None:
     Args:
         model_class: the modeling class, or its qualified name ``"package.module.Class"``
             (``"package.module:Class"`` too).
-        adapter: a subclass of :class:`hp_cp_torch.model_adapter.ModelAdapter`.
+        adapter: a subclass of :class:`hp_cp_torch.model.spec.ModelAdapter`.
 
     Raises:
         HpCpError: ``model_class`` is neither a class nor a qualified name, or ``adapter``
             is not a ``ModelAdapter`` subclass.
     """
-    from hp_cp_torch.model_adapter import ModelAdapter
+    from hp_cp_torch.model.spec import ModelAdapter
 
     name = _model_class_name(model_class, "register_model_adapter")
     if not (isinstance(adapter, type) and issubclass(adapter, ModelAdapter)):

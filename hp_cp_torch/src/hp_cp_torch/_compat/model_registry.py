@@ -1,0 +1,6 @@
+"""0.4's ``hp_cp_torch.model_registry``, now ``hp_cp_torch.model.registry``
+(Note [Old import paths])."""
+
+from hp_cp_torch._compat import alias
+
+alias(__name__)
