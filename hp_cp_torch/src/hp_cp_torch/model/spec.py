@@ -740,7 +740,8 @@ def _check_names(cls: type) -> None:
         raise HpCpError(
             f"{cls.__qualname__} defines {machinery}: hp_cp's machinery "
             "(hp_cp_torch.model.runner), which a model adapter cannot override since 0.4.0. "
-            "Fill the hooks of hp_cp_torch.model.spec.ModelAdapter instead (docs/writing-a-model-adapter.md)."
+            "Fill the hooks of hp_cp_torch.model.spec.ModelAdapter instead "
+            "(docs/writing-a-model-adapter.md)."
             + "".join(f" {n}:{_nearest(n)}" for n in machinery if _nearest(n))
         )
     spec = set(_spec_names()) | set(RENAMED_0_3)
