@@ -13,6 +13,7 @@ folder on ``sys.path``::
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from pathlib import Path
@@ -114,3 +115,20 @@ def commands(text: str) -> list[list[str]]:
             if argv:
                 argvs.append(argv)
     return argvs
+
+
+class Parsed(Exception):
+    """Raised by ``parse_args`` in place of running the command: it parsed (its only
+    argument is the namespace)."""
+
+
+def parse_only(monkeypatch) -> None:
+    """Make ``ArgumentParser.parse_args`` parse (exit 2 on a bad flag), then raise
+    :class:`Parsed` with the namespace instead of returning it, so a documented command line
+    is checked against the real parser without running the command."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        raise Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)

@@ -23,34 +23,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})")
+
+
+def _doc_blocks():
+    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+docs = _doc_blocks()
+DOCS, TESTED, code_blocks = docs.DOCS, docs.TESTED, docs.code_blocks
 SNIPPET = re.compile(r"^\s*<!-- snippet: (\S+) -->\s*$")
 NOT_RUN = "<!-- not run: REASON -->"
 NOT_RUN_MARK = re.compile(r"^\s*<!-- not run(?::\s*(?P<reason>\S.*?))?\s*-->\s*$")
-TESTED = re.compile(r"^\s*<!-- tested: (?P<name>[\w.-]+) -->\s*$")
 BARE_NOT_RUN_PENDING: set[str] = set()
 """Pages whose bare ``<!-- not run -->`` markers still wait for a reason (their owners are
 rewriting them, issue 57); every other page gives one."""
-
-
-def code_blocks(text: str) -> list[tuple[int, str, list[str]]]:
-    """``(opening line index, the line before it, contents)`` of every fenced block."""
-    lines = text.splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        indent, fence = m.group(1), m.group(2)
-        j = i + 1
-        while j < len(lines) and not lines[j].strip().startswith(fence):
-            j += 1
-        body = [ln[len(indent) :] if ln.startswith(indent) else ln for ln in lines[i + 1 : j]]
-        blocks.append((i, lines[i - 1] if i else "", body))
-        i = j + 1
-    return blocks
 
 
 def problems(path: Path, root: Path = ROOT) -> list[str]:
@@ -113,18 +103,10 @@ def test_the_check_catches_unmarked_blocks_and_stale_snippets(tmp_path: Path) ->
     assert problems(doc, tmp_path) == []
 
 
-def _doc_blocks():
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_tested_block_is_asked_for_by_a_test() -> None:
     """Each ``<!-- tested: NAME -->`` names one block, and a test module (not this one) asks
     for it by that name (``block("NAME")`` / ``run("NAME", ...)``)."""
-    named = [name for name, *_ in _doc_blocks().tested_blocks(DOCS)]
+    named = [name for name, *_ in docs.tested_blocks(DOCS)]
     assert len(named) == len(set(named)), sorted(n for n in named if named.count(n) > 1)
     sources = "".join(
         p.read_text(encoding="utf-8")

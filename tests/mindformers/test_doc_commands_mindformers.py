@@ -5,7 +5,6 @@ resumed from it. The ``example_mindformers`` suite runs these commands."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import runpy
 import sys
@@ -27,20 +26,14 @@ def _doc_blocks():
 docs = _doc_blocks()
 
 
-class Parsed(Exception):
-    pass
+Parsed = docs.Parsed
 
 
 @pytest.mark.parametrize("name", ["readme-mindformers-recipe", "mindformers-recipe-commands"])
 def test_the_recipes_commands_parse(monkeypatch, name: str) -> None:
     from mindspore.parallel.cluster.run import get_args
 
-    original = argparse.ArgumentParser.parse_args
-
-    def parse(self, args=None, namespace=None):
-        raise Parsed(original(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    docs.parse_only(monkeypatch)
     runs = []
     for argv in docs.commands(docs.block(name)):
         if argv[0] == "msrun":

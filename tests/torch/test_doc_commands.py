@@ -29,20 +29,13 @@ def _doc_blocks():
 docs = _doc_blocks()
 
 
-class Parsed(Exception):
-    """Raised by ``parse_args`` in place of running the command: it parsed."""
+Parsed = docs.Parsed
 
 
 @pytest.fixture
 def parse_only(monkeypatch):
-    """``ArgumentParser.parse_args`` parses (exit 2 on a bad flag), then raises
-    :class:`Parsed` with the namespace instead of returning it."""
-    original = argparse.ArgumentParser.parse_args
-
-    def parse(self, args=None, namespace=None):
-        raise Parsed(original(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    """Command lines parse without running (:func:`doc_blocks.parse_only`)."""
+    docs.parse_only(monkeypatch)
     return monkeypatch
 
 

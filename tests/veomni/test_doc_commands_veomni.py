@@ -3,7 +3,6 @@ runs ``bench/peers_veomni.py`` with the posargs the page passes, which its parse
 
 from __future__ import annotations
 
-import argparse
 import ast
 import importlib.util
 import runpy
@@ -26,8 +25,7 @@ def _doc_blocks():
 docs = _doc_blocks()
 
 
-class Parsed(Exception):
-    pass
+Parsed = docs.Parsed
 
 
 def _session_runs(session: str) -> str:
@@ -44,12 +42,7 @@ def _session_runs(session: str) -> str:
 
 @pytest.mark.parametrize("name", ["veomni-bench-compare", "veomni-bench-memory"])
 def test_the_bench_commands_parse(monkeypatch, name: str) -> None:
-    original = argparse.ArgumentParser.parse_args
-
-    def parse(self, args=None, namespace=None):
-        raise Parsed(original(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    docs.parse_only(monkeypatch)
     argvs = docs.commands(docs.block(name))
     assert argvs
     for argv in argvs:
