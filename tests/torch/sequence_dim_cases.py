@@ -4,11 +4,15 @@ layer sees are checked against the sequence ``handle.shard`` cut for its forward
 
 from __future__ import annotations
 
+import collections
+import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from cases import layer_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_cp_core import CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch import register_model_adapter, unregister_model_adapter
@@ -46,6 +50,34 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
+PRODUCT = tuple(
+    str(Path(__file__).resolve().parents[2] / d / "src") for d in ("hp_cp_core", "hp_cp_torch")
+)
+
+
+class LayoutCopies(TorchDispatchMode):
+    """Counts the copies that materialise a strided view (a transpose made real), by the
+    innermost hp_cp source file on the Python stack when it ran: the model's own math
+    (``reference.py``), an attention kernel's own blocks (``kernels/``), the collectives'
+    send buffers (``backend.py``), or the machinery."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("clone", "copy_", "_to_copy", "contiguous"):
+            src = args[1] if name == "copy_" else args[0]
+            if isinstance(src, torch.Tensor) and src.numel() > 1 and not src.is_contiguous():
+                frames = [
+                    f.filename for f in traceback.extract_stack() if f.filename.startswith(PRODUCT)
+                ]
+                site = Path(frames[-1]) if frames else Path("outside hp_cp")
+                self.sites["kernels/" if site.parent.name == "kernels" else site.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def sequence_dim_suite(rank: int, world: int) -> dict[str, Any]:
     """Exact at cp = world (load-balanced, padded), and the batch sharded by mistake raising
     the same error on every rank."""
@@ -59,11 +91,14 @@ def sequence_dim_suite(rank: int, world: int) -> dict[str, Any]:
         want_out = layer(x).detach()
         want = {n: p.grad.clone() for n, p in layer.named_parameters()}
         want_dx = xr.grad
+        with LayoutCopies() as one_process:
+            layer(x)
         layer.zero_grad(set_to_none=True)
         handle = enable_cp(layer, None, CPConfig(layout="load_balanced"))
         try:
             xl = handle.shard(x, 0, pad_value=0.0).requires_grad_()
-            out = layer(xl)
+            with LayoutCopies() as under_cp:
+                out = layer(xl)
             (out * handle.shard(g, 0, pad_value=0.0)).sum().backward()
             got_out = handle.unshard(out.detach(), 0, rows=SEQ)
             got_dx = handle.unshard(xl.grad, 0, rows=SEQ)
@@ -92,4 +127,6 @@ def sequence_dim_suite(rank: int, world: int) -> dict[str, Any]:
         "dx_err": float((got_dx - want_dx).abs().max() / want_dx.abs().max()),
         "grad_err": grad_err,
         "wrong_dim": message,
+        "copies_one_process": dict(one_process.sites),
+        "copies_under_cp": dict(under_cp.sites),
     }
