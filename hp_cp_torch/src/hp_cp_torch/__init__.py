@@ -7,6 +7,14 @@ single-device reference layer), :class:`TorchDeepSeekV4CSAAdapter` and
 ``hp_cp.torch_models``, or in one process :func:`register_model_adapter`) and
 :func:`register_kernel` (an attention kernel by name; or the group ``hp_cp.torch_kernels``).
 Use ``hp_cp_core.enable_cp(module, mesh)`` to run any of them under CP.
+
+The package by layer, lowest first (each folder's docstring says what it may import):
+:mod:`~hp_cp_torch.distributed` (per-forward records, the desync report, clean exit) and
+:mod:`~hp_cp_torch.kernels`; the collectives (:mod:`~hp_cp_torch.backend`) and the kernel
+dispatch (:mod:`~hp_cp_torch.attention`); :mod:`~hp_cp_torch.model` (the spec a model file
+fills and the runner); what installs it (:mod:`~hp_cp_torch.adapter`, the plugin, the
+reference layer); :mod:`~hp_cp_torch.integrations` (model files), :mod:`~hp_cp_torch.cli` and
+:mod:`~hp_cp_torch.bench`.
 """
 
 from __future__ import annotations
