@@ -14,6 +14,8 @@ import torch.distributed as dist
 from cases import layer_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hp_cp_core
+import hp_cp_torch
 from hp_cp_core import CPConfig, HpCpError, disable_cp, enable_cp
 from hp_cp_torch import register_model_adapter, unregister_model_adapter
 from hp_cp_torch.adapter import ReferenceLayerAdapter
@@ -50,9 +52,8 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-PRODUCT = tuple(
-    str(Path(__file__).resolve().parents[2] / d / "src") for d in ("hp_cp_core", "hp_cp_torch")
-)
+PRODUCT = tuple(str(Path(m.__file__).parent) for m in (hp_cp_core, hp_cp_torch))
+"""Where hp_cp's modules were imported from (a checkout's ``src`` or site-packages)."""
 
 
 class LayoutCopies(TorchDispatchMode):
