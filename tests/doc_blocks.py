@@ -8,7 +8,7 @@ name is unique and that some test under ``tests/`` asks for it.
 Test modules of every session load this file by path, since each suite puts only its own
 folder on ``sys.path``::
 
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
+    docs = SimpleNamespace(**runpy.run_path(str(ROOT / "tests" / "doc_blocks.py")))
 """
 
 from __future__ import annotations

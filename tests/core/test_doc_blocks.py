@@ -8,11 +8,12 @@ output against the code that prints it. The torch pages' blocks run in
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,15 +27,7 @@ from hp_cp_fake import fake_backend as fb
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_doc_blocks():
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-docs = _load_doc_blocks()
+docs = SimpleNamespace(**runpy.run_path(str(ROOT / "tests" / "doc_blocks.py")))
 
 
 def _host() -> PluginHost:

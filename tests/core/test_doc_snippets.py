@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
-import importlib.util
 import re
+import runpy
 import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _doc_blocks():
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-docs = _doc_blocks()
+docs = SimpleNamespace(**runpy.run_path(str(ROOT / "tests" / "doc_blocks.py")))
 DOCS, TESTED, code_blocks = docs.DOCS, docs.TESTED, docs.code_blocks
 SNIPPET = re.compile(r"^\s*<!-- snippet: (\S+) -->\s*$")
 NOT_RUN = "<!-- not run: REASON -->"

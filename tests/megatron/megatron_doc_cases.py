@@ -5,10 +5,11 @@ gradient against the same model on one process (``megatron_cases.reference``).""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import runpy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -22,12 +23,8 @@ from megatron_shims import forward_backward_func_on_cpu, megatron_cpu_shims  # n
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _doc_blocks():
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _doc_blocks() -> SimpleNamespace:
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "tests" / "doc_blocks.py")))
 
 
 def doc_block_suite(rank: int, world: int) -> dict[str, Any]:

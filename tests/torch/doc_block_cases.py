@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib.util
+import runpy
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,15 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES: dict[str, Callable[[], Any]] = {}
 
 
-def _doc_blocks():
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-docs = _doc_blocks()
+docs = SimpleNamespace(**runpy.run_path(str(ROOT / "tests" / "doc_blocks.py")))
 
 
 def case(*names: str):
@@ -53,25 +46,12 @@ def _group() -> Any:
 
 
 def _reference_layer(r: int = 4, window: int = 8) -> Any:
-    from hp_cp_torch.reference import DeepSeekV4Attention, DeepSeekV4AttentionConfig
+    from cases import layer_config
+
+    from hp_cp_torch.reference import DeepSeekV4Attention
 
     torch.manual_seed(0)
-    return DeepSeekV4Attention(
-        DeepSeekV4AttentionConfig(
-            hidden_size=32,
-            n_heads=2,
-            head_dim=16,
-            rope_head_dim=8,
-            q_lora_rank=16,
-            o_groups=2,
-            o_lora_rank=8,
-            window_size=window,
-            compress_ratio=r,
-            index_n_heads=2,
-            index_head_dim=16,
-            index_topk=3,
-        )
-    )
+    return DeepSeekV4Attention(layer_config(r, window))
 
 
 def _layer_inputs(seq: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

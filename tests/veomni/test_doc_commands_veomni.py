@@ -4,25 +4,17 @@ runs ``bench/peers_veomni.py`` with the posargs the page passes, which its parse
 from __future__ import annotations
 
 import ast
-import importlib.util
 import runpy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _doc_blocks():
-    spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "tests" / "doc_blocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-docs = _doc_blocks()
+docs = SimpleNamespace(**runpy.run_path(str(ROOT / "tests" / "doc_blocks.py")))
 
 
 Parsed = docs.Parsed
